@@ -1,0 +1,3 @@
+from ckpt_watcher.cli import main
+
+main()

@@ -1,0 +1,121 @@
+"""The safetensors naming fix: add the shard names an index expects, never touch the trainer's files.
+
+Trainers often save `model.safetensors` while the index they write names
+`model-00001-of-00001.safetensors`; vLLM then refuses to load ("Weight files referenced in
+index but missing"). When a file the index names is missing and exactly one other safetensors
+file holds exactly the tensors the index maps to it, we add a hard link under the expected name
+(a relative symlink where hard links are refused). Nothing is renamed, rewritten or deleted.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpt_watcher.checkpoints.safetensors_header import HeaderUnreadable, read_header
+from ckpt_watcher.errors import NamingFixError
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class LinkAction:
+    """Make `target` (a name the index expects) point at the existing file `source`."""
+
+    target: str
+    source: str
+    kind: str = "planned"  # planned | hardlink | symlink
+
+    def describe(self) -> str:
+        verb = {"planned": "would link", "hardlink": "hard-linked", "symlink": "symlinked"}[
+            self.kind
+        ]
+        return f"{verb} {self.target} -> {self.source}"
+
+
+def read_index(ckpt: Path) -> dict[str, str] | None:
+    """The index's weight_map (tensor -> file name), or None if there is no index."""
+    path = ckpt / INDEX_NAME
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise NamingFixError(f"{path}: cannot read the index ({e.__class__.__name__}: {e})") from e
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise NamingFixError(f"{path}: the index has no valid weight_map")
+    for name in wm.values():
+        if "/" in name or name in ("", ".", ".."):
+            raise NamingFixError(
+                f"{path}: the index names {name!r}, which is not a plain file name"
+            )
+    return wm
+
+
+def plan_fix(ckpt: Path) -> list[LinkAction]:
+    """The links needed so every file the index names exists; [] if none are needed.
+
+    Raises NamingFixError when a named file is missing and no single other file holds exactly
+    its tensors (the checkpoint cannot be made loadable without rewriting files).
+    """
+    weight_map = read_index(ckpt)
+    if weight_map is None:
+        return []
+    wanted: dict[str, set[str]] = {}
+    for tensor, fname in weight_map.items():
+        wanted.setdefault(fname, set()).add(tensor)
+    missing = sorted(f for f in wanted if not (ckpt / f).exists())
+    if not missing:
+        return []
+    named = set(wanted)
+    candidates: dict[str, frozenset[str]] = {}
+    for p in sorted(ckpt.glob("*.safetensors")):
+        if p.name in named or not p.is_file():
+            continue
+        try:
+            candidates[p.name] = read_header(p).tensors
+        except (HeaderUnreadable, OSError) as e:
+            raise NamingFixError(f"{p}: cannot read its safetensors header ({e})") from e
+    actions = []
+    for fname in missing:
+        matches = [c for c, tensors in candidates.items() if tensors == wanted[fname]]
+        if len(matches) != 1:
+            why = "no other safetensors file holds" if not matches else f"{len(matches)} files hold"
+            raise NamingFixError(
+                f"{ckpt}: the index names {fname}, which is missing, and {why} exactly its "
+                f"{len(wanted[fname])} tensors; re-save the checkpoint or fix its index by hand"
+            )
+        actions.append(LinkAction(target=fname, source=matches[0]))
+    return actions
+
+
+def apply_fix(ckpt: Path, dry_run: bool = False) -> list[LinkAction]:
+    """Plan and (unless dry_run) create the links; idempotent (a second call does nothing)."""
+    actions = plan_fix(ckpt)
+    if dry_run:
+        return actions
+    return [_link(ckpt, a) for a in actions]
+
+
+def _link(ckpt: Path, action: LinkAction) -> LinkAction:
+    target = ckpt / action.target
+    source = ckpt / action.source
+    try:
+        os.link(source, target)
+        return LinkAction(action.target, action.source, "hardlink")
+    except FileExistsError:
+        return LinkAction(action.target, action.source, "hardlink")
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
+            raise NamingFixError(f"cannot link {target} -> {source}: {e}") from e
+    try:
+        os.symlink(action.source, target)  # relative: stays valid if the folder moves
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise NamingFixError(f"cannot link or symlink {target} -> {source}: {e}") from e
+    return LinkAction(action.target, action.source, "symlink")

@@ -1,0 +1,70 @@
+"""Read a safetensors header without reading the data: the expected file size and tensor names.
+
+Format: 8-byte little-endian header length N, N bytes of JSON mapping tensor names to
+{dtype, shape, data_offsets: [begin, end]} (offsets relative to the end of the header),
+then the data. A complete file is exactly 8 + N + max(end) bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+# The format caps headers at 100 MB; anything bigger is a corrupt length field.
+MAX_HEADER_BYTES = 100_000_000
+
+
+class HeaderUnreadable(Exception):
+    """The header is missing, cut short or not valid JSON (maybe still being written)."""
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    header_len: int
+    tensors: frozenset[str]
+    data_end: int
+
+    @property
+    def expected_size(self) -> int:
+        return 8 + self.header_len + self.data_end
+
+
+def parse_header(prefix: bytes, header_len: int) -> SafetensorsHeader:
+    """Parse a header from its JSON bytes (`prefix` = the N bytes after the length field)."""
+    try:
+        meta = json.loads(prefix.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise HeaderUnreadable(f"header is not valid JSON ({e.__class__.__name__})") from e
+    if not isinstance(meta, dict):
+        raise HeaderUnreadable("header is not a JSON object")
+    end = 0
+    names = []
+    for name, info in meta.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = info["data_offsets"]
+        except (TypeError, KeyError, ValueError) as e:
+            raise HeaderUnreadable(f"tensor {name!r} has no valid data_offsets") from e
+        if not (isinstance(begin, int) and isinstance(stop, int) and 0 <= begin <= stop):
+            raise HeaderUnreadable(f"tensor {name!r} has invalid data_offsets")
+        end = max(end, stop)
+        names.append(name)
+    return SafetensorsHeader(header_len=header_len, tensors=frozenset(names), data_end=end)
+
+
+def read_header(path: Path) -> SafetensorsHeader:
+    """Read the header of a local safetensors file (at most 8 + N bytes are read)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise HeaderUnreadable("file is shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", raw)
+        if n == 0 or n > MAX_HEADER_BYTES:
+            raise HeaderUnreadable(f"header length {n} is not plausible")
+        body = f.read(n)
+    if len(body) < n:
+        raise HeaderUnreadable("header is cut short")
+    return parse_header(body, n)

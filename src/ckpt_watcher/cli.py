@@ -1,0 +1,194 @@
+"""The `watcher` command line: thin commands over the modules that do the work.
+
+Exit codes: 0 ok, 1 runtime failure, 2 bad config or usage (one line naming the field);
+`watcher status` also returns 3 when the daemon is down and 4 when it is stale.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from ckpt_watcher import __version__, logs
+from ckpt_watcher.config import WatcherConfig, load_config
+from ckpt_watcher.errors import ConfigError, StateError, WatcherError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+config_option = click.option(
+    "-c",
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The watcher's YAML config file.",
+)
+set_option = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a config key by dotted path (repeatable), e.g. --set eval.seed=1.",
+)
+
+
+def _fail(code: int, message: str) -> None:
+    click.echo(f"watcher: {message}", err=True)
+    sys.exit(code)
+
+
+def handle_errors(fn: F) -> F:
+    """Turn expected failures into one line on stderr and the contract's exit code."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as e:
+            _fail(2, str(e))
+        except WatcherError as e:
+            _fail(1, str(e))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _load(config_path: Path, overrides: tuple[str, ...] = ()) -> WatcherConfig:
+    return load_config(config_path, list(overrides))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="watcher")
+@click.option(
+    "--log-level", default="INFO", show_default=True, help="DEBUG, INFO, WARNING or ERROR."
+)
+@click.option(
+    "--log-json/--log-pretty",
+    default=None,
+    help="Log format (default: JSON unless stderr is a terminal).",
+)
+def main(log_level: str, log_json: bool | None) -> None:
+    """ckpt-watcher: evaluate LLM checkpoints while they train."""
+    logs.configure(log_level, log_json)
+
+
+@main.command()
+@config_option
+@set_option
+@handle_errors
+def run(config_path: Path, overrides: tuple[str, ...]) -> None:
+    """Run the daemon in the foreground until SIGTERM/SIGINT.
+
+    The first signal stops dispatching and lets running evals finish for up to
+    shutdown_grace_seconds; a second signal kills them (their jobs are re-queued).
+    """
+    from ckpt_watcher.daemon import run_daemon
+
+    sys.exit(run_daemon(_load(config_path, overrides), once=False))
+
+
+@main.command()
+@config_option
+@set_option
+@handle_errors
+def once(config_path: Path, overrides: tuple[str, ...]) -> None:
+    """One pass: discover, evaluate everything due, wait for it, exit (1 if any eval failed)."""
+    from ckpt_watcher.daemon import run_daemon
+
+    sys.exit(run_daemon(_load(config_path, overrides), once=True))
+
+
+@main.command()
+@config_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@handle_errors
+def status(config_path: Path, as_json: bool) -> None:
+    """Is the daemon alive; sources, checkpoints by state, queue, running evals, failures, results.
+
+    Exit code 0 when the daemon is running, 3 when it is down, 4 when its heartbeat is stale.
+    """
+    from ckpt_watcher import status as status_mod
+
+    cfg = _load(config_path)
+    try:
+        data = status_mod.gather(cfg)
+    except StateError as e:
+        _fail(status_mod.EXIT_DOWN, str(e))
+    click.echo(json.dumps(data, indent=2) if as_json else status_mod.render(data))
+    sys.exit(status_mod.exit_code(data))
+
+
+@main.command()
+@config_option
+@click.argument("run_name", metavar="RUN")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "md", "csv", "json"]),
+    default="table",
+    show_default=True,
+)
+@click.option("--stderr", "with_stderr", is_flag=True, help="Include lm-eval's stderr columns.")
+@handle_errors
+def results(config_path: Path, run_name: str, fmt: str, with_stderr: bool) -> None:
+    """The metric-by-step table of one run, from its ledger."""
+    from ckpt_watcher import ledger as ledger_mod
+    from ckpt_watcher.report import metric_table, render
+
+    cfg = _load(config_path)
+    path = ledger_mod.ledger_path(cfg.ledger_dir, run_name)
+    if not path.exists():
+        runs = list(ledger_mod.iter_runs(cfg.ledger_dir))
+        _fail(
+            1,
+            f"no ledger for run {run_name!r} at {path}; runs with results: {', '.join(runs) or 'none'}",
+        )
+    report = ledger_mod.read_lines(path)
+    if report.skipped:
+        click.echo(f"watcher: skipped {report.skipped} torn or unreadable ledger line(s)", err=True)
+    click.echo(render(metric_table(report.lines, include_stderr=with_stderr), fmt))
+
+
+@main.command("fix-names")
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--dry-run", is_flag=True, help="Only say what would be linked.")
+@handle_errors
+def fix_names(path: Path, dry_run: bool) -> None:
+    """Add the shard file names a safetensors index expects (hard link, else symlink).
+
+    Never renames, rewrites or deletes the trainer's files; running it twice does nothing more.
+    """
+    from ckpt_watcher.checkpoints.namefix import apply_fix
+
+    actions = apply_fix(path, dry_run=dry_run)
+    if not actions:
+        click.echo(f"{path}: nothing to fix")
+    for a in actions:
+        click.echo(f"{path}: {a.describe()}")
+
+
+@main.command()
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("watcher-demo"),
+    show_default=True,
+    help="Folder for the demo's checkpoints, state and ledger.",
+)
+@click.option("--steps", default=600, show_default=True, help="Training steps.")
+@click.option("--save-every", default=150, show_default=True, help="Steps between checkpoints.")
+@set_option
+@handle_errors
+def demo(workdir: Path, steps: int, save_every: int, overrides: tuple[str, ...]) -> None:
+    """Train a tiny model on CPU that writes checkpoints while the watcher evaluates each one;
+    print the results table."""
+    from ckpt_watcher.demo.runner import run_demo
+
+    sys.exit(
+        run_demo(workdir, click.echo, steps=steps, save_every=save_every, overrides=list(overrides))
+    )

@@ -1,0 +1,376 @@
+"""The watcher's YAML config as pydantic models, `--set` overrides, and load errors.
+
+Every key is optional except `sources` and `eval.tasks`; unknown keys are errors, so a typo
+never silently falls back to a default. Loading failures raise `ConfigError` with one line
+naming the field (the CLI turns that into exit code 2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ckpt_watcher.errors import ConfigError
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class LocalSource(_Model):
+    """A directory tree where a trainer writes checkpoints (local disk, EFS, NFS)."""
+
+    kind: Literal["local"] = "local"
+    path: Path
+    """Root of the tree. Checkpoints are found at any depth below it (symlinks are not followed)."""
+    poll_seconds: float = Field(30.0, gt=0)
+    """Full rescan period. Polling is the truth on network filesystems; inotify only wakes it early."""
+    inotify: bool = True
+    """Use inotify (watchdog) to notice local writes before the next poll."""
+    max_depth: int = Field(4, ge=1, le=16)
+    """How deep below `path` to look for checkpoint directories."""
+
+    @field_validator("path")
+    @classmethod
+    def _expand(cls, v: Path) -> Path:
+        return v.expanduser()
+
+    @property
+    def name(self) -> str:
+        return f"local:{self.path}"
+
+
+class S3Source(_Model):
+    """An S3 prefix under which checkpoints are uploaded."""
+
+    kind: Literal["s3"] = "s3"
+    uri: str
+    """`s3://bucket/prefix/`."""
+    poll_seconds: float = Field(60.0, gt=0)
+    """Listing period."""
+    endpoint_url: str | None = None
+    """Custom endpoint; else AWS_ENDPOINT_URL / boto3's default chain."""
+    cache_dir: Path = Path("/tmp/watcher-cache")
+    """Where staged copies of checkpoints go; only the files an eval needs are fetched."""
+    cache_max_gb: float = Field(200.0, gt=0)
+    """Staged copies beyond this size are evicted, least recently used first."""
+
+    @field_validator("uri")
+    @classmethod
+    def _s3_uri(cls, v: str) -> str:
+        if not v.startswith("s3://") or len(v) <= len("s3://"):
+            raise ValueError("must look like s3://bucket/prefix/")
+        return v
+
+    @property
+    def name(self) -> str:
+        return self.uri
+
+
+Source = Annotated[LocalSource | S3Source, Field(discriminator="kind")]
+
+
+class DevicesConfig(_Model):
+    """Which devices evals may use."""
+
+    gpus: Literal["all"] | list[int | str] = "all"
+    """`all`, or a list of indices / UUIDs (e.g. [6, 7] beside training on 0-5), or [] for none."""
+    cpu_slots: int = Field(0, ge=0)
+    """That many concurrent evals on the CPU (machines with no GPU)."""
+    idle_memory_mib: int = Field(1024, ge=0)
+    """A GPU where processes not ours hold more than this is busy (training is using it)."""
+    reap_foreign_zombies: bool = False
+    """Never kill processes we did not start unless this is true."""
+
+
+class ExecutorConfig(_Model):
+    """Where worker processes run."""
+
+    kind: Literal["local", "ray"] = "local"
+    """local: one subprocess per job on this host; ray: one Ray task per job (multi-node)."""
+    address: str = "auto"
+    """Ray cluster address, for kind: ray."""
+
+
+class TaskSpec(_Model):
+    """One lm-eval task to run on every checkpoint."""
+
+    task: str = Field(min_length=1)
+    """lm-eval task name (or one defined under `eval.include_path`)."""
+    num_fewshot: int | None = Field(None, ge=0)
+    """Few-shot examples; null keeps the task's own default, as `lm_eval` does."""
+    allow_code_execution: bool = False
+    """Code-executing tasks (mbpp, humaneval, ...) run only when this is true."""
+
+
+# Model args that change speed or memory but never a score: changing them does not
+# make earlier results stale.
+_RESOURCE_ONLY_MODEL_ARGS = frozenset(
+    {"gpu_memory_utilization", "enforce_eager", "max_num_seqs", "swap_space", "batch_size"}
+)
+
+
+class EvalConfig(_Model):
+    """How each checkpoint is evaluated (lm-evaluation-harness)."""
+
+    backend: Literal["vllm", "hf"] = "vllm"
+    """vllm (production) or hf (transformers)."""
+    model_args: dict[str, Any] = Field(
+        default_factory=lambda: {
+            "dtype": "bfloat16",
+            "gpu_memory_utilization": 0.8,
+            "max_model_len": 4096,
+        }
+    )
+    """Backend model arguments, as `lm_eval --model_args`; `pretrained` is the checkpoint."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """TP > 1 gives wrong scores on small models; refused unless allow_tensor_parallel."""
+    allow_tensor_parallel: bool = False
+    """Permit tensor_parallel_size > 1 (you have checked scores match TP=1)."""
+    seed: int = 42
+    """Like `lm_eval --seed`: python, numpy, torch and few-shot seeds; also vLLM's seed."""
+    gen_kwargs: dict[str, Any] = Field(default_factory=lambda: {"temperature": 0})
+    """Generation kwargs applied to every generative task (greedy by default)."""
+    max_gen_toks: int | None = Field(None, ge=1)
+    """If set, overrides every task's max_gen_toks (then clamped per request)."""
+    include_path: Path | None = None
+    """A folder of extra lm-eval task YAMLs."""
+    batch_size: int | Literal["auto"] | None = None
+    """lm-eval batch size; null keeps the backend's default (hf: 1, vllm: auto)."""
+    limit: float | None = Field(None, gt=0)
+    """Like `lm_eval --limit`: evaluate only the first N (or a fraction of) samples per task."""
+    timeout_seconds: float = Field(21600.0, gt=0)
+    """A worker running longer is killed and the attempt fails."""
+    max_attempts: int = Field(3, ge=1)
+    """Then a `failed` ledger line; `watcher requeue` tries again."""
+    retry_backoff_seconds: float = Field(30.0, ge=0)
+    """Wait before retry k is this times 2**(k-1)."""
+    tasks: list[TaskSpec] = Field(min_length=1)
+    """The tasks to run on every checkpoint."""
+
+    @field_validator("include_path")
+    @classmethod
+    def _expand(cls, v: Path | None) -> Path | None:
+        return v.expanduser() if v is not None else None
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if self.tensor_parallel_size > 1 and not self.allow_tensor_parallel:
+            raise ValueError(
+                "tensor_parallel_size > 1 is refused: TP changes scores on small models; "
+                "set eval.allow_tensor_parallel: true if you have checked it does not for yours"
+            )
+        if "pretrained" in self.model_args:
+            raise ValueError(
+                "model_args.pretrained is set by the watcher to each checkpoint; remove it"
+            )
+        if "tensor_parallel_size" in self.model_args:
+            raise ValueError("use eval.tensor_parallel_size, not model_args.tensor_parallel_size")
+        seen: set[tuple[str, int | None]] = set()
+        for t in self.tasks:
+            key = (t.task, t.num_fewshot)
+            if key in seen:
+                raise ValueError(
+                    f"task {t.task!r} with num_fewshot={t.num_fewshot} is listed twice"
+                )
+            seen.add(key)
+        return self
+
+    def settings(self) -> dict[str, Any]:
+        """The settings that decide a score; two results agree only if these agree."""
+        return {
+            "backend": self.backend,
+            "model_args": {
+                k: v
+                for k, v in sorted(self.model_args.items())
+                if k not in _RESOURCE_ONLY_MODEL_ARGS
+            },
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "seed": self.seed,
+            "gen_kwargs": dict(sorted(self.gen_kwargs.items())),
+            "max_gen_toks": self.max_gen_toks,
+            "limit": self.limit,
+        }
+
+    def settings_hash(self) -> str:
+        """Short stable digest of `settings()`, part of every result's identity."""
+        blob = json.dumps(self.settings(), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+class PolicyConfig(_Model):
+    """Which checkpoints are evaluated, in what order."""
+
+    order: Literal["newest_first", "oldest_first"] = "newest_first"
+    """Which ready checkpoint gets a free device first."""
+    every_n_steps: int = Field(1, ge=1)
+    """Evaluate steps divisible by this; final checkpoints always."""
+    skip_superseded: bool = False
+    """Drop a queued checkpoint once a newer one of its run is ready (shown as skipped)."""
+
+
+class WatcherConfig(_Model):
+    """The whole config file."""
+
+    state_dir: Path = Path("~/.local/state/watcher")
+    """Daemon state (SQLite). Local disk, never NFS: SQLite locking is unreliable there."""
+    ledger_dir: Path = Path("./ledgers")
+    """<ledger_dir>/<run>/ledger.jsonl and lm-eval's result files."""
+    ledger_mirror: str | None = None
+    """s3://bucket/prefix/: each run's ledger uploaded after every append."""
+    shutdown_grace_seconds: float = Field(600.0, ge=0)
+    """First SIGTERM: running evals may finish this long, then they are re-queued."""
+    stable_seconds: float = Field(120.0, ge=0)
+    """Completeness fallback for weight formats with no marker and no header check."""
+    sources: list[Source] = Field(min_length=1)
+    """Where checkpoints appear (at least one)."""
+    devices: DevicesConfig = Field(default_factory=lambda: DevicesConfig())
+    executor: ExecutorConfig = Field(default_factory=lambda: ExecutorConfig())
+    eval: EvalConfig
+    policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig())
+
+    @field_validator("state_dir", "ledger_dir")
+    @classmethod
+    def _expand(cls, v: Path) -> Path:
+        return v.expanduser()
+
+    @field_validator("ledger_mirror")
+    @classmethod
+    def _mirror(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("s3://"):
+            raise ValueError("must look like s3://bucket/prefix/")
+        return v
+
+    def resolved(self) -> dict[str, Any]:
+        """The config with every default filled in, as plain data (saved beside results)."""
+        return self.model_dump(mode="json")
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides to a raw config dict (values parsed as YAML scalars).
+
+    Numeric path parts index into lists: `sources.0.path=/data`.
+    """
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. eval.seed=1")
+        dotted, _, text = item.partition("=")
+        parts = [p for p in dotted.strip().split(".")]
+        if not all(parts):
+            raise ConfigError(f"--set {item!r}: empty key segment in {dotted!r}")
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {dotted}: value is not valid YAML ({_first_line(e)})") from e
+        node: Any = raw
+        for i, part in enumerate(parts[:-1]):
+            node = _descend(node, part, dotted, create=True, next_is_index=parts[i + 1].isdigit())
+        _assign(node, parts[-1], value, dotted)
+    return raw
+
+
+def _descend(node: Any, part: str, dotted: str, *, create: bool, next_is_index: bool) -> Any:
+    if isinstance(node, list):
+        idx = _index(part, node, dotted)
+        return node[idx]
+    if not isinstance(node, dict):
+        raise ConfigError(f"--set {dotted}: {part!r} is inside a value that is not a mapping")
+    if part not in node or node[part] is None:
+        if not create:
+            raise ConfigError(f"--set {dotted}: no key {part!r}")
+        node[part] = [] if next_is_index else {}
+    return node[part]
+
+
+def _assign(node: Any, part: str, value: Any, dotted: str) -> None:
+    if isinstance(node, list):
+        idx = _index(part, node, dotted, allow_append=True)
+        if idx == len(node):
+            node.append(value)
+        else:
+            node[idx] = value
+    elif isinstance(node, dict):
+        node[part] = value
+    else:
+        raise ConfigError(f"--set {dotted}: cannot set {part!r} inside a scalar value")
+
+
+def _index(part: str, node: list[Any], dotted: str, allow_append: bool = False) -> int:
+    if not part.isdigit():
+        raise ConfigError(f"--set {dotted}: {part!r} must be a list index")
+    idx = int(part)
+    limit = len(node) + (1 if allow_append else 0)
+    if idx >= limit:
+        raise ConfigError(f"--set {dotted}: index {idx} is past the end of a list of {len(node)}")
+    return idx
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("local", "s3") and out.endswith("]"):
+            # pydantic names the union member it tried; the user's field path does not have it
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def format_validation_error(e: ValidationError) -> str:
+    """One line: the first offending field's dotted path and what is wrong with it."""
+    err = e.errors()[0]
+    path = _field_path(tuple(err["loc"]))
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key (check its spelling and the config reference in the README)"
+    elif err["type"] == "missing":
+        msg = "required but missing"
+    msg = msg.removeprefix("Value error, ")
+    more = len(e.errors()) - 1
+    suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
+    return f"config field {path}: {msg}{suffix}"
+
+
+def parse_config(raw: Any, overrides: list[str] | None = None) -> WatcherConfig:
+    """Validate a raw YAML document (after overrides) into a `WatcherConfig`."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"config: the top level must be a mapping of keys, got {type(raw).__name__}"
+        )
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        return WatcherConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from e
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> WatcherConfig:
+    """Read, override and validate a config file; any problem raises `ConfigError`."""
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file {p} does not exist") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {p} cannot be read: {_first_line(e)}") from e
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or _first_line(e)
+        raise ConfigError(f"config file {p}: invalid YAML{where}: {problem}") from e
+    return parse_config(raw, overrides)

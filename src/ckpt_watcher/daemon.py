@@ -1,0 +1,784 @@
+"""The daemon loop: wake (poll tick, inotify, worker exit, signal) -> scan -> check -> plan ->
+dispatch -> collect -> ledger.
+
+Crash-safe order for one job: (1) the job row goes `running` (commit) before its worker starts;
+(2) the worker writes each task's outcome file (tmp + fsync + rename); (3) the daemon appends
+the ledger line (fsync), then marks the job `ok`. On start, ledger `ok` lines win over job
+states, workers left by an earlier instance are killed and their jobs re-queued, and outcome
+files they finished are harvested first, so nothing is lost and nothing is appended twice.
+The daemon never imports torch, vLLM or lm-eval: evals run in worker processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import queue
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import structlog
+import yaml
+
+from ckpt_watcher import ledger as ledger_mod
+from ckpt_watcher import scheduler
+from ckpt_watcher.checkpoints import completeness
+from ckpt_watcher.checkpoints.namefix import apply_fix
+from ckpt_watcher.config import LocalSource as LocalSourceConfig
+from ckpt_watcher.config import WatcherConfig
+from ckpt_watcher.devices import Device, Inventory, build_inventory, free_devices
+from ckpt_watcher.errors import ConfigError, NamingFixError
+from ckpt_watcher.executors.base import WORKER_MODULE, Executor, is_our_worker
+from ckpt_watcher.executors.local import LocalExecutor, kill_group
+from ckpt_watcher.ledger import LedgerIndex, result_key
+from ckpt_watcher.sources.base import Found, Source, diff
+from ckpt_watcher.sources.local import LocalSource
+from ckpt_watcher.state import Job, State
+
+log = structlog.get_logger("ckpt_watcher.daemon")
+
+HEARTBEAT_SECONDS = 2.0
+LOG_TAIL_LINES = 25
+# Checkpoint states that a fresh scan re-examines (the writer may still change them).
+_RECHECK = ("incomplete", "invalid")
+# States in which a vanished checkpoint counts as missed (it was never evaluated).
+_MISSABLE = ("incomplete", "invalid", "ready", "planned")
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def build_sources(cfg: WatcherConfig) -> list[Source]:
+    out: list[Source] = []
+    for i, s in enumerate(cfg.sources):
+        if isinstance(s, LocalSourceConfig):
+            out.append(LocalSource(s.path, s.poll_seconds, s.max_depth, s.inotify))
+        else:
+            raise ConfigError(
+                f"config field sources[{i}].kind: s3 sources are not available in this version "
+                "yet; mirror the prefix to a local folder (aws s3 sync) and watch that"
+            )
+    return out
+
+
+def job_dir(state_dir: Path, job_id: str, attempt: int) -> Path:
+    return state_dir / "jobs" / job_id / f"attempt-{attempt}"
+
+
+def find_stray_workers(state_dir: Path) -> list[int]:
+    """PIDs of worker processes started for this state_dir (by any earlier daemon instance)."""
+    prefix = str(state_dir / "jobs").encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if WORKER_MODULE.encode() in argv and any(a.startswith(prefix) for a in argv):
+            pids.append(int(entry.name))
+    return pids
+
+
+@dataclass
+class _SourceRuntime:
+    source: Source
+    snapshot: dict[str, Found] = field(default_factory=dict)
+    next_scan: float = 0.0
+    woken: bool = False
+    watching: bool = False
+
+
+class Daemon:
+    """One watcher instance over one config. `run()` blocks until stopped (or one pass, `once`)."""
+
+    def __init__(
+        self,
+        cfg: WatcherConfig,
+        *,
+        once: bool = False,
+        clock: Callable[[], float] = time.time,
+        inventory: Inventory | None = None,
+        sources: list[Source] | None = None,
+        executor_factory: Callable[[Callable[[str, int], None]], Executor] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.once = once
+        self.clock = clock
+        self.wake = threading.Event()
+        self.exits: queue.Queue[tuple[str, int]] = queue.Queue()
+        self.stop_requests = 0
+        self.stop_deadline: float | None = None
+        self.inventory_warnings: list[str] = []
+        if inventory is None:
+            inventory, self.inventory_warnings = build_inventory(cfg.devices)
+        self.inventory = inventory
+        if not self.inventory.devices():
+            raise ConfigError(
+                "config field devices: no device to run evals on (no usable GPU found); "
+                "set devices.cpu_slots to 1 or more on a machine without GPUs"
+            )
+        self.sources = [_SourceRuntime(s) for s in (sources or build_sources(cfg))]
+        if cfg.executor.kind != "local":
+            raise ConfigError(
+                "config field executor.kind: ray is not available in this version yet; use local"
+            )
+        factory = executor_factory or (lambda cb: LocalExecutor(cb))
+        self.executor = factory(self._on_worker_exit)
+        self.state = State(cfg.state_dir)
+        self.ledger = LedgerIndex(cfg.ledger_dir)
+        self.settings_hash = cfg.eval.settings_hash()
+        self.timed_out: set[str] = set()
+        self.killed_for_stop: set[str] = set()
+        self.failures_this_pass = 0
+        self._last_heartbeat = 0.0
+
+    # --- signals and worker exits arrive from other threads: they only set flags and wake ----
+    def _on_worker_exit(self, job_id: str, rc: int) -> None:
+        self.exits.put((job_id, rc))
+        self.wake.set()
+
+    def request_stop(self) -> None:
+        self.stop_requests += 1
+        self.wake.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.request_stop())
+
+    # --- life cycle ----------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run until stopped; returns the process exit code."""
+        self.state.acquire_daemon_lock()
+        try:
+            return self._run()
+        finally:
+            for rt in self.sources:
+                rt.source.close()
+            self.state.set_meta(daemon_stopped_at=self.clock(), daemon_pid=None)
+            self.state.close()
+
+    def _run(self) -> int:
+        now = self.clock()
+        self.state.set_meta(
+            daemon_pid=os.getpid(),
+            daemon_started_at=now,
+            heartbeat=now,
+            mode="once" if self.once else "run",
+            stopping=False,
+            daemon_stopped_at=None,
+        )
+        for w in self.inventory_warnings:
+            log.warning("devices.warning", message=w)
+        self.ledger.load()
+        self._save_resolved_config()
+        self._recover(now)
+        log.info(
+            "daemon.started",
+            pid=os.getpid(),
+            sources=[rt.source.name for rt in self.sources],
+            devices=[d.label for d in self.inventory.devices()],
+            mode="once" if self.once else "run",
+        )
+        first_pass = True
+        while True:
+            now = self.clock()
+            self._collect(now)
+            if self.stop_requests:
+                if self._stopping(now):
+                    break
+            else:
+                if first_pass or not self.once:  # `once` discovers exactly once
+                    self._scan_due(now, force=first_pass)
+                self._plan(now)
+                self._check_timeouts(now)
+                self._dispatch(now)
+            first_pass = False
+            self._heartbeat(now)
+            if self.once and not self.stop_requests and self._idle():
+                break
+            self.wake.wait(timeout=self._sleep_for(self.clock()))
+            self.wake.clear()
+        log.info("daemon.stopped", failures=self.failures_this_pass)
+        if self.once and self.failures_this_pass:
+            return 1
+        return 0
+
+    def _idle(self) -> bool:
+        return not self.state.jobs("queued", "running") and self.exits.empty()
+
+    def _sleep_for(self, now: float) -> float:
+        deadlines = [now + HEARTBEAT_SECONDS]
+        if not self.once:
+            deadlines += [rt.next_scan for rt in self.sources]
+        retry = scheduler.next_retry_at(self.state.jobs("queued"), now)
+        if retry is not None:
+            deadlines.append(retry)
+        if self.stop_deadline is not None:
+            deadlines.append(self.stop_deadline)
+        for job in self.state.jobs("running"):
+            if job.started_at:
+                deadlines.append(job.started_at + self.cfg.eval.timeout_seconds)
+        return max(0.0, min(deadlines) - now)
+
+    def _heartbeat(self, now: float) -> None:
+        if now - self._last_heartbeat >= HEARTBEAT_SECONDS:
+            self.state.set_meta(heartbeat=now, stopping=bool(self.stop_requests))
+            self._last_heartbeat = now
+
+    def _save_resolved_config(self) -> None:
+        self.cfg.ledger_dir.mkdir(parents=True, exist_ok=True)
+        path = self.cfg.ledger_dir / "watcher-config.resolved.yaml"
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            yaml.safe_dump(self.cfg.resolved(), f, sort_keys=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    # --- recovery after a crash or restart -----------------------------------------------------
+    def _recover(self, now: float) -> None:
+        for pid in find_stray_workers(self.cfg.state_dir):
+            log.warning("recovery.killing_stray_worker", pid=pid)
+            kill_group(pid)
+        for job in self.state.jobs("running"):
+            if job.pid and is_our_worker(job.pid, job.pid_start, job.id):
+                kill_group(job.pid)
+            self._harvest(job, now)
+            remaining = self._due_tasks(job)
+            if remaining:
+                # the interruption was not the job's fault: it does not use up an attempt
+                self.state.update_job(
+                    job.id,
+                    state="queued",
+                    attempt=max(0, job.attempt - 1),
+                    tasks=remaining,
+                    pid=None,
+                    device=None,
+                    device_label=None,
+                    not_before=0,
+                )
+                log.info("recovery.requeued", job_id=job.id, run=job.run, step=job.step)
+            else:
+                self._finish_job(job, "ok", now)
+        for job in self.state.jobs("queued"):
+            if job.settings_hash != self.settings_hash:
+                self.state.update_job(job.id, state="skipped", error="eval settings changed")
+                self.state.upsert_checkpoint(job.location, "", now, state="ready", reason="re-plan")
+                continue
+            remaining = self._due_tasks(job)
+            if not remaining:
+                self._finish_job(job, "ok", now)
+            elif remaining != job.tasks:
+                self.state.update_job(job.id, tasks=remaining)
+
+    # --- scanning ------------------------------------------------------------------------------
+    def _scan_due(self, now: float, force: bool) -> None:
+        for rt in self.sources:
+            if not (force or rt.woken or now >= rt.next_scan):
+                continue
+            rt.woken = False
+            rt.next_scan = now + rt.source.poll_seconds
+            if not rt.watching:
+                rt.watching = rt.source.watch(functools.partial(self._wake_source, rt))
+            self._scan(rt, now)
+
+    def _wake_source(self, rt: _SourceRuntime) -> None:
+        rt.woken = True
+        self.wake.set()
+
+    def _scan(self, rt: _SourceRuntime, now: float) -> None:
+        name = rt.source.name
+        try:
+            found = rt.source.scan()
+        except OSError as e:
+            self.state.record_scan(name, now, str(e), None)
+            log.warning("source.scan_failed", source=name, error=str(e))
+            return
+        snapshot = {f.location: f for f in found}
+        added, removed = diff(rt.snapshot, snapshot)
+        rt.snapshot = snapshot
+        for f in added:
+            self._register(name, f, now)
+        for f in removed:
+            self._forget(f, now)
+        for row in self.state.checkpoints(*_RECHECK, source=name):
+            if row["location"] in snapshot:
+                self._check(row, now)
+        self.state.record_scan(name, now, None, sum(1 for f in found if f.ident))
+
+    def _register(self, source: str, f: Found, now: float) -> None:
+        row = self.state.checkpoint(f.location)
+        if f.ident is None:
+            if row is None or row["state"] != "unrecognised":
+                self.state.upsert_checkpoint(
+                    f.location, source, now, state="unrecognised", reason=f.note
+                )
+                log.warning("checkpoint.unrecognised", location=f.location, reason=f.note)
+            return
+        if row is not None and row["state"] not in ("missed",):
+            return  # known from before a restart: its state stands
+        ident = f.ident
+        self.state.upsert_checkpoint(
+            f.location,
+            source,
+            now,
+            run=ident.run,
+            step=ident.step,
+            label=ident.label,
+            final=int(ident.final),
+            state="incomplete",
+            reason="just seen",
+        )
+        log.info("checkpoint.seen", location=f.location, run=ident.run, step=ident.step)
+        row = self.state.checkpoint(f.location)
+        assert row is not None
+        self._check(row, now)
+
+    def _forget(self, f: Found, now: float) -> None:
+        row = self.state.checkpoint(f.location)
+        if row is None or row["state"] not in _MISSABLE:
+            return
+        for job in self.state.jobs("queued", location=f.location):
+            self.state.update_job(
+                job.id, state="skipped", error="checkpoint deleted before evaluation"
+            )
+        if not self.state.jobs("running", location=f.location):
+            self.state.upsert_checkpoint(
+                f.location, row["source"], now, state="missed", reason="deleted before evaluation"
+            )
+            log.warning("checkpoint.missed", location=f.location, run=row["run"], step=row["step"])
+
+    def _check(self, row: Any, now: float) -> None:
+        path = Path(row["location"])
+        prev_fp = row["fingerprint"]
+        verdict = completeness.check(
+            path,
+            now=now,
+            stable_seconds=self.cfg.stable_seconds,
+            unchanged_since=row["unchanged_since"],
+            previous_fingerprint=prev_fp,
+        )
+        fields: dict[str, Any] = {"state": verdict.state, "reason": verdict.reason}
+        if verdict.fingerprint and verdict.fingerprint != prev_fp:
+            fields |= {"fingerprint": verdict.fingerprint, "unchanged_since": now}
+        if verdict.ready:
+            fields["ready_at"] = now
+        if verdict.state != row["state"] or verdict.reason != row["reason"]:
+            self.state.upsert_checkpoint(row["location"], row["source"], now, **fields)
+            event = f"checkpoint.{verdict.state}"
+            log.info(
+                event,
+                location=row["location"],
+                run=row["run"],
+                step=row["step"],
+                reason=verdict.reason,
+            )
+        elif "fingerprint" in fields:
+            self.state.upsert_checkpoint(row["location"], row["source"], now, **fields)
+
+    # --- planning ------------------------------------------------------------------------------
+    def _task_key(self, run: str, step: int | None, label: str, t: dict[str, Any]) -> Any:
+        return result_key(run, step, label, t["task"], t["num_fewshot"], self.settings_hash)
+
+    def _due_tasks(self, job: Job) -> list[dict[str, Any]]:
+        return [
+            t
+            for t in job.tasks
+            if not self.ledger.is_ok(self._task_key(job.run, job.step, job.label, t))
+        ]
+
+    def _plan(self, now: float) -> None:
+        policy = self.cfg.policy
+        all_tasks = [t.model_dump() for t in self.cfg.eval.tasks]
+        for row in self.state.checkpoints("ready"):
+            loc, run, step, label, final = (
+                row["location"],
+                row["run"],
+                row["step"],
+                row["label"],
+                bool(row["final"]),
+            )
+            if not scheduler.step_due(step, final, policy.every_n_steps):
+                self.state.upsert_checkpoint(
+                    loc,
+                    row["source"],
+                    now,
+                    state="skipped",
+                    reason=f"step {step} is not a multiple of policy.every_n_steps={policy.every_n_steps}",
+                )
+                continue
+            due = [
+                t for t in all_tasks if not self.ledger.is_ok(self._task_key(run, step, label, t))
+            ]
+            if not due:
+                self.state.upsert_checkpoint(
+                    loc, row["source"], now, state="done", reason="all tasks in the ledger"
+                )
+                continue
+            if self.state.jobs("queued", "running", location=loc):
+                self.state.upsert_checkpoint(loc, row["source"], now, state="planned", reason="")
+                continue
+            try:
+                for action in apply_fix(Path(loc)):
+                    log.info("checkpoint.names_fixed", location=loc, action=action.describe())
+            except NamingFixError as e:
+                self.state.upsert_checkpoint(
+                    loc, row["source"], now, state="invalid", reason=str(e)
+                )
+                log.error("checkpoint.names_unfixable", location=loc, error=str(e))
+                continue
+            job = Job(
+                id=f"{run}-{step if step is not None else label}-{uuid.uuid4().hex[:8]}",
+                location=loc,
+                run=run,
+                step=step,
+                label=label,
+                tasks=due,
+                settings_hash=self.settings_hash,
+                state="queued",
+                attempt=0,
+                not_before=0.0,
+                device=None,
+                device_label=None,
+                pid=None,
+                pid_start=None,
+                created_at=now,
+                started_at=None,
+                error=None,
+                order_key=scheduler.order_key(step, final),
+            )
+            self.state.add_job(job)
+            self.state.upsert_checkpoint(loc, row["source"], now, state="planned", reason="")
+            log.info(
+                "job.queued", job_id=job.id, run=run, step=step, tasks=[t["task"] for t in due]
+            )
+        if policy.skip_superseded:
+            self._skip_superseded(now)
+
+    def _skip_superseded(self, now: float) -> None:
+        newest: dict[str, float] = {}
+        for row in self.state.checkpoints("ready", "planned", "done"):
+            key = scheduler.order_key(row["step"], bool(row["final"]))
+            newest[row["run"]] = max(newest.get(row["run"], -1.0), key)
+        for job in self.state.jobs("queued"):
+            if job.order_key < newest.get(job.run, -1.0):
+                self.state.update_job(
+                    job.id, state="skipped", error="superseded by a newer checkpoint"
+                )
+                self.state.upsert_checkpoint(
+                    job.location,
+                    "",
+                    now,
+                    state="skipped",
+                    reason="superseded by a newer checkpoint",
+                )
+                log.info(
+                    "job.skipped", job_id=job.id, run=job.run, step=job.step, reason="superseded"
+                )
+
+    # --- dispatch ------------------------------------------------------------------------------
+    def _dispatch(self, now: float) -> None:
+        running = self.state.jobs("running")
+        free = free_devices(
+            self.inventory,
+            in_use=[j.device for j in running if j.device],
+            our_pids={j.pid for j in running if j.pid},
+        )
+        if not free:
+            return
+        for job, device in scheduler.assign(
+            self.state.jobs("queued"), free, now, self.cfg.policy.order
+        ):
+            self._start(job, device, now)
+
+    def _request(self, job: Job, device: Device) -> dict[str, Any]:
+        ev = self.cfg.eval
+        run_dir = self.cfg.ledger_dir / job.run
+        folder = f"step_{job.step}" if job.step is not None else job.label
+        return {
+            "checkpoint": job.location,
+            "backend": ev.backend,
+            "model_args": ev.model_args,
+            "tasks": job.tasks,
+            "seed": ev.seed,
+            "gen_kwargs": ev.gen_kwargs,
+            "max_gen_toks": ev.max_gen_toks,
+            "include_path": str(ev.include_path) if ev.include_path else None,
+            "batch_size": ev.batch_size,
+            "limit": ev.limit,
+            "results_dir": str((run_dir / folder).resolve()),
+            "device": "cuda" if device.kind == "cuda" else "cpu",
+            "tensor_parallel_size": ev.tensor_parallel_size,
+        }
+
+    def _start(self, job: Job, device: Device, now: float) -> None:
+        attempt = job.attempt + 1
+        folder = job_dir(self.cfg.state_dir, job.id, attempt)
+        folder.mkdir(parents=True, exist_ok=True)
+        spec = {
+            "job_id": job.id,
+            "device_label": device.label,
+            "request": self._request(job, device),
+        }
+        (folder / "spec.json").write_text(json.dumps(spec, indent=2), encoding="utf-8")
+        # (1) running, committed before the worker exists: a crash now leaves a job to recover
+        self.state.update_job(
+            job.id,
+            state="running",
+            attempt=attempt,
+            device=device.id,
+            device_label=device.label,
+            started_at=now,
+            pid=None,
+            pid_start=None,
+        )
+        env = {"CUDA_VISIBLE_DEVICES": device.visible}
+        try:
+            handle = self.executor.start(job.id, folder, env, folder / "worker.log")
+        except OSError as e:
+            self.state.update_job(
+                job.id, state="queued", attempt=job.attempt, device=None, device_label=None
+            )
+            log.error("eval.start_failed", job_id=job.id, error=str(e))
+            return
+        self.state.update_job(job.id, pid=handle.pid, pid_start=handle.start_token)
+        log.info(
+            "eval.started",
+            job_id=job.id,
+            run=job.run,
+            step=job.step,
+            device=device.label,
+            attempt=attempt,
+            pid=handle.pid,
+            tasks=[t["task"] for t in job.tasks],
+        )
+
+    def _check_timeouts(self, now: float) -> None:
+        limit = self.cfg.eval.timeout_seconds
+        for job in self.state.jobs("running"):
+            if job.started_at and now - job.started_at > limit and job.id not in self.timed_out:
+                self.timed_out.add(job.id)
+                log.error("eval.timeout", job_id=job.id, run=job.run, step=job.step, seconds=limit)
+                self.executor.kill(job.id)
+
+    # --- collecting results --------------------------------------------------------------------
+    def _collect(self, now: float) -> None:
+        while True:
+            try:
+                job_id, rc = self.exits.get_nowait()
+            except queue.Empty:
+                return
+            job = self.state.job(job_id)
+            if job is None or job.state != "running":
+                continue
+            self._harvest(job, now)
+            self._settle(job, rc, now)
+
+    def _outcomes(self, job: Job) -> list[dict[str, Any]]:
+        folder = job_dir(self.cfg.state_dir, job.id, job.attempt)
+        out = []
+        for p in sorted(folder.glob("outcome-*.json")):
+            try:
+                out.append(json.loads(p.read_text(encoding="utf-8")))
+            except (OSError, ValueError) as e:  # renamed into place, so never torn; be safe
+                log.error("eval.outcome_unreadable", job_id=job.id, path=str(p), error=str(e))
+        return out
+
+    def _harvest(self, job: Job, now: float) -> None:
+        """(3) Append an ok ledger line for every finished task of the job's current attempt."""
+        for o in self._outcomes(job):
+            if o["status"] == "ok":
+                self._append(job, o, "ok", None)
+
+    def _append(self, job: Job, o: dict[str, Any], status: str, error: str | None) -> None:
+        ev = self.cfg.eval
+        started = o.get("started_at") or ""
+        finished = o.get("finished_at") or ""
+        duration = None
+        if started and finished:
+            duration = round(
+                (
+                    datetime.fromisoformat(finished) - datetime.fromisoformat(started)
+                ).total_seconds(),
+                3,
+            )
+        rfile = o.get("results_file")
+        if rfile:
+            try:
+                rfile = str(Path(rfile).relative_to((self.cfg.ledger_dir / job.run).resolve()))
+            except ValueError:
+                pass
+        gen_kwargs = dict(ev.gen_kwargs)
+        if ev.max_gen_toks is not None:
+            gen_kwargs["max_gen_toks"] = ev.max_gen_toks
+        line = {
+            "schema": ledger_mod.SCHEMA,
+            "run": job.run,
+            "step": job.step,
+            "label": job.label,
+            "checkpoint": job.location,
+            "task": o["task"],
+            "num_fewshot": o["num_fewshot"],
+            "status": status,
+            "metrics": o.get("metrics", {}) if status == "ok" else {},
+            "backend": ev.backend,
+            "device": job.device_label,
+            "model_args": ev.model_args,
+            "gen_kwargs": gen_kwargs,
+            "seed": ev.seed,
+            "clamped_requests": o.get("clamped_requests", 0),
+            "truncated_prompts": o.get("truncated_prompts", 0),
+            "n_samples": o.get("n_samples"),
+            "attempt": job.attempt,
+            "started_at": started or None,
+            "finished_at": finished or None,
+            "duration_s": duration,
+            "lm_eval_version": o.get("lm_eval_version"),
+            "results_file": rfile if status == "ok" else None,
+            "error": error,
+            "job_id": job.id,
+            "settings_hash": job.settings_hash,
+        }
+        if self.ledger.append(line):
+            log.info(
+                "eval.finished" if status == "ok" else "eval.failed",
+                job_id=job.id,
+                run=job.run,
+                step=job.step,
+                task=o["task"],
+                num_fewshot=o["num_fewshot"],
+                device=job.device_label,
+                metrics=line["metrics"],
+                error=error,
+            )
+
+    def _settle(self, job: Job, rc: int, now: float) -> None:
+        """Decide what a worker's exit means for its job: ok, retry, failed, or re-queued."""
+        outcomes = {(o["task"], o["num_fewshot"]): o for o in self._outcomes(job)}
+        remaining = self._due_tasks(job)
+        if not remaining:
+            self._finish_job(job, "ok", now)
+            log.info("job.ok", job_id=job.id, run=job.run, step=job.step)
+            return
+        if job.id in self.killed_for_stop:
+            self.killed_for_stop.discard(job.id)
+            self.state.update_job(
+                job.id,
+                state="queued",
+                tasks=remaining,
+                attempt=max(0, job.attempt - 1),
+                pid=None,
+                device=None,
+                device_label=None,
+                error="interrupted by shutdown",
+            )
+            log.info("job.requeued", job_id=job.id, reason="shutdown")
+            return
+        task_errors = [
+            f"{t['task']}: {outcomes[(t['task'], t['num_fewshot'])]['error']}"
+            for t in remaining
+            if (t["task"], t["num_fewshot"]) in outcomes
+        ]
+        if job.id in self.timed_out:
+            self.timed_out.discard(job.id)
+            reason = f"timed out after {self.cfg.eval.timeout_seconds:g}s (eval.timeout_seconds)"
+        elif task_errors:
+            reason = "; ".join(task_errors)
+        elif rc < 0:
+            reason = f"worker killed by signal {signal.Signals(-rc).name} (OOM killer?)"
+        else:
+            reason = f"worker exited with code {rc}"
+        tail = self._log_tail(job)
+        if job.attempt < self.cfg.eval.max_attempts:
+            delay = self.cfg.eval.retry_backoff_seconds * 2 ** (job.attempt - 1)
+            self.state.update_job(
+                job.id,
+                state="queued",
+                tasks=remaining,
+                not_before=now + delay,
+                pid=None,
+                device=None,
+                device_label=None,
+                error=reason,
+            )
+            log.warning(
+                "eval.retry",
+                job_id=job.id,
+                run=job.run,
+                step=job.step,
+                attempt=job.attempt,
+                max_attempts=self.cfg.eval.max_attempts,
+                in_seconds=delay,
+                reason=reason,
+            )
+            return
+        error = f"{reason} (after {job.attempt} attempts)" + (
+            f"\n--- worker log tail ---\n{tail}" if tail else ""
+        )
+        for t in remaining:
+            o = outcomes.get(
+                (t["task"], t["num_fewshot"]), {"task": t["task"], "num_fewshot": t["num_fewshot"]}
+            )
+            self._append(job, o, "failed", error)
+        self.failures_this_pass += 1
+        self._finish_job(job, "failed", now, error=reason)
+
+    def _log_tail(self, job: Job) -> str:
+        path = job_dir(self.cfg.state_dir, job.id, job.attempt) / "worker.log"
+        try:
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-LOG_TAIL_LINES:])
+
+    def _finish_job(self, job: Job, state: str, now: float, error: str | None = None) -> None:
+        self.state.update_job(job.id, state=state, finished_at=now, error=error, pid=None)
+        ck_state = "done" if state == "ok" else "failed"
+        row = self.state.checkpoint(job.location)
+        if row is not None and row["state"] in ("planned", "ready"):
+            self.state.upsert_checkpoint(
+                job.location, row["source"], now, state=ck_state, reason=error or ""
+            )
+
+    # --- two-stage shutdown --------------------------------------------------------------------
+    def _stopping(self, now: float) -> bool:
+        """True when the loop may exit. First signal drains; deadline or second signal kills."""
+        running = self.state.jobs("running")
+        if self.stop_deadline is None:
+            self.stop_deadline = now + self.cfg.shutdown_grace_seconds
+            self.state.set_meta(stopping=True)
+            log.info(
+                "daemon.draining",
+                running=len(running),
+                grace_seconds=self.cfg.shutdown_grace_seconds,
+            )
+        if not running:
+            return True
+        if self.stop_requests >= 2 or now >= self.stop_deadline:
+            for job in running:
+                if job.id not in self.killed_for_stop:
+                    self.killed_for_stop.add(job.id)
+                    log.warning("daemon.killing_worker", job_id=job.id, pid=job.pid)
+                    self.executor.kill(job.id)
+                    if job.id not in self.executor.running():
+                        # no live process to report an exit (e.g. after a restart): settle now
+                        self._on_worker_exit(job.id, -signal.SIGKILL)
+        return False
+
+
+def run_daemon(cfg: WatcherConfig, once: bool = False) -> int:
+    """Entry point for `watcher run` / `watcher once`."""
+    daemon = Daemon(cfg, once=once)
+    daemon.install_signal_handlers()
+    return daemon.run()

@@ -1,0 +1,95 @@
+"""A tiny character-level Llama for 2-digit addition, and its bundled lm-eval task.
+
+Imports torch/transformers: used by the trainer process and by tests, never by the daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+CHARS = list("0123456789+= \n")
+SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
+TASK_TEMPLATE = Path(__file__).parent / "tasks" / "addition.yaml"
+
+
+def build_tokenizer() -> Any:
+    """A character-level WordLevel tokenizer wrapped for transformers (no files needed)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=64,
+    )
+
+
+def build_model(vocab_size: int, seed: int = 0, tie_word_embeddings: bool = False) -> Any:
+    """A ~0.5M-parameter Llama (2 layers, hidden 128, context 64)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=SPECIALS.index("<s>"),
+        eos_token_id=SPECIALS.index("</s>"),
+        pad_token_id=SPECIALS.index("<pad>"),
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    return LlamaForCausalLM(config)
+
+
+def addition_pairs(n: int, seed: int) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    return [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(n)]
+
+
+def write_task(folder: Path, n_test: int = 100, seed: int = 1234) -> Path:
+    """Write the `addition` task (YAML + jsonl with an absolute path, as lm-eval needs) to `folder`.
+
+    Returns the folder, for `eval.include_path`. Test pairs use their own seed, so the
+    trainer (seed 0 stream, disjoint draws) rarely sees them verbatim.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / "addition_test.jsonl"
+    with open(data, "w", encoding="utf-8") as f:
+        for a, b in addition_pairs(n_test, seed):
+            f.write(json.dumps({"a": a, "b": b, "answer": str(a + b)}) + "\n")
+    text = TASK_TEMPLATE.read_text(encoding="utf-8").replace("__DATA_FILE__", str(data.resolve()))
+    (folder / "addition.yaml").write_text(text, encoding="utf-8")
+    return folder
+
+
+def save_checkpoint(model: Any, tokenizer: Any, out: Path, naming_bug: bool = True) -> None:
+    """Save like many trainers do, in place: config, tokenizer, `model.safetensors`; then (bug)
+    an index that names `model-00001-of-00001.safetensors`, which does not exist."""
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out, safe_serialization=True)
+    if naming_bug:
+        names = sorted(model.state_dict().keys())
+        if model.config.tie_word_embeddings:
+            names = [n for n in names if n != "lm_head.weight"]
+        total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {n: "model-00001-of-00001.safetensors" for n in names},
+        }
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

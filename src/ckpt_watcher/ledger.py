@@ -1,0 +1,158 @@
+"""The per-run ledger: `<ledger_dir>/<run>/ledger.jsonl`, one JSON object per result line.
+
+Lines are only ever appended (and fsynced), never rewritten. A torn last line (a crash in the
+middle of an append) is skipped with a warning; the next append starts on a fresh line. The
+daemon is the only writer. A result's identity is (run, step-or-label, task, num_fewshot,
+settings hash): after any crash each identity has at most one `ok` line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from ckpt_watcher.errors import LedgerError
+
+SCHEMA = 1
+LEDGER_NAME = "ledger.jsonl"
+log = structlog.get_logger("ckpt_watcher.ledger")
+
+ResultKey = tuple[str, str, str, int | None, str]
+
+
+def result_key(
+    run: str, step: int | None, label: str, task: str, num_fewshot: int | None, settings: str
+) -> ResultKey:
+    """The identity of one result. A final checkpoint without a step is identified by label."""
+    return (run, str(step) if step is not None else f"label:{label}", task, num_fewshot, settings)
+
+
+def line_key(line: dict[str, Any]) -> ResultKey:
+    return result_key(
+        line["run"],
+        line.get("step"),
+        line.get("label", ""),
+        line["task"],
+        line.get("num_fewshot"),
+        line.get("settings_hash", ""),
+    )
+
+
+@dataclass
+class ReadReport:
+    lines: list[dict[str, Any]]
+    skipped: int  # torn or unparseable lines
+
+
+def ledger_path(ledger_dir: Path, run: str) -> Path:
+    return ledger_dir / run / LEDGER_NAME
+
+
+def read_lines(path: Path) -> ReadReport:
+    """Every well-formed line of one ledger file; torn or corrupt lines are counted and skipped."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return ReadReport([], 0)
+    except OSError as e:
+        raise LedgerError(f"cannot read ledger {path}: {e.strerror}") from e
+    lines, skipped = [], 0
+    for n, chunk in enumerate(raw.split(b"\n"), start=1):
+        if not chunk.strip():
+            continue
+        try:
+            obj = json.loads(chunk)
+            if not isinstance(obj, dict) or "run" not in obj or "task" not in obj:
+                raise ValueError("not a ledger line")
+        except ValueError:
+            skipped += 1
+            log.warning("ledger.line_skipped", path=str(path), line=n, reason="torn or not JSON")
+            continue
+        lines.append(obj)
+    return ReadReport(lines, skipped)
+
+
+def iter_runs(ledger_dir: Path) -> Iterator[str]:
+    if not ledger_dir.is_dir():
+        return
+    for child in sorted(ledger_dir.iterdir()):
+        if (child / LEDGER_NAME).is_file():
+            yield child.name
+
+
+def append(ledger_dir: Path, line: dict[str, Any]) -> Path:
+    """Append one line durably: write, flush, fsync (and fsync the folder on first creation)."""
+    path = ledger_path(ledger_dir, line["run"])
+    created = not path.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(line, sort_keys=False, ensure_ascii=False, default=str).encode("utf-8")
+    try:
+        with open(path, "ab") as f:
+            if f.tell() > 0 and not _ends_with_newline(path):
+                f.write(b"\n")  # a torn line from a crash stays on its own line, skipped on read
+            f.write(data + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise LedgerError(f"cannot append to ledger {path}: {e.strerror}") from e
+    if created:
+        _fsync_dir(path.parent)
+    return path
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LedgerIndex:
+    """In-memory set of result identities already `ok`, loaded from every run's ledger."""
+
+    def __init__(self, ledger_dir: Path) -> None:
+        self.ledger_dir = ledger_dir
+        self.ok: set[ResultKey] = set()
+        self.failed_lines = 0
+
+    def load(self) -> LedgerIndex:
+        for run in iter_runs(self.ledger_dir):
+            for line in read_lines(ledger_path(self.ledger_dir, run)).lines:
+                self._note(line)
+        return self
+
+    def _note(self, line: dict[str, Any]) -> None:
+        if line.get("status") == "ok":
+            self.ok.add(line_key(line))
+        else:
+            self.failed_lines += 1
+
+    def append(self, line: dict[str, Any]) -> bool:
+        """Append unless an `ok` line with the same identity exists; True if written."""
+        if line.get("status") == "ok" and line_key(line) in self.ok:
+            log.info(
+                "ledger.duplicate_skipped",
+                run=line["run"],
+                step=line.get("step"),
+                task=line["task"],
+            )
+            return False
+        append(self.ledger_dir, line)
+        self._note(line)
+        return True
+
+    def is_ok(self, key: ResultKey) -> bool:
+        return key in self.ok

@@ -1,0 +1,96 @@
+"""Ledger lines -> a metric-by-step table (for `watcher results` and the demo's summary)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Table:
+    columns: list[str]
+    rows: list[list[Any]]
+
+
+def _task_label(line: dict[str, Any]) -> str:
+    shots = line.get("num_fewshot")
+    return f"{line['task']} ({shots if shots is not None else 'default'}-shot)"
+
+
+def metric_table(lines: list[dict[str, Any]], include_stderr: bool = False) -> Table:
+    """One row per checkpoint (by step), one column per task/shots/metric; latest ok line wins.
+
+    A task whose latest line failed shows `FAILED` in its cells.
+    """
+    cells: dict[tuple[Any, str], dict[str, Any]] = {}
+    order: dict[tuple[Any, str], tuple[float, str]] = {}
+    columns: list[str] = []
+    failed: dict[tuple[Any, str], set[str]] = {}
+    for line in lines:
+        ck = (line.get("step"), line.get("label", ""))
+        key = (ck, "")
+        order.setdefault(
+            key,
+            (line["step"] if line.get("step") is not None else float("inf"), line.get("label", "")),
+        )
+        if line.get("status") != "ok":
+            failed.setdefault(key, set()).add(_task_label(line))
+            continue
+        row = cells.setdefault(key, {})
+        for metric, value in line.get("metrics", {}).items():
+            if "_stderr" in metric and not include_stderr:
+                continue
+            col = f"{_task_label(line)} {metric}"
+            if col not in columns:
+                columns.append(col)
+            row[col] = value
+    out_rows = []
+    for key in sorted(order, key=lambda k: order[k]):
+        (step, label), _ = key
+        row = cells.get(key, {})
+        values = []
+        for col in columns:
+            if col in row:
+                values.append(row[col])
+            elif any(col.startswith(f + " ") for f in failed.get(key, ())):
+                values.append("FAILED")
+            else:
+                values.append(None)
+        out_rows.append([step if step is not None else label, *values])
+    return Table(["step", *columns], out_rows)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4f}"
+    return str(v)
+
+
+def render(table: Table, fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps([dict(zip(table.columns, r, strict=True)) for r in table.rows], indent=2)
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(table.columns)
+        w.writerows([["" if v is None else v for v in r] for r in table.rows])
+        return buf.getvalue().rstrip("\n")
+    text = [[_fmt(v) for v in r] for r in table.rows]
+    if fmt == "md":
+        head = "| " + " | ".join(table.columns) + " |"
+        sep = "|" + "|".join("---:" for _ in table.columns) + "|"
+        body = ["| " + " | ".join(r) + " |" for r in text]
+        return "\n".join([head, sep, *body])
+    widths = [
+        max(len(c), *(len(r[i]) for r in text)) if text else len(c)
+        for i, c in enumerate(table.columns)
+    ]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(table.columns, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in text]
+    return "\n".join(lines)

@@ -1,0 +1,51 @@
+"""Pure scheduling decisions: queued jobs x free devices -> assignments.
+
+No filesystem, GPU or clock access here: `now` and every input are passed in, so the rules
+can be tested exhaustively and the daemon only carries decisions out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ckpt_watcher.devices import Device
+from ckpt_watcher.state import Job
+
+
+def eligible(jobs: Sequence[Job], now: float) -> list[Job]:
+    """Queued jobs whose retry back-off has passed."""
+    return [j for j in jobs if j.state == "queued" and j.not_before <= now]
+
+
+def order_jobs(jobs: Sequence[Job], order: str) -> list[Job]:
+    """newest_first: highest order key (step) first; oldest_first: lowest first. Ties: FIFO."""
+    if order == "newest_first":
+        return sorted(jobs, key=lambda j: (-j.order_key, j.created_at, j.id))
+    return sorted(jobs, key=lambda j: (j.order_key, j.created_at, j.id))
+
+
+def assign(
+    jobs: Sequence[Job], free: Sequence[Device], now: float, order: str
+) -> list[tuple[Job, Device]]:
+    """Give each free device the next eligible job, in policy order (GPUs before CPU slots)."""
+    devices = sorted(free, key=lambda d: (d.kind != "cuda", d.id))
+    return list(zip(order_jobs(eligible(jobs, now), order), devices, strict=False))
+
+
+def next_retry_at(jobs: Sequence[Job], now: float) -> float | None:
+    """When the earliest backed-off job becomes eligible (None if none is waiting)."""
+    waits = [j.not_before for j in jobs if j.state == "queued" and j.not_before > now]
+    return min(waits) if waits else None
+
+
+def step_due(step: int | None, final: bool, every_n_steps: int) -> bool:
+    """policy.every_n_steps: steps divisible by N are evaluated; final checkpoints always."""
+    return final or step is None or step % every_n_steps == 0
+
+
+def order_key(step: int | None, final: bool) -> float:
+    """Sort key for a checkpoint in its run: its step; a final just after its step; a final with
+    no known step after everything."""
+    if step is None:
+        return 1e18
+    return step + (0.5 if final else 0.0)

@@ -1,0 +1,44 @@
+"""The Source interface: list a tree into a snapshot of checkpoint candidates; diff snapshots."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ckpt_watcher.checkpoints.naming import CheckpointId
+
+
+@dataclass(frozen=True)
+class Found:
+    """One directory a scan found: a checkpoint (ident set) or an unrecognised one (note says why)."""
+
+    location: str
+    path: Path | None
+    ident: CheckpointId | None
+    note: str = ""
+
+
+class Source(Protocol):
+    """A place checkpoints appear. `scan` is the truth; `watch` may only wake a scan early."""
+
+    name: str
+    poll_seconds: float
+
+    def scan(self) -> list[Found]:
+        """List every checkpoint candidate now (raises OSError subclasses on failure)."""
+        ...
+
+    def watch(self, wake: Callable[[], None]) -> bool:
+        """Start change notifications calling `wake`; False if unavailable (polling only)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def diff(old: Mapping[str, Found], new: Mapping[str, Found]) -> tuple[list[Found], list[Found]]:
+    """(added, removed) between two snapshots keyed by location."""
+    added = [f for loc, f in new.items() if loc not in old]
+    removed = [f for loc, f in old.items() if loc not in new]
+    return added, removed

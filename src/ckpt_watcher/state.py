@@ -1,0 +1,295 @@
+"""The daemon's durable state: SQLite in WAL mode under `state_dir` (local disk, never NFS).
+
+Tables: `checkpoints` (every checkpoint seen and where it is in its life cycle), `jobs` (one
+eval of one checkpoint's due tasks: queued/running/ok/failed/skipped, attempts, worker pid),
+`sources` (last scan and error), `meta` (heartbeat, daemon pid). The ledger, not this
+database, is the record of results: on start, ledger `ok` lines win over job states.
+`watcher status` opens the same file read-only.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt_watcher.errors import DaemonAlreadyRunning, StateError
+
+DB_NAME = "state.sqlite"
+LOCK_NAME = "daemon.lock"
+
+CHECKPOINT_STATES = (
+    "incomplete",  # being written: waiting (reason says why)
+    "invalid",  # will not become evaluable by itself (reason says why)
+    "unrecognised",  # a folder with model files whose name follows no known pattern
+    "ready",  # complete; jobs not planned yet
+    "planned",  # a job is queued or running
+    "done",  # every task has an ok ledger line
+    "failed",  # some task ran out of attempts
+    "skipped",  # by policy (every_n_steps, superseded)
+    "missed",  # deleted before it was evaluated
+)
+JOB_STATES = ("queued", "running", "ok", "failed", "skipped")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS sources (
+    name TEXT PRIMARY KEY, last_scan_at REAL, last_ok_at REAL, last_error TEXT,
+    n_checkpoints INTEGER DEFAULT 0);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    location TEXT PRIMARY KEY, source TEXT NOT NULL, run TEXT, step INTEGER, label TEXT,
+    final INTEGER DEFAULT 0, state TEXT NOT NULL, reason TEXT DEFAULT '',
+    fingerprint TEXT, unchanged_since REAL, first_seen REAL, updated_at REAL, ready_at REAL);
+CREATE INDEX IF NOT EXISTS checkpoints_state ON checkpoints(state);
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY, location TEXT NOT NULL, run TEXT NOT NULL, step INTEGER,
+    label TEXT NOT NULL, tasks TEXT NOT NULL, settings_hash TEXT NOT NULL, state TEXT NOT NULL,
+    attempt INTEGER DEFAULT 0, not_before REAL DEFAULT 0, device TEXT, device_label TEXT,
+    pid INTEGER,
+    pid_start TEXT, host TEXT, created_at REAL, started_at REAL, finished_at REAL,
+    error TEXT, order_key REAL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
+"""
+
+
+@dataclass
+class Job:
+    id: str
+    location: str
+    run: str
+    step: int | None
+    label: str
+    tasks: list[dict[str, Any]]
+    settings_hash: str
+    state: str
+    attempt: int
+    not_before: float
+    device: str | None
+    device_label: str | None
+    pid: int | None
+    pid_start: str | None
+    created_at: float
+    started_at: float | None
+    error: str | None
+    order_key: float
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> Job:
+        return cls(
+            id=row["id"],
+            location=row["location"],
+            run=row["run"],
+            step=row["step"],
+            label=row["label"],
+            tasks=json.loads(row["tasks"]),
+            settings_hash=row["settings_hash"],
+            state=row["state"],
+            attempt=row["attempt"],
+            not_before=row["not_before"] or 0.0,
+            device=row["device"],
+            device_label=row["device_label"],
+            pid=row["pid"],
+            pid_start=row["pid_start"],
+            created_at=row["created_at"] or 0.0,
+            started_at=row["started_at"],
+            error=row["error"],
+            order_key=row["order_key"] or 0.0,
+        )
+
+
+def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
+    try:
+        if readonly:
+            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+        else:
+            conn = sqlite3.connect(path, timeout=30, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+    except sqlite3.Error as e:
+        raise StateError(f"cannot open state database {path}: {e}") from e
+    conn.row_factory = sqlite3.Row
+    return conn
+
+
+class State:
+    """Read/write access to the state database (the daemon holds one; tools open their own)."""
+
+    def __init__(self, state_dir: Path, readonly: bool = False) -> None:
+        self.dir = state_dir
+        self.path = state_dir / DB_NAME
+        if readonly:
+            if not self.path.exists():
+                raise StateError(
+                    f"no watcher state at {self.path}: the daemon has not run with this state_dir"
+                )
+        else:
+            try:
+                state_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise StateError(f"cannot create state_dir {state_dir}: {e.strerror}") from e
+        self.conn = _connect(self.path, readonly)
+        if not readonly:
+            self.conn.executescript(_SCHEMA)
+        self._lock_fd: int | None = None
+
+    def close(self) -> None:
+        self.conn.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # --- the daemon lock: one live daemon per state_dir --------------------------------------
+    def acquire_daemon_lock(self) -> None:
+        fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            os.close(fd)
+            pid = self.get_meta("daemon_pid") or "?"
+            raise DaemonAlreadyRunning(
+                f"another watcher daemon (pid {pid}) is using state_dir {self.dir}; stop it first "
+                "or give this one its own state_dir"
+            ) from e
+        self._lock_fd = fd
+
+    def daemon_lock_held(self) -> bool:
+        """True if some live process holds the daemon lock (works after kill -9: no stale pid)."""
+        try:
+            fd = os.open(self.dir / LOCK_NAME, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    # --- meta ----------------------------------------------------------------------------------
+    def set_meta(self, **values: Any) -> None:
+        with self.conn:
+            for k, v in values.items():
+                self.conn.execute(
+                    "INSERT INTO meta(key, value) VALUES(?, ?) "
+                    "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                    (k, json.dumps(v)),
+                )
+
+    def get_meta(self, key: str) -> Any:
+        row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return json.loads(row["value"]) if row else None
+
+    # --- sources -------------------------------------------------------------------------------
+    def record_scan(self, name: str, at: float, error: str | None, n: int | None) -> None:
+        with self.conn:
+            self.conn.execute(
+                "INSERT INTO sources(name, last_scan_at, last_ok_at, last_error, n_checkpoints) "
+                "VALUES(?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
+                "last_scan_at=excluded.last_scan_at, last_error=excluded.last_error, "
+                "last_ok_at=COALESCE(excluded.last_ok_at, sources.last_ok_at), "
+                "n_checkpoints=COALESCE(excluded.n_checkpoints, sources.n_checkpoints)",
+                (name, at, None if error else at, error, n),
+            )
+
+    def sources(self) -> list[sqlite3.Row]:
+        return list(self.conn.execute("SELECT * FROM sources ORDER BY name"))
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def checkpoint(self, location: str) -> sqlite3.Row | None:
+        row: sqlite3.Row | None = self.conn.execute(
+            "SELECT * FROM checkpoints WHERE location=?", (location,)
+        ).fetchone()
+        return row
+
+    def upsert_checkpoint(self, location: str, source: str, now: float, **fields: Any) -> None:
+        """Insert a checkpoint row or update the given fields of an existing one."""
+        existing = self.checkpoint(location)
+        with self.conn:
+            if existing is None:
+                fields.setdefault("state", "incomplete")
+                cols = ["location", "source", "first_seen", "updated_at", *fields]
+                vals = [location, source, now, now, *fields.values()]
+                marks = ",".join("?" * len(cols))
+                self.conn.execute(
+                    f"INSERT INTO checkpoints({','.join(cols)}) VALUES({marks})", vals
+                )
+            elif fields:
+                sets = ",".join(f"{k}=?" for k in fields)
+                self.conn.execute(
+                    f"UPDATE checkpoints SET {sets}, updated_at=? WHERE location=?",
+                    [*fields.values(), now, location],
+                )
+
+    def checkpoints(self, *states: str, source: str | None = None) -> list[sqlite3.Row]:
+        q = "SELECT * FROM checkpoints"
+        cond: list[str] = []
+        args: list[Any] = []
+        if states:
+            cond.append(f"state IN ({','.join('?' * len(states))})")
+            args.extend(states)
+        if source is not None:
+            cond.append("source=?")
+            args.append(source)
+        if cond:
+            q += " WHERE " + " AND ".join(cond)
+        return list(self.conn.execute(q + " ORDER BY run, step", args))
+
+    def checkpoint_counts(self) -> dict[str, int]:
+        rows = self.conn.execute("SELECT state, COUNT(*) n FROM checkpoints GROUP BY state")
+        return {r["state"]: r["n"] for r in rows}
+
+    # --- jobs ----------------------------------------------------------------------------------
+    def add_job(self, job: Job) -> None:
+        with self.conn:
+            self.conn.execute(
+                "INSERT INTO jobs(id, location, run, step, label, tasks, settings_hash, state, "
+                "attempt, not_before, created_at, order_key) VALUES(?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    job.id,
+                    job.location,
+                    job.run,
+                    job.step,
+                    job.label,
+                    json.dumps(job.tasks),
+                    job.settings_hash,
+                    job.state,
+                    job.attempt,
+                    job.not_before,
+                    job.created_at,
+                    job.order_key,
+                ),
+            )
+
+    def job(self, job_id: str) -> Job | None:
+        row = self.conn.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
+        return Job.from_row(row) if row else None
+
+    def jobs(self, *states: str, location: str | None = None) -> list[Job]:
+        q = "SELECT * FROM jobs"
+        cond: list[str] = []
+        args: list[Any] = []
+        if states:
+            cond.append(f"state IN ({','.join('?' * len(states))})")
+            args.extend(states)
+        if location is not None:
+            cond.append("location=?")
+            args.append(location)
+        if cond:
+            q += " WHERE " + " AND ".join(cond)
+        return [Job.from_row(r) for r in self.conn.execute(q + " ORDER BY created_at", args)]
+
+    def update_job(self, job_id: str, **fields: Any) -> None:
+        if "tasks" in fields:
+            fields["tasks"] = json.dumps(fields["tasks"])
+        sets = ",".join(f"{k}=?" for k in fields)
+        with self.conn:
+            self.conn.execute(f"UPDATE jobs SET {sets} WHERE id=?", [*fields.values(), job_id])
+
+    def job_counts(self) -> dict[str, int]:
+        rows = self.conn.execute("SELECT state, COUNT(*) n FROM jobs GROUP BY state")
+        return {r["state"]: r["n"] for r in rows}

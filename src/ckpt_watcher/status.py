@@ -1,0 +1,205 @@
+"""`watcher status`: what the daemon is doing, read from its state and the ledger, without it.
+
+Liveness comes from the daemon's lock (held only by a live process, so a kill -9 never leaves a
+stale "running") and its heartbeat (a hung daemon shows as stale).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ckpt_watcher import ledger as ledger_mod
+from ckpt_watcher.config import WatcherConfig
+from ckpt_watcher.daemon import HEARTBEAT_SECONDS, iso
+from ckpt_watcher.state import State
+
+STALE_AFTER = 10 * HEARTBEAT_SECONDS
+EXIT_RUNNING = 0
+EXIT_DOWN = 3
+EXIT_STALE = 4
+# Non-final states listed one by one (done/skipped only counted).
+_LISTED = ("incomplete", "invalid", "unrecognised", "ready", "planned", "failed", "missed")
+
+
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
+    s = int(max(0, seconds))
+    if s < 120:
+        return f"{s}s ago"
+    if s < 7200:
+        return f"{s // 60}m ago"
+    return f"{s // 3600}h ago"
+
+
+def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
+    """Everything `status` shows, as plain data (also the --json output)."""
+    now = time.time() if now is None else now
+    state = State(cfg.state_dir, readonly=True)
+    try:
+        alive = state.daemon_lock_held()
+        heartbeat = state.get_meta("heartbeat")
+        age = now - heartbeat if heartbeat else None
+        daemon = {
+            "alive": alive,
+            "stale": bool(alive and age is not None and age > STALE_AFTER),
+            "pid": state.get_meta("daemon_pid") if alive else None,
+            "started_at": _iso_or_none(state.get_meta("daemon_started_at")),
+            "stopped_at": None
+            if alive
+            else _iso_or_none(state.get_meta("daemon_stopped_at") or heartbeat),
+            "heartbeat_age_s": round(age, 1) if age is not None else None,
+            "stopping": bool(state.get_meta("stopping")) if alive else False,
+            "mode": state.get_meta("mode"),
+        }
+        sources = [
+            {
+                "name": r["name"],
+                "last_scan_at": _iso_or_none(r["last_scan_at"]),
+                "last_scan_age_s": round(now - r["last_scan_at"], 1) if r["last_scan_at"] else None,
+                "error": r["last_error"],
+                "checkpoints": r["n_checkpoints"],
+            }
+            for r in state.sources()
+        ]
+        checkpoints = [
+            {
+                "location": r["location"],
+                "run": r["run"],
+                "step": r["step"],
+                "label": r["label"],
+                "state": r["state"],
+                "reason": r["reason"],
+            }
+            for r in state.checkpoints(*_LISTED)
+        ]
+        queued = [
+            {
+                "job_id": j.id,
+                "run": j.run,
+                "step": j.step,
+                "label": j.label,
+                "tasks": [t["task"] for t in j.tasks],
+                "attempt": j.attempt,
+                "retry_in_s": round(j.not_before - now, 1) if j.not_before > now else None,
+                "last_error": j.error,
+            }
+            for j in state.jobs("queued")
+        ]
+        running = [
+            {
+                "job_id": j.id,
+                "run": j.run,
+                "step": j.step,
+                "label": j.label,
+                "device": j.device_label,
+                "pid": j.pid,
+                "attempt": j.attempt,
+                "tasks": [t["task"] for t in j.tasks],
+                "running_s": round(now - j.started_at, 1) if j.started_at else None,
+            }
+            for j in state.jobs("running")
+        ]
+        failures = [
+            {"job_id": j.id, "run": j.run, "step": j.step, "label": j.label, "error": j.error}
+            for j in state.jobs("failed")
+        ]
+        counts = state.checkpoint_counts()
+    finally:
+        state.close()
+    return {
+        "daemon": daemon,
+        "sources": sources,
+        "checkpoint_counts": counts,
+        "checkpoints": checkpoints,
+        "queue": queued,
+        "running": running,
+        "failures": failures,
+        "latest_results": latest_results(cfg),
+    }
+
+
+def _iso_or_none(ts: float | None) -> str | None:
+    return iso(ts) if ts else None
+
+
+def latest_results(cfg: WatcherConfig, per_run: int = 3) -> list[dict[str, Any]]:
+    """The newest ok lines of each run (its highest steps)."""
+    out = []
+    for run in ledger_mod.iter_runs(cfg.ledger_dir):
+        lines = [
+            ln
+            for ln in ledger_mod.read_lines(ledger_mod.ledger_path(cfg.ledger_dir, run)).lines
+            if ln.get("status") == "ok"
+        ]
+        steps = sorted({int(ln["step"]) for ln in lines if ln.get("step") is not None})[-per_run:]
+        for ln in lines:
+            if ln.get("step") in steps or ln.get("step") is None:
+                metrics = {k: v for k, v in ln.get("metrics", {}).items() if "_stderr" not in k}
+                out.append(
+                    {
+                        "run": run,
+                        "step": ln.get("step"),
+                        "label": ln.get("label"),
+                        "task": ln["task"],
+                        "num_fewshot": ln.get("num_fewshot"),
+                        "metrics": metrics,
+                    }
+                )
+    return out
+
+
+def exit_code(data: dict[str, Any]) -> int:
+    d = data["daemon"]
+    if not d["alive"]:
+        return EXIT_DOWN
+    return EXIT_STALE if d["stale"] else EXIT_RUNNING
+
+
+def render(data: dict[str, Any]) -> str:
+    d = data["daemon"]
+    lines = []
+    if d["alive"]:
+        hb = d["heartbeat_age_s"]
+        word = f"STALE (no heartbeat for {hb}s: hung?)" if d["stale"] else "running"
+        extra = ", stopping (draining)" if d["stopping"] else ""
+        lines.append(
+            f"daemon: {word}, pid {d['pid']}, since {d['started_at']}, heartbeat {_ago(hb)}{extra}"
+        )
+    else:
+        lines.append(f"daemon: DOWN since {d['stopped_at'] or 'unknown'}")
+    lines.append("sources:")
+    for s in data["sources"]:
+        err = f"  ERROR: {s['error']}" if s["error"] else ""
+        lines.append(
+            f"  {s['name']}: last scan {_ago(s['last_scan_age_s'])}, {s['checkpoints'] or 0} checkpoints{err}"
+        )
+    counts = data["checkpoint_counts"]
+    lines.append(
+        "checkpoints: " + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none yet")
+    )
+    for c in data["checkpoints"]:
+        who = c["label"] or c["location"]
+        lines.append(f"  {c['state']:<12} {who}  {c['reason'] or ''}".rstrip())
+    lines.append(f"queue: {len(data['queue'])} job(s)")
+    for q in data["queue"]:
+        retry = f", retry in {q['retry_in_s']}s after: {q['last_error']}" if q["retry_in_s"] else ""
+        lines.append(f"  {q['label']}  tasks {', '.join(q['tasks'])}{retry}")
+    lines.append(f"running: {len(data['running'])}")
+    for r in data["running"]:
+        lines.append(
+            f"  {r['device']}: {r['label']} (pid {r['pid']}, attempt {r['attempt']}, "
+            f"{r['running_s']}s, tasks {', '.join(r['tasks'])})"
+        )
+    lines.append(f"failures: {len(data['failures'])}")
+    for f in data["failures"]:
+        lines.append(f"  {f['label']}: {(f['error'] or '').splitlines()[0] if f['error'] else ''}")
+    lines.append("latest results:")
+    for r in data["latest_results"]:
+        shots = r["num_fewshot"] if r["num_fewshot"] is not None else "default"
+        metrics = ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["metrics"].items()
+        )
+        lines.append(f"  {r['run']} {r['label']}  {r['task']} ({shots}-shot)  {metrics}")
+    return "\n".join(lines)
