@@ -7,6 +7,7 @@ naming the field (the CLI turns that into exit code 2).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from pathlib import Path
@@ -108,6 +109,12 @@ class TaskSpec(_Model):
     """Code-executing tasks (mbpp, humaneval, ...) run only when this is true."""
 
 
+DEFAULT_MODEL_ARGS: dict[str, Any] = {
+    "dtype": "bfloat16",
+    "gpu_memory_utilization": 0.8,
+    "max_model_len": 4096,
+}
+
 # Model args that change speed or memory but never a score: changing them does not
 # make earlier results stale.
 _RESOURCE_ONLY_MODEL_ARGS = frozenset(
@@ -120,14 +127,10 @@ class EvalConfig(_Model):
 
     backend: Literal["vllm", "hf"] = "vllm"
     """vllm (production) or hf (transformers)."""
-    model_args: dict[str, Any] = Field(
-        default_factory=lambda: {
-            "dtype": "bfloat16",
-            "gpu_memory_utilization": 0.8,
-            "max_model_len": 4096,
-        }
-    )
-    """Backend model arguments, as `lm_eval --model_args`; `pretrained` is the checkpoint."""
+    model_args: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_MODEL_ARGS))
+    """Backend model arguments, as `lm_eval --model_args`; `pretrained` is the checkpoint.
+    Merged over the defaults (dtype bfloat16, gpu_memory_utilization 0.8, max_model_len 4096);
+    set a key to null to drop a default."""
     tensor_parallel_size: int = Field(1, ge=1)
     """TP > 1 gives wrong scores on small models; refused unless allow_tensor_parallel."""
     allow_tensor_parallel: bool = False
@@ -152,6 +155,14 @@ class EvalConfig(_Model):
     """Wait before retry k is this times 2**(k-1)."""
     tasks: list[TaskSpec] = Field(min_length=1)
     """The tasks to run on every checkpoint."""
+
+    @field_validator("model_args", mode="before")
+    @classmethod
+    def _merge_defaults(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        merged = dict(DEFAULT_MODEL_ARGS) | v
+        return {k: val for k, val in merged.items() if val is not None}
 
     @field_validator("include_path")
     @classmethod
@@ -350,7 +361,7 @@ def parse_config(raw: Any, overrides: list[str] | None = None) -> WatcherConfig:
         raise ConfigError(
             f"config: the top level must be a mapping of keys, got {type(raw).__name__}"
         )
-    raw = apply_overrides(raw, overrides or [])
+    raw = apply_overrides(copy.deepcopy(raw), overrides or [])
     try:
         return WatcherConfig.model_validate(raw)
     except ValidationError as e:

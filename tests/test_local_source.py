@@ -1,0 +1,83 @@
+"""The local source: what a scan finds, what it refuses to follow, and inotify wake-ups."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from ckpt_watcher.sources.base import diff
+from ckpt_watcher.sources.local import LocalSource
+
+from .conftest import write_fake_checkpoint
+
+
+def test_scan_finds_checkpoints_at_depth_and_reports_the_unrecognised(tmp_path: Path) -> None:
+    write_fake_checkpoint(tmp_path / "run1_step100")
+    write_fake_checkpoint(tmp_path / "proj" / "grpo" / "checkpoint-20")
+    write_fake_checkpoint(tmp_path / "proj" / "latest")  # model files, no known name
+    (tmp_path / "proj" / "logs").mkdir()
+    found = {Path(f.location).name: f for f in LocalSource(tmp_path).scan()}
+    assert found["run1_step100"].ident is not None and found["run1_step100"].ident.step == 100
+    assert found["checkpoint-20"].ident is not None and found["checkpoint-20"].ident.run == "grpo"
+    assert found["latest"].ident is None and "follows no pattern" in found["latest"].note
+    assert "logs" not in found
+
+
+def test_symlinks_are_never_followed(tmp_path: Path) -> None:
+    outside = write_fake_checkpoint(tmp_path / "outside" / "secret_step1")
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(outside, root / "run_step5")
+    os.symlink(tmp_path / "outside", root / "escape")
+    found = LocalSource(root).scan()
+    assert [(Path(f.location).name, f.ident, f.note) for f in found] == [
+        ("run_step5", None, "symlink: not followed")
+    ]
+
+
+def test_hostile_names_are_reported_not_parsed(tmp_path: Path) -> None:
+    names = ["run; rm -rf ~_step1", "$(touch pwned)_step2", "new\nline_step3", "quote'\"_step4"]
+    for n in names:
+        write_fake_checkpoint(tmp_path / n)
+    raw = os.fsencode(tmp_path) + b"/bad\xff_step5"
+    os.mkdir(raw)
+    (Path(os.fsdecode(raw)) / "config.json").write_text("{}")
+    found = LocalSource(tmp_path).scan()
+    assert len(found) == 5
+    assert all(f.ident is None for f in found)
+    for f in found:
+        f.location.encode("utf-8")  # always storable and printable
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_diff_of_snapshots(tmp_path: Path) -> None:
+    src = LocalSource(tmp_path)
+    write_fake_checkpoint(tmp_path / "r_step1")
+    a = {f.location: f for f in src.scan()}
+    write_fake_checkpoint(tmp_path / "r_step2")
+    import shutil
+
+    shutil.rmtree(tmp_path / "r_step1")
+    b = {f.location: f for f in src.scan()}
+    added, removed = diff(a, b)
+    assert [Path(f.location).name for f in added] == ["r_step2"]
+    assert [Path(f.location).name for f in removed] == ["r_step1"]
+
+
+def test_inotify_wakes_on_a_closed_write(tmp_path: Path) -> None:
+    src = LocalSource(tmp_path)
+    woke = threading.Event()
+    assert src.watch(woke.set)
+    try:
+        (tmp_path / "run_step1").mkdir()
+        assert woke.wait(5)
+    finally:
+        src.close()
+
+
+def test_missing_root_is_an_error_the_daemon_reports(tmp_path: Path) -> None:
+    import pytest
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LocalSource(tmp_path / "nope").scan()

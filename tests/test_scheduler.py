@@ -1,0 +1,84 @@
+"""Pure scheduling rules and the clamp rule (no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckpt_watcher import scheduler
+from ckpt_watcher.devices import FakeGpu, FakeInventory, cpu_slots, free_devices
+from ckpt_watcher.evaluators.clamp import clamp_gen_toks
+from ckpt_watcher.state import Job
+
+
+def job(jid: str, step: int, not_before: float = 0.0, created: float = 0.0) -> Job:
+    return Job(
+        id=jid,
+        location=f"/c/{jid}",
+        run="r",
+        step=step,
+        label=jid,
+        tasks=[],
+        settings_hash="h",
+        state="queued",
+        attempt=0,
+        not_before=not_before,
+        device=None,
+        device_label=None,
+        pid=None,
+        pid_start=None,
+        created_at=created,
+        started_at=None,
+        error=None,
+        order_key=scheduler.order_key(step, False),
+    )
+
+
+def test_newest_first_and_oldest_first() -> None:
+    jobs = [job("a", 100), job("b", 300), job("c", 200)]
+    devs = cpu_slots(2)
+    assert [j.id for j, _ in scheduler.assign(jobs, devs, 0, "newest_first")] == ["b", "c"]
+    assert [j.id for j, _ in scheduler.assign(jobs, devs, 0, "oldest_first")] == ["a", "c"]
+
+
+def test_backed_off_jobs_wait_and_next_retry_is_reported() -> None:
+    jobs = [job("a", 100, not_before=50), job("b", 50)]
+    assert [j.id for j, _ in scheduler.assign(jobs, cpu_slots(2), 10, "newest_first")] == ["b"]
+    assert scheduler.next_retry_at(jobs, 10) == 50
+    assert [j.id for j, _ in scheduler.assign(jobs, cpu_slots(2), 50, "newest_first")] == ["a", "b"]
+
+
+def test_gpus_are_used_before_cpu_slots_and_busy_gpus_skipped() -> None:
+    inv = FakeInventory(gpus=[FakeGpu(6, "GPU-a"), FakeGpu(7, "GPU-b", foreign_mib=30000)], cpu=1)
+    free = free_devices(inv, in_use=[], our_pids=set())
+    assert [d.label for d in free] == ["cuda:6", "cpu:0"]
+    assert free[0].visible == "GPU-a"
+    (pair,) = scheduler.assign([job("a", 1)], free, 0, "newest_first")
+    assert pair[1].label == "cuda:6"
+    assert [d.label for d in free_devices(inv, in_use=["gpu:GPU-a"], our_pids=set())] == ["cpu:0"]
+
+
+def test_every_n_steps_and_finals() -> None:
+    assert scheduler.step_due(200, False, 100)
+    assert not scheduler.step_due(250, False, 100)
+    assert scheduler.step_due(250, True, 100)
+    assert scheduler.order_key(None, True) > scheduler.order_key(10**9, False)
+
+
+@pytest.mark.parametrize(
+    "prompt,requested,max_len,expected",
+    [
+        (10, 32, 64, (32, False, False)),
+        (10, 54, 64, (54, False, False)),
+        (10, 32768, 64, (54, True, False)),
+        (63, 32768, 64, (1, True, False)),
+        (64, 5, 64, (1, True, True)),
+        (500, 5, 64, (1, True, True)),
+    ],
+)
+def test_clamp_rule(prompt: int, requested: int, max_len: int, expected: tuple) -> None:
+    assert clamp_gen_toks(prompt, requested, max_len) == expected
+
+
+def test_clamp_refuses_a_context_with_no_room() -> None:
+    with pytest.raises(ValueError):
+        clamp_gen_toks(1, 1, 1)
