@@ -698,7 +698,11 @@ class Daemon:
         elif rc < 0:
             reason = f"worker killed by signal {signal.Signals(-rc).name} (OOM killer?)"
         else:
+            # a crash: the traceback's last line says what went wrong
+            tail_lines = self._log_tail(job).strip().splitlines()
             reason = f"worker exited with code {rc}"
+            if tail_lines:
+                reason += f": {tail_lines[-1][:300]}"
         tail = self._log_tail(job)
         if job.attempt < self.cfg.eval.max_attempts:
             delay = self.cfg.eval.retry_backoff_seconds * 2 ** (job.attempt - 1)

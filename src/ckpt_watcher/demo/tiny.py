@@ -78,11 +78,14 @@ def write_task(folder: Path, n_test: int = 100, seed: int = 1234) -> Path:
 
 
 def save_checkpoint(model: Any, tokenizer: Any, out: Path, naming_bug: bool = True) -> None:
-    """Save like many trainers do, in place: config, tokenizer, `model.safetensors`; then (bug)
-    an index that names `model-00001-of-00001.safetensors`, which does not exist."""
+    """Save in place as buggy trainers do: tokenizer, then (bug) an index that names
+    `model-00001-of-00001.safetensors`, then the weights as `model.safetensors` and config.
+
+    The index goes first so a watcher always sees the mismatch: a half-written
+    `model.safetensors` beside an index naming a file that will never exist.
+    """
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)
-    model.save_pretrained(out, safe_serialization=True)
     if naming_bug:
         names = sorted(model.state_dict().keys())
         if model.config.tie_word_embeddings:
@@ -93,3 +96,4 @@ def save_checkpoint(model: Any, tokenizer: Any, out: Path, naming_bug: bool = Tr
             "weight_map": {n: "model-00001-of-00001.safetensors" for n in names},
         }
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    model.save_pretrained(out, safe_serialization=True)
