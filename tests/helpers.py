@@ -15,8 +15,13 @@ from typing import Any
 from .conftest import WATCHER
 
 
-def wait_for(pred: Callable[[], Any], timeout: float, what: str, proc: subprocess.Popen | None = None,
-             log: Path | None = None) -> Any:
+def wait_for(
+    pred: Callable[[], Any],
+    timeout: float,
+    what: str,
+    proc: subprocess.Popen | None = None,
+    log: Path | None = None,
+) -> Any:
     """Poll `pred` until truthy; fail with `what` (and the daemon's log tail) on timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -34,8 +39,12 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, proc: subproces
 def watcher_run(config: Path, log: Path, *extra: str) -> Iterator[subprocess.Popen]:
     """`watcher run -c config` as a real subprocess; killed at the end if still alive."""
     with open(log, "ab") as out:
-        proc = subprocess.Popen([*WATCHER, "--log-json", "run", "-c", str(config), *extra],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [*WATCHER, "--log-json", "run", "-c", str(config), *extra],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         yield proc
     finally:
@@ -45,24 +54,52 @@ def watcher_run(config: Path, log: Path, *extra: str) -> Iterator[subprocess.Pop
 
 
 def status_json(config: Path) -> tuple[int, dict[str, Any] | None]:
-    r = subprocess.run([*WATCHER, "status", "-c", str(config), "--json"], capture_output=True, text=True)
+    r = subprocess.run(
+        [*WATCHER, "status", "-c", str(config), "--json"], capture_output=True, text=True
+    )
     try:
         return r.returncode, json.loads(r.stdout)
     except ValueError:
         return r.returncode, None
 
 
-def lm_eval_cli(checkpoint: Path, tasks_dir: Path, task: str, num_fewshot: int, out: Path,
-                model_args: str = "dtype=float32,max_length=64", model: str = "hf",
-                batch_size: str = "32") -> dict[str, Any]:
+def lm_eval_cli(
+    checkpoint: Path,
+    tasks_dir: Path,
+    task: str,
+    num_fewshot: int,
+    out: Path,
+    model_args: str = "dtype=float32,max_length=64",
+    model: str = "hf",
+    batch_size: str = "32",
+) -> dict[str, Any]:
     """Run the `lm_eval` CLI directly, the way users do today; return its results JSON."""
-    cmd = [str(Path(os.sys.executable).parent / "lm_eval"), "--model", model,
-           "--model_args", f"pretrained={checkpoint},{model_args}", "--tasks", task,
-           "--num_fewshot", str(num_fewshot), "--include_path", str(tasks_dir), "--seed", "42",
-           "--batch_size", batch_size, "--gen_kwargs", "temperature=0", "--output_path", str(out)]
+    cmd = [
+        str(Path(os.sys.executable).parent / "lm_eval"),
+        "--model",
+        model,
+        "--model_args",
+        f"pretrained={checkpoint},{model_args}",
+        "--tasks",
+        task,
+        "--num_fewshot",
+        str(num_fewshot),
+        "--include_path",
+        str(tasks_dir),
+        "--seed",
+        "42",
+        "--batch_size",
+        batch_size,
+        "--gen_kwargs",
+        "temperature=0",
+        "--output_path",
+        str(out),
+    ]
     if model == "hf":
         cmd += ["--device", "cpu"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     (result,) = list(out.rglob("results_*.json"))
     return json.loads(result.read_text())

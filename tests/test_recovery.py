@@ -1,0 +1,131 @@
+"""Crash safety with real processes and real signals: kill -9 the daemon mid-eval, restart;
+SIGTERM with a running eval; a worker killed mid-eval."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from .conftest import base_config, read_ledger, write_config
+from .helpers import status_json, wait_for, watcher_run
+
+pytestmark = pytest.mark.slow
+
+TASKS = [{"task": "addition", "num_fewshot": 0}, {"task": "addition", "num_fewshot": 1}]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def running_job(cfg: Path) -> dict | None:
+    _, st = status_json(cfg)
+    if st and st["running"] and st["running"][0]["pid"]:
+        return st["running"][0]
+    return None
+
+
+def test_kill_9_mid_eval_then_restart_loses_and_duplicates_nothing(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint
+) -> None:
+    watch = tmp_path / "ckpts"
+    for step in (1, 2):
+        copy_checkpoint(watch / f"k_step{step}")
+    cfg = write_config(
+        tmp_path / "w.yaml", base_config(tmp_path, watch, addition_tasks, tasks=TASKS)
+    )
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        job = wait_for(lambda: running_job(cfg), 60, "an eval to start", daemon, log)
+        os.kill(daemon.pid, signal.SIGKILL)  # the daemon dies; its worker is left behind
+        daemon.wait()
+    stray = job["pid"]
+    assert alive(stray), "the worker should outlive a kill -9 of the daemon"
+    code, st = status_json(cfg)
+    assert code == 3 and st and not st["daemon"]["alive"]
+
+    with watcher_run(cfg, log) as daemon:
+        wait_for(
+            lambda: not alive(stray),
+            30,
+            "the restarted daemon to kill the stray worker",
+            daemon,
+            log,
+        )
+        wait_for(
+            lambda: (
+                len([ln for ln in read_ledger(tmp_path / "ledgers", "k") if ln["status"] == "ok"])
+                >= 4
+            ),
+            300,
+            "4 ok lines",
+            daemon,
+            log,
+        )
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    lines = read_ledger(tmp_path / "ledgers", "k")
+    counts = Counter((ln["step"], ln["num_fewshot"]) for ln in lines if ln["status"] == "ok")
+    assert counts == {(1, 0): 1, (1, 1): 1, (2, 0): 1, (2, 1): 1}
+    assert all(ln["status"] == "ok" for ln in lines)
+
+
+def test_first_sigterm_past_grace_requeues_the_running_eval_and_second_run_finishes_it(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint
+) -> None:
+    watch = tmp_path / "ckpts"
+    copy_checkpoint(watch / "s_step1")
+    raw = base_config(tmp_path, watch, addition_tasks, tasks=TASKS)
+    raw["shutdown_grace_seconds"] = 0
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        job = wait_for(lambda: running_job(cfg), 60, "an eval to start", daemon, log)
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    assert not alive(job["pid"])
+    assert read_ledger(tmp_path / "ledgers", "s") == []  # interrupted: never marked ok
+    _, st = status_json(cfg)
+    assert st and len(st["queue"]) == 1 and st["queue"][0]["attempt"] == 0  # not a used-up attempt
+
+    with watcher_run(cfg, log) as daemon:
+        wait_for(
+            lambda: len(read_ledger(tmp_path / "ledgers", "s")) >= 2, 300, "2 results", daemon, log
+        )
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    assert sorted(ln["num_fewshot"] for ln in read_ledger(tmp_path / "ledgers", "s")) == [0, 1]
+
+
+def test_worker_killed_mid_eval_is_retried_then_ok(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint
+) -> None:
+    watch = tmp_path / "ckpts"
+    copy_checkpoint(watch / "w_step1")
+    cfg = write_config(
+        tmp_path / "w.yaml", base_config(tmp_path, watch, addition_tasks, tasks=TASKS)
+    )
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        job = wait_for(lambda: running_job(cfg), 60, "an eval to start", daemon, log)
+        os.killpg(job["pid"], signal.SIGKILL)  # OOM killer, say
+        wait_for(
+            lambda: len(read_ledger(tmp_path / "ledgers", "w")) >= 2, 300, "2 results", daemon, log
+        )
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    lines = read_ledger(tmp_path / "ledgers", "w")
+    assert [ln["status"] for ln in lines] == ["ok", "ok"]
+    assert max(ln["attempt"] for ln in lines) == 2  # a task done before the kill keeps attempt 1
+    assert "SIGKILL" in log.read_text()  # the retry said why
