@@ -11,7 +11,7 @@ from ckpt_watcher.state import Job
 
 
 def job(jid: str, step: int, not_before: float = 0.0, created: float = 0.0) -> Job:
-    return Job(
+    j = Job.new(
         id=jid,
         location=f"/c/{jid}",
         run="r",
@@ -19,18 +19,11 @@ def job(jid: str, step: int, not_before: float = 0.0, created: float = 0.0) -> J
         label=jid,
         tasks=[],
         settings_hash="h",
-        state="queued",
-        attempt=0,
-        not_before=not_before,
-        device=None,
-        device_label=None,
-        pid=None,
-        pid_start=None,
         created_at=created,
-        started_at=None,
-        error=None,
         order_key=scheduler.order_key(step, False),
     )
+    j.not_before = not_before
+    return j
 
 
 def test_newest_first_and_oldest_first() -> None:

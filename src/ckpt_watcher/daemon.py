@@ -258,15 +258,8 @@ class Daemon:
             remaining = self._due_tasks(job)
             if remaining:
                 # the interruption was not the job's fault: it does not use up an attempt
-                self.state.update_job(
-                    job.id,
-                    state="queued",
-                    attempt=max(0, job.attempt - 1),
-                    tasks=remaining,
-                    pid=None,
-                    device=None,
-                    device_label=None,
-                    not_before=0,
+                self._requeue(
+                    job, remaining, attempt=max(0, job.attempt - 1), error="daemon restarted"
                 )
                 log.info("recovery.requeued", job_id=job.id, run=job.run, step=job.step)
             else:
@@ -438,7 +431,7 @@ class Daemon:
                 )
                 log.error("checkpoint.names_unfixable", location=loc, error=str(e))
                 continue
-            job = Job(
+            job = Job.new(
                 id=f"{run}-{step if step is not None else label}-{uuid.uuid4().hex[:8]}",
                 location=loc,
                 run=run,
@@ -446,16 +439,7 @@ class Daemon:
                 label=label,
                 tasks=due,
                 settings_hash=self.settings_hash,
-                state="queued",
-                attempt=0,
-                not_before=0.0,
-                device=None,
-                device_label=None,
-                pid=None,
-                pid_start=None,
                 created_at=now,
-                started_at=None,
-                error=None,
                 order_key=scheduler.order_key(step, final),
             )
             self.state.add_job(job)
@@ -539,7 +523,7 @@ class Daemon:
             attempt=attempt,
             device=device.id,
             device_label=device.label,
-            started_at=now,
+            started_at=self.clock(),  # not the loop's `now`: scanning and planning took time
             pid=None,
             pid_start=None,
         )
@@ -547,9 +531,7 @@ class Daemon:
         try:
             handle = self.executor.start(job.id, folder, env, folder / "worker.log")
         except OSError as e:
-            self.state.update_job(
-                job.id, state="queued", attempt=job.attempt, device=None, device_label=None
-            )
+            self._requeue(job, job.tasks, attempt=job.attempt, error=f"could not start: {e}")
             log.error("eval.start_failed", job_id=job.id, error=str(e))
             return
         self.state.update_job(job.id, pid=handle.pid, pid_start=handle.start_token)
@@ -673,15 +655,8 @@ class Daemon:
             return
         if job.id in self.killed_for_stop:
             self.killed_for_stop.discard(job.id)
-            self.state.update_job(
-                job.id,
-                state="queued",
-                tasks=remaining,
-                attempt=max(0, job.attempt - 1),
-                pid=None,
-                device=None,
-                device_label=None,
-                error="interrupted by shutdown",
+            self._requeue(
+                job, remaining, attempt=max(0, job.attempt - 1), error="interrupted by shutdown"
             )
             log.info("job.requeued", job_id=job.id, reason="shutdown")
             return
@@ -690,6 +665,7 @@ class Daemon:
             for t in remaining
             if (t["task"], t["num_fewshot"]) in outcomes
         ]
+        tail = self._log_tail(job)
         if job.id in self.timed_out:
             self.timed_out.discard(job.id)
             reason = f"timed out after {self.cfg.eval.timeout_seconds:g}s (eval.timeout_seconds)"
@@ -699,23 +675,12 @@ class Daemon:
             reason = f"worker killed by signal {signal.Signals(-rc).name} (OOM killer?)"
         else:
             # a crash: the traceback's last line says what went wrong
-            tail_lines = self._log_tail(job).strip().splitlines()
             reason = f"worker exited with code {rc}"
-            if tail_lines:
-                reason += f": {tail_lines[-1][:300]}"
-        tail = self._log_tail(job)
+            if tail.strip():
+                reason += f": {tail.strip().splitlines()[-1][:300]}"
         if job.attempt < self.cfg.eval.max_attempts:
             delay = self.cfg.eval.retry_backoff_seconds * 2 ** (job.attempt - 1)
-            self.state.update_job(
-                job.id,
-                state="queued",
-                tasks=remaining,
-                not_before=now + delay,
-                pid=None,
-                device=None,
-                device_label=None,
-                error=reason,
-            )
+            self._requeue(job, remaining, attempt=job.attempt, not_before=now + delay, error=reason)
             log.warning(
                 "eval.retry",
                 job_id=job.id,
@@ -737,6 +702,28 @@ class Daemon:
             self._append(job, o, "failed", error)
         self.failures_this_pass += 1
         self._finish_job(job, "failed", now, error=reason)
+
+    def _requeue(
+        self,
+        job: Job,
+        tasks: list[dict[str, Any]],
+        *,
+        attempt: int,
+        error: str,
+        not_before: float = 0.0,
+    ) -> None:
+        """Back to the queue with the tasks still due; the device and worker are released."""
+        self.state.update_job(
+            job.id,
+            state="queued",
+            tasks=tasks,
+            attempt=attempt,
+            not_before=not_before,
+            pid=None,
+            device=None,
+            device_label=None,
+            error=error,
+        )
 
     def _log_tail(self, job: Job) -> str:
         path = job_dir(self.cfg.state_dir, job.id, job.attempt) / "worker.log"

@@ -78,6 +78,42 @@ class Job:
     order_key: float
 
     @classmethod
+    def new(
+        cls,
+        *,
+        id: str,
+        location: str,
+        run: str,
+        step: int | None,
+        label: str,
+        tasks: list[dict[str, Any]],
+        settings_hash: str,
+        created_at: float,
+        order_key: float,
+    ) -> Job:
+        """A freshly queued job that has never run."""
+        return cls(
+            id=id,
+            location=location,
+            run=run,
+            step=step,
+            label=label,
+            tasks=tasks,
+            settings_hash=settings_hash,
+            state="queued",
+            attempt=0,
+            not_before=0.0,
+            device=None,
+            device_label=None,
+            pid=None,
+            pid_start=None,
+            created_at=created_at,
+            started_at=None,
+            error=None,
+            order_key=order_key,
+        )
+
+    @classmethod
     def from_row(cls, row: sqlite3.Row) -> Job:
         return cls(
             id=row["id"],
@@ -99,6 +135,21 @@ class Job:
             error=row["error"],
             order_key=row["order_key"] or 0.0,
         )
+
+
+def _where(states: tuple[str, ...], **equal: Any) -> tuple[str, list[Any]]:
+    """A WHERE clause: state in `states` (if any) and column = value for each non-None value.
+    Column names come from our own keyword arguments, never from input."""
+    cond: list[str] = []
+    args: list[Any] = []
+    if states:
+        cond.append(f"state IN ({','.join('?' * len(states))})")
+        args.extend(states)
+    for column, value in equal.items():
+        if value is not None:
+            cond.append(f"{column}=?")
+            args.append(value)
+    return (" WHERE " + " AND ".join(cond) if cond else ""), args
 
 
 def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
@@ -226,18 +277,8 @@ class State:
                 )
 
     def checkpoints(self, *states: str, source: str | None = None) -> list[sqlite3.Row]:
-        q = "SELECT * FROM checkpoints"
-        cond: list[str] = []
-        args: list[Any] = []
-        if states:
-            cond.append(f"state IN ({','.join('?' * len(states))})")
-            args.extend(states)
-        if source is not None:
-            cond.append("source=?")
-            args.append(source)
-        if cond:
-            q += " WHERE " + " AND ".join(cond)
-        return list(self.conn.execute(q + " ORDER BY run, step", args))
+        where, args = _where(states, source=source)
+        return list(self.conn.execute(f"SELECT * FROM checkpoints{where} ORDER BY run, step", args))
 
     def checkpoint_counts(self) -> dict[str, int]:
         rows = self.conn.execute("SELECT state, COUNT(*) n FROM checkpoints GROUP BY state")
@@ -270,18 +311,9 @@ class State:
         return Job.from_row(row) if row else None
 
     def jobs(self, *states: str, location: str | None = None) -> list[Job]:
-        q = "SELECT * FROM jobs"
-        cond: list[str] = []
-        args: list[Any] = []
-        if states:
-            cond.append(f"state IN ({','.join('?' * len(states))})")
-            args.extend(states)
-        if location is not None:
-            cond.append("location=?")
-            args.append(location)
-        if cond:
-            q += " WHERE " + " AND ".join(cond)
-        return [Job.from_row(r) for r in self.conn.execute(q + " ORDER BY created_at", args)]
+        where, args = _where(states, location=location)
+        rows = self.conn.execute(f"SELECT * FROM jobs{where} ORDER BY created_at", args)
+        return [Job.from_row(r) for r in rows]
 
     def update_job(self, job_id: str, **fields: Any) -> None:
         if "tasks" in fields:

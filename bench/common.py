@@ -1,0 +1,81 @@
+"""Shared set-up for the benchmarks: a trained tiny checkpoint, task files, configs, timing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+BIN = Path(sys.executable).parent
+WATCHER = [sys.executable, "-m", "ckpt_watcher"]
+
+
+def trained_checkpoint(work: Path, steps: int = 300) -> Path:
+    """Train the demo model once per work folder (cached) and return its checkpoint."""
+    from ckpt_watcher.demo.train import train
+
+    path = work / "trained" / f"bench_step{steps}"
+    if not (path / "model.safetensors").exists():
+        shutil.rmtree(work / "trained", ignore_errors=True)
+        (path,) = train(work / "trained", run="bench", steps=steps, save_every=steps)
+    return path
+
+
+def task_folder(work: Path, copies: int = 1) -> tuple[Path, list[str]]:
+    """The addition task plus `copies - 1` identical copies under other names."""
+    from ckpt_watcher.demo.tiny import write_task
+
+    folder = write_task(work / "tasks")
+    text = (folder / "addition.yaml").read_text()
+    names = ["addition"]
+    for i in range(1, copies):
+        name = f"addition_copy{i}"
+        (folder / f"{name}.yaml").write_text(text.replace("task: addition", f"task: {name}"))
+        names.append(name)
+    return folder, names
+
+
+def config(
+    path: Path, root: Path, watch: Path, tasks_dir: Path, tasks: list[str], **over: Any
+) -> Path:
+    ev = {
+        "backend": "hf",
+        "model_args": {"dtype": "float32", "max_model_len": 64},
+        "include_path": str(tasks_dir),
+        "tasks": [{"task": t, "num_fewshot": 0} for t in tasks],
+    }
+    ev.update(over.pop("eval", {}))
+    data = {
+        "state_dir": str(root / "state"),
+        "ledger_dir": str(root / "ledgers"),
+        "sources": [{"kind": "local", "path": str(watch), "poll_seconds": 5}],
+        "devices": {"gpus": [], "cpu_slots": 1},
+        "eval": ev,
+        **over,
+    }
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def timed(cmd: list[str], env: dict[str, str] | None = None) -> float:
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    dt = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"command failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr[-3000:]}")
+    return dt
+
+
+def summary(values: list[float]) -> str:
+    return f"median {statistics.median(values):.3f}  min {min(values):.3f}  max {max(values):.3f}  (n={len(values)})"

@@ -1,0 +1,63 @@
+"""Process boundaries: the daemon never imports the heavy ML stack; code execution is opt-in
+per task; a failing task ends as a `failed` ledger line and `watcher once` exits 1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt_watcher.evaluators.harness import _code_execution
+
+from .conftest import WATCHER, base_config, read_ledger, write_config
+
+
+def test_daemon_side_never_imports_torch_vllm_or_lm_eval() -> None:
+    code = (
+        "import sys, ckpt_watcher.cli, ckpt_watcher.daemon, ckpt_watcher.status, ckpt_watcher.demo.runner;"
+        "bad = [m for m in ('torch', 'vllm', 'lm_eval', 'transformers') if m in sys.modules];"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_code_execution_env_only_inside_an_allowed_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
+    with _code_execution(True):
+        assert os.environ["HF_ALLOW_CODE_EVAL"] == "1"
+    assert "HF_ALLOW_CODE_EVAL" not in os.environ
+    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")  # set by the user's shell: not for our tasks
+    with _code_execution(False):
+        assert "HF_ALLOW_CODE_EVAL" not in os.environ
+    assert os.environ["HF_ALLOW_CODE_EVAL"] == "1"
+
+
+@pytest.mark.slow
+def test_unknown_task_fails_with_a_clear_line_and_once_exits_1(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint
+) -> None:
+    watch = tmp_path / "ckpts"
+    copy_checkpoint(watch / "f_step1")
+    tasks = [{"task": "addition", "num_fewshot": 0}, {"task": "no_such_task", "num_fewshot": 0}]
+    cfg = write_config(
+        tmp_path / "w.yaml",
+        base_config(tmp_path, watch, addition_tasks, tasks=tasks, max_attempts=1),
+    )
+    r = subprocess.run(
+        [*WATCHER, "--log-json", "once", "-c", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1
+    lines = {ln["task"]: ln for ln in read_ledger(tmp_path / "ledgers", "f")}
+    assert lines["addition"]["status"] == "ok"  # the good task keeps its result
+    bad = lines["no_such_task"]
+    assert bad["status"] == "failed" and bad["metrics"] == {}
+    assert "no_such_task" in bad["error"] and "after 1 attempts" in bad["error"]
+    st = subprocess.run([*WATCHER, "status", "-c", str(cfg)], capture_output=True, text=True)
+    assert st.returncode == 3 and "failures: 1" in st.stdout
