@@ -61,3 +61,37 @@ def test_unknown_task_fails_with_a_clear_line_and_once_exits_1(
     assert "no_such_task" in bad["error"] and "after 1 attempts" in bad["error"]
     st = subprocess.run([*WATCHER, "status", "-c", str(cfg)], capture_output=True, text=True)
     assert st.returncode == 3 and "failures: 1" in st.stdout
+
+
+def nvml_works() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(nvml_works(), reason="this machine has a working NVIDIA driver")
+def test_without_nvml_gpus_are_skipped_with_a_message_and_cpu_slots_still_work(
+    tmp_path: Path,
+) -> None:
+    from ckpt_watcher.config import DevicesConfig
+    from ckpt_watcher.devices import build_inventory
+
+    inv, warnings = build_inventory(DevicesConfig(gpus="all", cpu_slots=2))
+    assert [d.label for d in inv.devices()] == ["cpu:0", "cpu:1"]
+    assert len(warnings) == 1 and "NVML unavailable" in warnings[0] and "cpu_slots" in warnings[0]
+
+    cfg = write_config(
+        tmp_path / "w.yaml",
+        {
+            "state_dir": str(tmp_path / "s"),
+            "sources": [{"kind": "local", "path": str(tmp_path)}],
+            "eval": {"tasks": [{"task": "gsm8k"}]},
+        },
+    )
+    r = subprocess.run([*WATCHER, "once", "-c", str(cfg)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "config field devices: no device to run evals on" in r.stderr

@@ -39,6 +39,7 @@ from ckpt_watcher.errors import ConfigError, NamingFixError
 from ckpt_watcher.executors.base import WORKER_MODULE, Executor, is_our_worker
 from ckpt_watcher.executors.local import LocalExecutor, kill_group
 from ckpt_watcher.ledger import LedgerIndex, result_key
+from ckpt_watcher.notify import Notifier
 from ckpt_watcher.sources.base import Found, Source, diff
 from ckpt_watcher.sources.local import LocalSource
 from ckpt_watcher.state import Job, State
@@ -142,6 +143,7 @@ class Daemon:
         self.killed_for_stop: set[str] = set()
         self.failures_this_pass = 0
         self._last_heartbeat = 0.0
+        self.notifier = Notifier()
 
     # --- signals and worker exits arrive from other threads: they only set flags and wake ----
     def _on_worker_exit(self, job_id: str, rc: int) -> None:
@@ -190,6 +192,7 @@ class Daemon:
             devices=[d.label for d in self.inventory.devices()],
             mode="once" if self.once else "run",
         )
+        self.notifier.ready(self._status_line())
         first_pass = True
         while True:
             now = self.clock()
@@ -219,6 +222,9 @@ class Daemon:
 
     def _sleep_for(self, now: float) -> float:
         deadlines = [now + HEARTBEAT_SECONDS]
+        watchdog = self.notifier.watchdog_due(now)
+        if watchdog is not None:
+            deadlines.append(watchdog)
         if not self.once:
             deadlines += [rt.next_scan for rt in self.sources]
         retry = scheduler.next_retry_at(self.state.jobs("queued"), now)
@@ -232,9 +238,19 @@ class Daemon:
         return max(0.0, min(deadlines) - now)
 
     def _heartbeat(self, now: float) -> None:
+        self.notifier.watchdog(now)
         if now - self._last_heartbeat >= HEARTBEAT_SECONDS:
             self.state.set_meta(heartbeat=now, stopping=bool(self.stop_requests))
+            self.notifier.status(self._status_line())
             self._last_heartbeat = now
+
+    def _status_line(self) -> str:
+        counts = self.state.job_counts()
+        word = "stopping" if self.stop_requests else "watching"
+        return (
+            f"{word}: {counts.get('queued', 0)} queued, {counts.get('running', 0)} running, "
+            f"{counts.get('ok', 0)} done, {counts.get('failed', 0)} failed"
+        )
 
     def _save_resolved_config(self) -> None:
         self.cfg.ledger_dir.mkdir(parents=True, exist_ok=True)
@@ -660,6 +676,18 @@ class Daemon:
             )
             log.info("job.requeued", job_id=job.id, reason="shutdown")
             return
+        if not Path(job.location).exists():
+            # deleted while it was being evaluated: retrying cannot help
+            self.state.update_job(
+                job.id, state="skipped", error="checkpoint deleted during evaluation"
+            )
+            row = self.state.checkpoint(job.location)
+            source = row["source"] if row is not None else ""
+            self.state.upsert_checkpoint(
+                job.location, source, now, state="missed", reason="deleted during evaluation"
+            )
+            log.warning("checkpoint.missed", location=job.location, run=job.run, step=job.step)
+            return
         task_errors = [
             f"{t['task']}: {outcomes[(t['task'], t['num_fewshot'])]['error']}"
             for t in remaining
@@ -749,6 +777,7 @@ class Daemon:
         if self.stop_deadline is None:
             self.stop_deadline = now + self.cfg.shutdown_grace_seconds
             self.state.set_meta(stopping=True)
+            self.notifier.stopping()
             log.info(
                 "daemon.draining",
                 running=len(running),
