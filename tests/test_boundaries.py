@@ -37,7 +37,7 @@ def test_code_execution_env_only_inside_an_allowed_task(monkeypatch: pytest.Monk
 
 
 @pytest.mark.slow
-def test_unknown_task_fails_with_a_clear_line_and_once_exits_1(
+def test_unknown_task_fails_with_a_clear_line_then_requeue_runs_only_it(
     tmp_path: Path, addition_tasks: Path, copy_checkpoint
 ) -> None:
     watch = tmp_path / "ckpts"
@@ -61,6 +61,32 @@ def test_unknown_task_fails_with_a_clear_line_and_once_exits_1(
     assert "no_such_task" in bad["error"] and "after 1 attempts" in bad["error"]
     st = subprocess.run([*WATCHER, "status", "-c", str(cfg)], capture_output=True, text=True)
     assert st.returncode == 3 and "failures: 1" in st.stdout
+
+    # the user adds the missing task, then asks for another try: only the failed task runs
+    text = (
+        (addition_tasks / "addition.yaml")
+        .read_text()
+        .replace("task: addition", "task: no_such_task")
+    )
+    (addition_tasks / "no_such_task.yaml").write_text(text)
+    try:
+        rq = subprocess.run(
+            [*WATCHER, "requeue", "-c", str(cfg), "f"], capture_output=True, text=True
+        )
+        assert rq.returncode == 0 and "requeued f_step1: no_such_task (0-shot)" in rq.stdout
+        assert "addition (0-shot)" not in rq.stdout
+        r = subprocess.run(
+            [*WATCHER, "once", "-c", str(cfg)], capture_output=True, text=True, timeout=300
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+    finally:
+        (addition_tasks / "no_such_task.yaml").unlink()
+    final = [(ln["task"], ln["status"]) for ln in read_ledger(tmp_path / "ledgers", "f")]
+    assert sorted(final) == [("addition", "ok"), ("no_such_task", "failed"), ("no_such_task", "ok")]
+    again = subprocess.run(
+        [*WATCHER, "requeue", "-c", str(cfg), "f"], capture_output=True, text=True
+    )
+    assert again.returncode == 1 and "every task already ok" in again.stdout
 
 
 def nvml_works() -> bool:

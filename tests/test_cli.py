@@ -79,3 +79,34 @@ def test_status_without_state_says_so(tmp_path: Path) -> None:
     cfg = _ledger(tmp_path)
     result = CliRunner().invoke(main, ["status", "-c", str(cfg)])
     assert result.exit_code == 3 and "daemon has not run" in result.output
+
+
+def test_doctor_reports_each_check_and_fails_on_a_missing_source(tmp_path: Path) -> None:
+    import subprocess
+
+    from .conftest import WATCHER
+
+    (tmp_path / "ck").mkdir()
+    cfg = write_config(
+        tmp_path / "w.yaml",
+        {
+            "state_dir": str(tmp_path / "s"),
+            "ledger_dir": str(tmp_path / "l"),
+            "sources": [{"kind": "local", "path": str(tmp_path / "ck")}],
+            "devices": {"gpus": [], "cpu_slots": 1},
+            "eval": {"backend": "hf", "tasks": [{"task": "gsm8k"}]},
+        },
+    )
+    r = subprocess.run(
+        [*WATCHER, "doctor", "-c", str(cfg)], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stdout
+    names = [line.split()[1].rstrip(":") for line in r.stdout.splitlines()]
+    assert names == ["config", "devices", "lm-eval", "sources[0]", "state_dir", "ledger_dir"]
+    r = subprocess.run(
+        [*WATCHER, "doctor", "-c", str(cfg), "--set", f"sources.0.path={tmp_path / 'gone'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1 and "FAIL  sources[0]:" in r.stdout and "does not exist" in r.stdout

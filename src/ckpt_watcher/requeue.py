@@ -1,0 +1,68 @@
+"""`watcher requeue`: put a run's checkpoints back in line for another try.
+
+Only what is due is run again: tasks whose latest attempt failed, and tasks whose results were
+made with other eval settings (stale). A result already `ok` under the current settings is never
+run twice. Works with the daemon running or not: it only changes state rows, which the daemon
+reads on its next pass (within seconds).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ckpt_watcher.config import WatcherConfig
+from ckpt_watcher.ledger import LedgerIndex, result_key
+from ckpt_watcher.state import State
+
+_REQUEUEABLE = ("done", "failed", "skipped")
+
+
+@dataclass
+class Requeued:
+    label: str
+    due: list[str]
+
+
+def requeue(
+    cfg: WatcherConfig, run: str, step: int | None = None, task: str | None = None
+) -> tuple[list[Requeued], list[str]]:
+    """Return (checkpoints put back as ready, checkpoints left alone with why)."""
+    ledger = LedgerIndex(cfg.ledger_dir).load()
+    settings = cfg.eval.settings_hash()
+    tasks = [t for t in cfg.eval.tasks if task is None or t.task == task]
+    state = State(cfg.state_dir)
+    done: list[Requeued] = []
+    left: list[str] = []
+    try:
+        rows = [
+            r
+            for r in state.checkpoints()
+            if r["run"] == run and (step is None or r["step"] == step)
+        ]
+        for row in rows:
+            due = [
+                f"{t.task} ({t.num_fewshot}-shot)"
+                for t in tasks
+                if not ledger.is_ok(
+                    result_key(run, row["step"], row["label"], t.task, t.num_fewshot, settings)
+                )
+            ]
+            if row["state"] not in _REQUEUEABLE:
+                left.append(
+                    f"{row['label']}: {row['state']} (already in line or not evaluable yet)"
+                )
+            elif not due:
+                left.append(f"{row['label']}: every task already ok with the current settings")
+            else:
+                state.upsert_checkpoint(
+                    row["location"],
+                    row["source"],
+                    time.time(),
+                    state="ready",
+                    reason="requeued by hand",
+                )
+                done.append(Requeued(row["label"], due))
+    finally:
+        state.close()
+    return done, left

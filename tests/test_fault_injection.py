@@ -1,0 +1,36 @@
+"""At least 20 kill -9s of `watcher run` at random (seeded) moments across several checkpoints x
+2 tasks, each followed by a restart: nothing lost, nothing duplicated.
+
+Replay a failure with CKPT_WATCHER_FAULT_SEED=<the seed in the assertion message>.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_twenty_random_kill_9s_lose_and_duplicate_nothing(
+    tmp_path: Path, trained_checkpoint: Path
+) -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import kill9
+    finally:
+        sys.path.pop(0)
+    seed = int(os.environ.get("CKPT_WATCHER_FAULT_SEED", "20261121"))
+    figures = kill9.fault_run(tmp_path, trained_checkpoint, kills=20, seed=seed, max_gap=6.0)
+    lines = figures.pop("lines")
+    assert figures["jobs_lost"] == 0, figures
+    assert figures["jobs_duplicated"] == 0, figures
+    assert figures["failed_lines"] == 0, figures
+    assert figures["clean_exit"], figures
+    assert figures["kills_survived"] == 20, figures
+    assert len(lines) == 6
