@@ -237,3 +237,20 @@ def test_fix_names_cli(tmp_path: Path) -> None:
     )
     r = subprocess.run([*WATCHER, "fix-names", str(bad)], capture_output=True, text=True)
     assert r.returncode == 1 and "re-save the checkpoint" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"\xff" * 8 + b"{}",
+        (5).to_bytes(8, "little") + b"nojs!",
+        (2).to_bytes(8, "little") + b"[]",
+        (39).to_bytes(8, "little") + b'{"w": {"data_offsets": [9, 3]}}        ',
+    ],
+    ids=["absurd-length", "not-json", "not-object", "bad-offsets"],
+)
+def test_corrupt_headers_are_invalid_not_waited_for(tmp_path: Path, header: bytes) -> None:
+    ck = write_fake_checkpoint(tmp_path / "r_step1")
+    (ck / "model.safetensors").write_bytes(header)
+    v = check(ck)
+    assert v.state == "invalid" and "corrupt safetensors header" in v.reason

@@ -129,3 +129,57 @@ def test_worker_killed_mid_eval_is_retried_then_ok(
     assert [ln["status"] for ln in lines] == ["ok", "ok"]
     assert max(ln["attempt"] for ln in lines) == 2  # a task done before the kill keeps attempt 1
     assert "SIGKILL" in log.read_text()  # the retry said why
+
+
+def test_status_tells_a_hung_daemon_from_a_dead_one(tmp_path: Path) -> None:
+    (tmp_path / "ckpts").mkdir()
+    cfg = write_config(
+        tmp_path / "w.yaml",
+        {
+            "state_dir": str(tmp_path / "s"),
+            "ledger_dir": str(tmp_path / "l"),
+            "sources": [{"kind": "local", "path": str(tmp_path / "ckpts")}],
+            "devices": {"gpus": [], "cpu_slots": 1},
+            "eval": {"tasks": [{"task": "addition"}]},
+        },
+    )
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        wait_for(lambda: status_json(cfg)[0] == 0, 30, "running", daemon, log)
+        os.kill(daemon.pid, signal.SIGSTOP)  # hung: alive, holding its lock, no heartbeat
+        try:
+            code, st = wait_for(lambda: (r := status_json(cfg))[0] == 4 and r, 60, "stale")
+            assert st["daemon"]["alive"] and st["daemon"]["stale"]
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        wait_for(lambda: status_json(cfg)[0] == 0, 30, "fresh again", daemon, log)
+        os.kill(daemon.pid, signal.SIGKILL)
+        daemon.wait()
+    code, st = status_json(cfg)
+    assert code == 3 and st and not st["daemon"]["alive"] and st["daemon"]["stopped_at"]
+
+
+def test_second_signal_kills_running_evals_at_once(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint
+) -> None:
+    watch = tmp_path / "ckpts"
+    copy_checkpoint(watch / "t_step1")
+    raw = base_config(tmp_path, watch, addition_tasks, tasks=TASKS)
+    raw["shutdown_grace_seconds"] = 600
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        job = wait_for(lambda: running_job(cfg), 60, "an eval to start", daemon, log)
+        daemon.send_signal(signal.SIGTERM)  # drain: would wait up to 600 s
+        wait_for(
+            lambda: (st := status_json(cfg)[1]) and st["daemon"]["stopping"],
+            10,
+            "draining",
+            daemon,
+            log,
+        )
+        daemon.send_signal(signal.SIGINT)  # second signal: stop now
+        assert daemon.wait(timeout=20) == 0
+    assert not alive(job["pid"])
+    _, st = status_json(cfg)
+    assert st and [q["last_error"] for q in st["queue"]] == ["interrupted by shutdown"]

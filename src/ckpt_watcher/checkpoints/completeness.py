@@ -98,6 +98,8 @@ def _check_safetensors(ckpt: Path, shards: list[Path]) -> Completeness:
             header = read_header(p)
             size = p.stat().st_size
         except HeaderUnreadable as e:
+            if e.corrupt:
+                return Completeness("invalid", f"{p.name}: corrupt safetensors header: {e}")
             return Completeness("incomplete", f"{p.name}: {e}")
         except OSError as e:
             return Completeness("incomplete", f"{p.name}: cannot read ({e.strerror})")

@@ -17,7 +17,12 @@ MAX_HEADER_BYTES = 100_000_000
 
 
 class HeaderUnreadable(Exception):
-    """The header is missing, cut short or not valid JSON (maybe still being written)."""
+    """The header is missing or cut short (maybe still being written), or, with `corrupt`,
+    complete but impossible (a length no writer produces, JSON that does not parse)."""
+
+    def __init__(self, message: str, corrupt: bool = False) -> None:
+        super().__init__(message)
+        self.corrupt = corrupt
 
 
 @dataclass(frozen=True)
@@ -36,9 +41,9 @@ def parse_header(prefix: bytes, header_len: int) -> SafetensorsHeader:
     try:
         meta = json.loads(prefix.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
-        raise HeaderUnreadable(f"header is not valid JSON ({e.__class__.__name__})") from e
+        raise HeaderUnreadable(f"header is not valid JSON ({e.__class__.__name__})", True) from e
     if not isinstance(meta, dict):
-        raise HeaderUnreadable("header is not a JSON object")
+        raise HeaderUnreadable("header is not a JSON object", True)
     end = 0
     names = []
     for name, info in meta.items():
@@ -47,9 +52,9 @@ def parse_header(prefix: bytes, header_len: int) -> SafetensorsHeader:
         try:
             begin, stop = info["data_offsets"]
         except (TypeError, KeyError, ValueError) as e:
-            raise HeaderUnreadable(f"tensor {name!r} has no valid data_offsets") from e
+            raise HeaderUnreadable(f"tensor {name!r} has no valid data_offsets", True) from e
         if not (isinstance(begin, int) and isinstance(stop, int) and 0 <= begin <= stop):
-            raise HeaderUnreadable(f"tensor {name!r} has invalid data_offsets")
+            raise HeaderUnreadable(f"tensor {name!r} has invalid data_offsets", True)
         end = max(end, stop)
         names.append(name)
     return SafetensorsHeader(header_len=header_len, tensors=frozenset(names), data_end=end)
@@ -63,7 +68,7 @@ def read_header(path: Path) -> SafetensorsHeader:
             raise HeaderUnreadable("file is shorter than the 8-byte header length")
         (n,) = struct.unpack("<Q", raw)
         if n == 0 or n > MAX_HEADER_BYTES:
-            raise HeaderUnreadable(f"header length {n} is not plausible")
+            raise HeaderUnreadable(f"header length {n} is not plausible", True)
         body = f.read(n)
     if len(body) < n:
         raise HeaderUnreadable("header is cut short")
