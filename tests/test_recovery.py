@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from .conftest import base_config, read_ledger, write_config
+from .conftest import WATCHER, base_config, read_ledger, write_config, write_fake_checkpoint
 from .helpers import status_json, wait_for, watcher_run
 
 pytestmark = pytest.mark.slow
@@ -183,3 +184,65 @@ def test_second_signal_kills_running_evals_at_once(
     assert not alive(job["pid"])
     _, st = status_json(cfg)
     assert st and [q["last_error"] for q in st["queue"]] == ["interrupted by shutdown"]
+
+
+def test_hung_eval_is_killed_at_timeout_retried_then_failed(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint
+) -> None:
+    watch = tmp_path / "ckpts"
+    copy_checkpoint(watch / "h_step1")
+    # 2 s is less than a worker needs to import torch and lm-eval: every attempt "hangs"
+    raw = base_config(tmp_path, watch, addition_tasks, timeout_seconds=2, max_attempts=2)
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    r = subprocess.run(
+        [*WATCHER, "--log-json", "once", "-c", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1
+    (line,) = read_ledger(tmp_path / "ledgers", "h")
+    assert line["status"] == "failed" and line["attempt"] == 2
+    assert line["error"].startswith("timed out after 2s (eval.timeout_seconds) (after 2 attempts)")
+    assert "--- worker log tail ---" in line["error"]
+    assert r.stderr.count('"event": "eval.timeout"') == 2
+
+
+def test_hostile_directories_are_reported_by_a_running_daemon_never_evaluated(
+    tmp_path: Path,
+) -> None:
+    watch = tmp_path / "ckpts"
+    for name in ["x; rm -rf ~_step1", "$(touch pwned)_step2", "new\nline_step3", "latest"]:
+        write_fake_checkpoint(watch / name)
+    os.mkdir(os.fsencode(watch) + b"/bad\xff_step5")
+    (Path(os.fsdecode(os.fsencode(watch) + b"/bad\xff_step5")) / "config.json").write_text("{}")
+    outside = write_fake_checkpoint(tmp_path / "outside" / "o_step1")
+    os.symlink(outside, watch / "link_step7")
+    cfg = write_config(
+        tmp_path / "w.yaml",
+        {
+            "state_dir": str(tmp_path / "s"),
+            "ledger_dir": str(tmp_path / "l"),
+            "sources": [{"kind": "local", "path": str(watch)}],
+            "devices": {"gpus": [], "cpu_slots": 1},
+            "eval": {"tasks": [{"task": "addition"}]},
+        },
+    )
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        st = wait_for(
+            lambda: (
+                (s := status_json(cfg)[1]) and s["checkpoint_counts"].get("unrecognised") == 6 and s
+            ),
+            30,
+            "6 unrecognised entries",
+            daemon,
+            log,
+        )
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=30) == 0
+    reasons = sorted(c["reason"] for c in st["checkpoints"])
+    assert "symlink: not followed" in reasons
+    assert not st["queue"] and not st["running"]
+    assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
+    assert not (tmp_path / "l").exists() or not any((tmp_path / "l").glob("*/ledger.jsonl"))
