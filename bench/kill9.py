@@ -21,6 +21,9 @@ from typing import Any
 
 from common import WATCHER, config, task_folder, trained_checkpoint
 
+from ckpt_watcher.errors import WatcherError
+from ckpt_watcher.state import State
+
 CHECKPOINTS = (100, 200, 300)
 
 
@@ -37,14 +40,46 @@ def _ledger(root: Path) -> list[dict[str, Any]]:
     return out
 
 
-def fault_run(
-    work: Path, ckpt: Path, kills: int, seed: int, long_gaps: float = 0.35
-) -> dict[str, Any]:
-    """Run the kill loop; return the figures (and the ledger lines, for assertions).
+def _serving(root: Path, pid: int) -> bool:
+    """True once the daemon `pid` has taken over the state (its signal handlers are in place)."""
+    try:
+        state = State(root / "state", readonly=True)
+    except WatcherError:
+        return False
+    try:
+        return bool(state.get_meta("daemon_pid") == pid)
+    finally:
+        state.close()
 
-    Most kills come 0.2-4 s after a start (during start-up, scans, planning, model loading);
-    a share `long_gaps` come 8-20 s after, when evals finish and ledger lines are appended.
+
+def _ok_count(root: Path) -> int:
+    return sum(1 for x in _ledger(root) if x["status"] == "ok")
+
+
+def _sleep_then_kill_moment(
+    rng: random.Random, root: Path, after_append: float, expected: int
+) -> bool:
+    """Wait for the moment of the next kill; True if it follows a fresh ledger append.
+
+    Most kills come 0.2-4 s after a start (start-up, recovery, scans, planning, model loading).
+    A share `after_append` come 0-0.3 s after the ledger gains an ok line: while the daemon is
+    between appending that line and committing the job, or appending the job's next line.
     """
+    before = _ok_count(root)
+    if rng.random() < after_append and before < expected:
+        deadline = time.monotonic() + 90
+        while _ok_count(root) == before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0, 0.3))
+        return _ok_count(root) > before
+    time.sleep(rng.uniform(0.2, 4))
+    return False
+
+
+def fault_run(
+    work: Path, ckpt: Path, kills: int, seed: int, after_append: float = 0.25
+) -> dict[str, Any]:
+    """Run the kill loop; return the figures (and the ledger lines, for assertions)."""
     rng = random.Random(seed)
     root = work / f"seed{seed}"
     shutil.rmtree(root, ignore_errors=True)
@@ -69,28 +104,28 @@ def fault_run(
     log = open(root / "daemon.log", "ab")
     started = time.monotonic()
     survived = 0
+    after_appends = 0
     try:
         for _ in range(kills):
             proc = subprocess.Popen(
                 [*WATCHER, "--log-json", "run", "-c", str(cfg)], stdout=log, stderr=log
             )
-            time.sleep(rng.uniform(8, 20) if rng.random() < long_gaps else rng.uniform(0.2, 4))
+            after_appends += _sleep_then_kill_moment(rng, root, after_append, len(CHECKPOINTS) * 2)
             alive_before = proc.poll() is None
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
             survived += int(
                 alive_before
             )  # it was still serving when killed: not a crash of its own
-        ok_during_kills = sum(1 for x in _ledger(root) if x["status"] == "ok")
+        ok_during_kills = _ok_count(root)
         proc = subprocess.Popen(
             [*WATCHER, "--log-json", "run", "-c", str(cfg)], stdout=log, stderr=log
         )
         expected = len(CHECKPOINTS) * 2
         deadline = time.monotonic() + 600
-        while (
-            time.monotonic() < deadline
-            and len([x for x in _ledger(root) if x["status"] == "ok"]) < expected
-        ):
+        while time.monotonic() < deadline and not _serving(root, proc.pid):
+            time.sleep(0.1)  # a SIGTERM before the daemon's handlers exist would just kill it
+        while time.monotonic() < deadline and _ok_count(root) < expected:
             time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         clean_exit = proc.wait(timeout=120) == 0
@@ -103,6 +138,7 @@ def fault_run(
         "seed": seed,
         "kills": kills,
         "kills_survived": survived,
+        "kills_right_after_a_ledger_append": after_appends,
         "jobs_expected": len(want),
         "jobs_lost": len(want - set(ok)),
         "jobs_duplicated": sum(n - 1 for n in ok.values() if n > 1),
