@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from ckpt_watcher.checkpoints import completeness
+from ckpt_watcher.checkpoints.files import LocalFiles
 from ckpt_watcher.checkpoints.namefix import apply_fix, plan_fix
 from ckpt_watcher.checkpoints.naming import CheckpointId, parse_checkpoint_dir
-from ckpt_watcher.checkpoints.safetensors_header import read_header
+from ckpt_watcher.checkpoints.safetensors_header import read_local_header
 from ckpt_watcher.errors import NamingFixError
 
 from .conftest import WATCHER, write_fake_checkpoint, write_safetensors
@@ -50,12 +51,12 @@ def test_final_step_comes_from_trainer_state(tmp_path: Path) -> None:
 
 def check(path: Path, **kw: object) -> completeness.Completeness:
     args: dict = {"now": 1000.0, "stable_seconds": 60.0} | kw
-    return completeness.check(path, **args)
+    return completeness.check(LocalFiles(path), **args)
 
 
 def test_header_gives_expected_size(tmp_path: Path) -> None:
     size = write_safetensors(tmp_path / "m.safetensors", {"w": 10, "v": 3})
-    h = read_header(tmp_path / "m.safetensors")
+    h = read_local_header(tmp_path / "m.safetensors")
     assert h.expected_size == size == (tmp_path / "m.safetensors").stat().st_size
     assert h.tensors == {"w", "v"}
 
@@ -203,11 +204,11 @@ def test_naming_fix_refuses_when_tensors_do_not_match(tmp_path: Path) -> None:
     }
     (ck / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(NamingFixError, match="no other safetensors file holds exactly"):
-        plan_fix(ck)
+        plan_fix(LocalFiles(ck))
     write_safetensors(ck / "copy.safetensors", {"a.weight": 16, "c.weight": 8})
     write_safetensors(ck / "copy2.safetensors", {"a.weight": 16, "c.weight": 8})
     with pytest.raises(NamingFixError, match="2 files hold"):
-        plan_fix(ck)
+        plan_fix(LocalFiles(ck))
 
 
 def test_index_with_path_escaping_names_is_refused(tmp_path: Path) -> None:

@@ -31,7 +31,6 @@ import yaml
 from ckpt_watcher import ledger as ledger_mod
 from ckpt_watcher import scheduler
 from ckpt_watcher.checkpoints import completeness
-from ckpt_watcher.checkpoints.namefix import apply_fix
 from ckpt_watcher.config import LocalSource as LocalSourceConfig
 from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.devices import Device, Inventory, build_inventory, free_devices
@@ -144,6 +143,9 @@ class Daemon:
         self.failures_this_pass = 0
         self._last_heartbeat = 0.0
         self.notifier = Notifier()
+
+    def _source(self, name: str) -> Source | None:
+        return next((rt.source for rt in self.sources if rt.source.name == name), None)
 
     # --- signals and worker exits arrive from other threads: they only set flags and wake ----
     def _on_worker_exit(self, job_id: str, rc: int) -> None:
@@ -369,10 +371,12 @@ class Daemon:
             log.warning("checkpoint.missed", location=f.location, run=row["run"], step=row["step"])
 
     def _check(self, row: Any, now: float) -> None:
-        path = Path(row["location"])
+        source = self._source(row["source"])
+        if source is None:
+            return  # its source left the config
         prev_fp = row["fingerprint"]
         verdict = completeness.check(
-            path,
+            source.view(row["location"]),
             now=now,
             stable_seconds=self.cfg.stable_seconds,
             unchanged_since=row["unchanged_since"],
@@ -438,9 +442,12 @@ class Daemon:
             if self.state.jobs("queued", "running", location=loc):
                 self.state.upsert_checkpoint(loc, row["source"], now, state="planned", reason="")
                 continue
+            source = self._source(row["source"])
+            if source is None:
+                continue
             try:
-                for action in apply_fix(Path(loc)):
-                    log.info("checkpoint.names_fixed", location=loc, action=action.describe())
+                for action in source.prepare(loc):
+                    log.info("checkpoint.names_fixed", location=loc, action=action)
             except NamingFixError as e:
                 self.state.upsert_checkpoint(
                     loc, row["source"], now, state="invalid", reason=str(e)
@@ -676,15 +683,15 @@ class Daemon:
             )
             log.info("job.requeued", job_id=job.id, reason="shutdown")
             return
-        if not Path(job.location).exists():
+        row = self.state.checkpoint(job.location)
+        source = self._source(row["source"]) if row is not None else None
+        if source is not None and not source.exists(job.location):
             # deleted while it was being evaluated: retrying cannot help
             self.state.update_job(
                 job.id, state="skipped", error="checkpoint deleted during evaluation"
             )
-            row = self.state.checkpoint(job.location)
-            source = row["source"] if row is not None else ""
             self.state.upsert_checkpoint(
-                job.location, source, now, state="missed", reason="deleted during evaluation"
+                job.location, source.name, now, state="missed", reason="deleted during evaluation"
             )
             log.warning("checkpoint.missed", location=job.location, run=job.run, step=job.step)
             return

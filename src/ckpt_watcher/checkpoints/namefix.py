@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckpt_watcher.checkpoints.files import CheckpointFiles, LocalFiles
 from ckpt_watcher.checkpoints.safetensors_header import HeaderUnreadable, read_header
 from ckpt_watcher.errors import NamingFixError
 
@@ -36,11 +37,11 @@ class LinkAction:
         return f"{verb} {self.target} -> {self.source}"
 
 
-def read_index(ckpt: Path) -> dict[str, str] | None:
+def read_index(files: CheckpointFiles, where: str = "") -> dict[str, str] | None:
     """The index's weight_map (tensor -> file name), or None if there is no index."""
-    path = ckpt / INDEX_NAME
+    path = f"{where}{INDEX_NAME}"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(files.read(INDEX_NAME).decode("utf-8"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -56,37 +57,36 @@ def read_index(ckpt: Path) -> dict[str, str] | None:
     return wm
 
 
-def plan_fix(ckpt: Path) -> list[LinkAction]:
+def plan_fix(files: CheckpointFiles, where: str = "") -> list[LinkAction]:
     """The links needed so every file the index names exists; [] if none are needed.
 
     Raises NamingFixError when a named file is missing and no single other file holds exactly
     its tensors (the checkpoint cannot be made loadable without rewriting files).
     """
-    weight_map = read_index(ckpt)
+    weight_map = read_index(files, where)
     if weight_map is None:
         return []
     wanted: dict[str, set[str]] = {}
     for tensor, fname in weight_map.items():
         wanted.setdefault(fname, set()).add(tensor)
-    missing = sorted(f for f in wanted if not (ckpt / f).exists())
+    missing = sorted(f for f in wanted if f not in files.files)
     if not missing:
         return []
-    named = set(wanted)
     candidates: dict[str, frozenset[str]] = {}
-    for p in sorted(ckpt.glob("*.safetensors")):
-        if p.name in named or not p.is_file():
+    for name in sorted(files.files):
+        if not name.endswith(".safetensors") or name in wanted:
             continue
         try:
-            candidates[p.name] = read_header(p).tensors
+            candidates[name] = read_header(files, name).tensors
         except (HeaderUnreadable, OSError) as e:
-            raise NamingFixError(f"{p}: cannot read its safetensors header ({e})") from e
+            raise NamingFixError(f"{where}{name}: cannot read its safetensors header ({e})") from e
     actions = []
     for fname in missing:
         matches = [c for c, tensors in candidates.items() if tensors == wanted[fname]]
         if len(matches) != 1:
             why = "no other safetensors file holds" if not matches else f"{len(matches)} files hold"
             raise NamingFixError(
-                f"{ckpt}: the index names {fname}, which is missing, and {why} exactly its "
+                f"{where}the index names {fname}, which is missing, and {why} exactly its "
                 f"{len(wanted[fname])} tensors; re-save the checkpoint or fix its index by hand"
             )
         actions.append(LinkAction(target=fname, source=matches[0]))
@@ -95,7 +95,7 @@ def plan_fix(ckpt: Path) -> list[LinkAction]:
 
 def apply_fix(ckpt: Path, dry_run: bool = False) -> list[LinkAction]:
     """Plan and (unless dry_run) create the links; idempotent (a second call does nothing)."""
-    actions = plan_fix(ckpt)
+    actions = plan_fix(LocalFiles(ckpt), where=f"{ckpt}: ")
     if dry_run:
         return actions
     return [_link(ckpt, a) for a in actions]

@@ -11,6 +11,10 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ckpt_watcher.checkpoints.files import CheckpointFiles
 
 # The format caps headers at 100 MB; anything bigger is a corrupt length field.
 MAX_HEADER_BYTES = 100_000_000
@@ -60,16 +64,22 @@ def parse_header(prefix: bytes, header_len: int) -> SafetensorsHeader:
     return SafetensorsHeader(header_len=header_len, tensors=frozenset(names), data_end=end)
 
 
-def read_header(path: Path) -> SafetensorsHeader:
-    """Read the header of a local safetensors file (at most 8 + N bytes are read)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise HeaderUnreadable("file is shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", raw)
-        if n == 0 or n > MAX_HEADER_BYTES:
-            raise HeaderUnreadable(f"header length {n} is not plausible", True)
-        body = f.read(n)
+def read_header(files: CheckpointFiles, name: str) -> SafetensorsHeader:
+    """Read one file's header through a checkpoint view: two reads, 8 + N bytes in all."""
+    raw = files.read(name, 0, 8)
+    if len(raw) < 8:
+        raise HeaderUnreadable("file is shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", raw)
+    if n == 0 or n > MAX_HEADER_BYTES:
+        raise HeaderUnreadable(f"header length {n} is not plausible", True)
+    body = files.read(name, 8, n)
     if len(body) < n:
         raise HeaderUnreadable("header is cut short")
     return parse_header(body, n)
+
+
+def read_local_header(path: Path) -> SafetensorsHeader:
+    """Read the header of a local safetensors file."""
+    from ckpt_watcher.checkpoints.files import LocalFiles
+
+    return read_header(LocalFiles(path.parent), path.name)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from ckpt_watcher.checkpoints.files import CheckpointFiles
 from ckpt_watcher.checkpoints.naming import CheckpointId
 
 
@@ -28,6 +29,19 @@ class Source(Protocol):
 
     def scan(self) -> list[Found]:
         """List every checkpoint candidate now (raises OSError subclasses on failure)."""
+        ...
+
+    def view(self, location: str) -> CheckpointFiles:
+        """A read-only view of one checkpoint's files, for the completeness rules."""
+        ...
+
+    def exists(self, location: str) -> bool:
+        """Is the checkpoint still there?"""
+        ...
+
+    def prepare(self, location: str) -> list[str]:
+        """Make a ready checkpoint loadable before it is queued (the naming fix, where the
+        files are ours to link); returns what was done. Raises NamingFixError."""
         ...
 
     def watch(self, wake: Callable[[], None]) -> bool:

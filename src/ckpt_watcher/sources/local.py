@@ -15,6 +15,8 @@ from typing import Any
 
 import structlog
 
+from ckpt_watcher.checkpoints.files import LocalFiles
+from ckpt_watcher.checkpoints.namefix import apply_fix
 from ckpt_watcher.checkpoints.naming import looks_like_checkpoint_name, parse_checkpoint_dir
 from ckpt_watcher.sources.base import Found
 
@@ -119,6 +121,15 @@ class LocalSource:
                 "global_step_{N}, step_{N})",
             )
         return None
+
+    def view(self, location: str) -> LocalFiles:
+        return LocalFiles(Path(location))
+
+    def exists(self, location: str) -> bool:
+        return Path(location).is_dir()
+
+    def prepare(self, location: str) -> list[str]:
+        return [a.describe() for a in apply_fix(Path(location))]
 
     def watch(self, wake: Callable[[], None]) -> bool:
         """Start an inotify observer on the root; False (polling only) where that fails."""

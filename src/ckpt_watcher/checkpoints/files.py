@@ -1,0 +1,70 @@
+"""A read-only view of one checkpoint's files, so the same completeness rules and naming-fix
+plan apply to a local folder and to an S3 prefix (the I/O is passed in, the rules are shared)."""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Protocol
+
+
+class CheckpointFiles(Protocol):
+    @property
+    def files(self) -> dict[str, int]:
+        """Top-level file names -> sizes in bytes (listed once per view)."""
+        ...
+
+    def read(self, name: str, start: int = 0, length: int | None = None) -> bytes:
+        """Bytes of one file (a range of it); FileNotFoundError if it is not there."""
+        ...
+
+    def fingerprint(self) -> str:
+        """Changes whenever a write lands (names, sizes, mtimes or ETags)."""
+        ...
+
+
+class LocalFiles:
+    """A checkpoint folder on a local or network filesystem.
+
+    A file symlink counts only if it resolves inside the checkpoint folder (the naming fix's own
+    links do); a link leading elsewhere is never read.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @cached_property
+    def files(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        try:
+            entries = list(os.scandir(self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return out
+        inside = self.root.resolve()
+        for e in entries:
+            try:
+                if e.is_symlink() and Path(e.path).resolve().parent != inside:
+                    continue
+                if e.is_file():
+                    out[e.name] = e.stat().st_size
+            except OSError:
+                continue  # deleted while we looked
+        return out
+
+    def read(self, name: str, start: int = 0, length: int | None = None) -> bytes:
+        if name not in self.files:
+            raise FileNotFoundError(name)
+        with open(self.root / name, "rb") as f:
+            f.seek(start)
+            return f.read() if length is None else f.read(length)
+
+    def fingerprint(self) -> str:
+        parts = []
+        for p in sorted(self.root.rglob("*")):
+            try:
+                st = p.lstat()
+            except OSError:
+                continue
+            parts.append(f"{p.relative_to(self.root)}:{st.st_size}:{st.st_mtime_ns}")
+        return "\n".join(parts)
