@@ -60,6 +60,8 @@ class S3Source(_Model):
     """Where staged copies of checkpoints go; only the files an eval needs are fetched."""
     cache_max_gb: float = Field(200.0, gt=0)
     """Staged copies beyond this size are evicted, least recently used first."""
+    keep_staged: bool = False
+    """Keep a staged copy after its job ends (default: removed)."""
 
     @field_validator("uri")
     @classmethod

@@ -41,6 +41,7 @@ from ckpt_watcher.ledger import LedgerIndex, result_key
 from ckpt_watcher.notify import Notifier
 from ckpt_watcher.sources.base import Found, Source, diff
 from ckpt_watcher.sources.local import LocalSource
+from ckpt_watcher.sources.s3 import S3Source
 from ckpt_watcher.state import Job, State
 
 log = structlog.get_logger("ckpt_watcher.daemon")
@@ -59,13 +60,18 @@ def iso(ts: float) -> str:
 
 def build_sources(cfg: WatcherConfig) -> list[Source]:
     out: list[Source] = []
-    for i, s in enumerate(cfg.sources):
+    for s in cfg.sources:
         if isinstance(s, LocalSourceConfig):
             out.append(LocalSource(s.path, s.poll_seconds, s.max_depth, s.inotify))
         else:
-            raise ConfigError(
-                f"config field sources[{i}].kind: s3 sources are not available in this version "
-                "yet; mirror the prefix to a local folder (aws s3 sync) and watch that"
+            out.append(
+                S3Source(
+                    s.uri,
+                    s.poll_seconds,
+                    s.endpoint_url,
+                    cache_dir=s.cache_dir,
+                    keep_staged=s.keep_staged,
+                )
             )
     return out
 
@@ -533,10 +539,12 @@ class Daemon:
         attempt = job.attempt + 1
         folder = job_dir(self.cfg.state_dir, job.id, attempt)
         folder.mkdir(parents=True, exist_ok=True)
+        source = self._source(self._checkpoint_source(job))
         spec = {
             "job_id": job.id,
             "device_label": device.label,
             "request": self._request(job, device),
+            "stage": source.stage_spec(job.location) if source is not None else None,
         }
         (folder / "spec.json").write_text(json.dumps(spec, indent=2), encoding="utf-8")
         # (1) running, committed before the worker exists: a crash now leaves a job to recover
@@ -768,8 +776,15 @@ class Daemon:
             return ""
         return "\n".join(lines[-LOG_TAIL_LINES:])
 
+    def _checkpoint_source(self, job: Job) -> str:
+        row = self.state.checkpoint(job.location)
+        return str(row["source"]) if row is not None else ""
+
     def _finish_job(self, job: Job, state: str, now: float, error: str | None = None) -> None:
         self.state.update_job(job.id, state=state, finished_at=now, error=error, pid=None)
+        source = self._source(self._checkpoint_source(job))
+        if source is not None:
+            source.release(job.location)
         ck_state = "done" if state == "ok" else "failed"
         row = self.state.checkpoint(job.location)
         if row is not None and row["state"] in ("planned", "ready"):

@@ -41,6 +41,19 @@ def main(argv: list[str] | None = None) -> int:
     from ckpt_watcher.evaluators.harness import EvalRequest, TaskOutcome, TaskRun, run_tasks
 
     req_fields = dict(spec["request"])
+    stage = spec.get("stage")
+    if stage:
+        from ckpt_watcher.sources.staging import stage as stage_checkpoint
+
+        try:
+            local = stage_checkpoint(
+                stage["location"], Path(stage["cache_dir"]), stage.get("endpoint_url")
+            )
+        except Exception:
+            traceback.print_exc()
+            return EXIT_CRASH
+        print(f"staged {stage['location']} at {local}", flush=True)
+        req_fields["checkpoint"] = str(local)
     req_fields["tasks"] = [TaskRun(**t) for t in req_fields["tasks"]]
     req = EvalRequest(**req_fields)
     index = {(t.task, t.num_fewshot): i for i, t in enumerate(req.tasks)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,30 +31,44 @@ def looks_like_checkpoint_name(name: str) -> bool:
     return bool(_RUN_STEP.match(name) or _RUN_FINAL.match(name) or _PARENT_STEP.match(name))
 
 
-def parse_checkpoint_dir(path: Path) -> CheckpointId | None:
-    """Identify a checkpoint directory by name; None if it follows no known pattern.
+def parse_name(
+    name: str, parent: str, trainer_state: Callable[[], bytes | None]
+) -> CheckpointId | None:
+    """Identify a checkpoint by its folder name (and its parent's); None if no pattern fits.
 
-    `{run}_step{N}`, `{run}_final` (step from trainer_state.json if present), or
-    `checkpoint-{N}` / `global_step_{N}` / `step_{N}` with the parent directory as run.
+    `{run}_step{N}`, `{run}_final` (step from trainer_state.json, read through `trainer_state`,
+    if present), or `checkpoint-{N}` / `global_step_{N}` / `step_{N}` with the parent as run.
     """
-    name = path.name
     if m := _RUN_STEP.match(name):
         return CheckpointId(run=m["run"], step=int(m["step"]), label=name)
     if m := _RUN_FINAL.match(name):
-        return CheckpointId(run=m["run"], step=final_step(path), label=name, final=True)
+        return CheckpointId(run=m["run"], step=final_step(trainer_state()), label=name, final=True)
     if m := _PARENT_STEP.match(name):
-        run = path.parent.name
-        if not _SAFE_RUN.match(run):
+        if not _SAFE_RUN.match(parent):
             return None
-        return CheckpointId(run=run, step=int(m["step"]), label=name)
+        return CheckpointId(run=parent, step=int(m["step"]), label=name)
     return None
 
 
-def final_step(path: Path) -> int | None:
-    """The global step recorded in a final checkpoint's trainer_state.json, if any."""
+def parse_checkpoint_dir(path: Path) -> CheckpointId | None:
+    """Identify a local checkpoint directory by name."""
+
+    def trainer_state() -> bytes | None:
+        try:
+            return (path / "trainer_state.json").read_bytes()
+        except OSError:
+            return None
+
+    return parse_name(path.name, path.parent.name, trainer_state)
+
+
+def final_step(trainer_state: bytes | None) -> int | None:
+    """The global step recorded in a trainer_state.json, if any."""
+    if trainer_state is None:
+        return None
     try:
-        state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        state = json.loads(trainer_state)
+    except ValueError:
         return None
     step = state.get("global_step") if isinstance(state, dict) else None
     return step if isinstance(step, int) and step >= 0 else None

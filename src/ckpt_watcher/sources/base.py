@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ckpt_watcher.checkpoints.files import CheckpointFiles
 from ckpt_watcher.checkpoints.naming import CheckpointId
@@ -42,6 +42,14 @@ class Source(Protocol):
     def prepare(self, location: str) -> list[str]:
         """Make a ready checkpoint loadable before it is queued (the naming fix, where the
         files are ours to link); returns what was done. Raises NamingFixError."""
+        ...
+
+    def stage_spec(self, location: str) -> dict[str, Any] | None:
+        """What a worker needs to stage a remote checkpoint locally (None: already local)."""
+        ...
+
+    def release(self, location: str) -> None:
+        """A job on `location` ended: drop what was staged for it (unless kept)."""
         ...
 
     def watch(self, wake: Callable[[], None]) -> bool:

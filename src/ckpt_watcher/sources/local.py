@@ -22,6 +22,7 @@ from ckpt_watcher.sources.base import Found
 
 log = structlog.get_logger("ckpt_watcher.sources.local")
 
+UNRECOGNISED = "name follows no pattern ({run}_step{N}, {run}_final, checkpoint-{N}, global_step_{N}, step_{N})"
 # Files whose presence makes a folder "model-like" even when its name follows no pattern.
 _MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json")
 # inotify events that can complete a checkpoint: a file closed after writing, created, moved or
@@ -113,13 +114,7 @@ class LocalSource:
                 )
             return Found(str(folder), folder, ident)
         if self._model_like(folder):
-            return Found(
-                printable(folder),
-                None,
-                None,
-                "name follows no pattern ({run}_step{N}, {run}_final, checkpoint-{N}, "
-                "global_step_{N}, step_{N})",
-            )
+            return Found(printable(folder), None, None, UNRECOGNISED)
         return None
 
     def view(self, location: str) -> LocalFiles:
@@ -130,6 +125,12 @@ class LocalSource:
 
     def prepare(self, location: str) -> list[str]:
         return [a.describe() for a in apply_fix(Path(location))]
+
+    def stage_spec(self, location: str) -> None:
+        return None
+
+    def release(self, location: str) -> None:
+        pass
 
     def watch(self, wake: Callable[[], None]) -> bool:
         """Start an inotify observer on the root; False (polling only) where that fails."""

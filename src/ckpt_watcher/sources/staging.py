@@ -1,0 +1,155 @@
+"""Stage an S3 checkpoint into the local cache: only what an eval needs, verified, then fixed.
+
+Fetched: config, generation config, tokenizer files, the index and the safetensors weights (or,
+with no safetensors, `pytorch_model*.bin`). Never optimizer states, RNG states or DCP shards.
+Each file is downloaded with boto3's transfer manager (parallel ranged parts), to a temporary
+name, checked (size, and for safetensors the header's expected size), then renamed into place.
+The naming fix is applied to the staged copy. Runs inside the worker process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import structlog
+
+from ckpt_watcher.checkpoints.files import LocalFiles
+from ckpt_watcher.checkpoints.namefix import apply_fix
+from ckpt_watcher.checkpoints.safetensors_header import HeaderUnreadable, read_header
+from ckpt_watcher.errors import WatcherError
+from ckpt_watcher.sources.s3 import Retry, S3Files, make_client, split_uri
+
+log = structlog.get_logger("ckpt_watcher.sources.staging")
+
+NEEDED = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "chat_template.jinja",
+        "chat_template.json",
+        "preprocessor_config.json",
+        "model.safetensors.index.json",
+    }
+)
+LAST_USED = ".last_used"
+
+
+class StagingError(WatcherError):
+    """A checkpoint could not be staged safely (bad key, or a file that does not verify)."""
+
+
+def needed_files(files: dict[str, int]) -> list[str]:
+    """The names an eval needs, out of a checkpoint's top-level files."""
+    names = {n for n in files if n in NEEDED or n.endswith(".safetensors")}
+    if not any(n.endswith(".safetensors") for n in names):
+        names |= {
+            n for n in files if n.startswith("pytorch_model") and n.endswith((".bin", ".json"))
+        }
+    return sorted(names)
+
+
+def _safe_part(part: str, location: str) -> str:
+    if part in ("", ".", "..") or "\0" in part:
+        raise StagingError(f"{location}: key component {part!r} cannot be a local path component")
+    # percent-encode anything unusual: the local name is plain, and two keys never collide
+    return quote(part, safe="-_.+=@,")
+
+
+def staged_path(cache_dir: Path, location: str) -> Path:
+    """Where `s3://bucket/key/` is staged: always strictly inside `cache_dir`."""
+    bucket, key = split_uri(location)
+    parts = [bucket, *key.rstrip("/").split("/")]
+    path = cache_dir.joinpath(*(_safe_part(p, location) for p in parts))
+    root = cache_dir.resolve()
+    if not path.resolve().is_relative_to(root) or path.resolve() == root:
+        raise StagingError(f"{location}: would be staged outside the cache folder {cache_dir}")
+    return path
+
+
+def stage(
+    location: str,
+    cache_dir: Path,
+    endpoint_url: str | None = None,
+    client: Any = None,
+    retry: Retry | None = None,
+) -> Path:
+    """Download what an eval of `location` needs into the cache; returns the local folder."""
+    from boto3.s3.transfer import TransferConfig
+
+    client = client or make_client(endpoint_url)
+    retry = retry or Retry()
+    bucket, key = split_uri(location)
+    view = S3Files(client, retry, bucket, key)
+    names = needed_files(view.files)
+    if "config.json" not in names:
+        raise StagingError(f"{location}: no config.json under this prefix")
+    dest = staged_path(cache_dir, location)
+    dest.mkdir(parents=True, exist_ok=True)
+    transfer = TransferConfig(
+        multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=8
+    )
+    started = time.monotonic()
+    fetched = 0
+    for name in names:
+        _safe_part(name, location)
+        size = view.files[name]
+        target = dest / name
+        if target.is_file() and target.stat().st_size == size and _verified(dest, name, size):
+            continue  # staged before (a retry of the same job)
+        tmp = dest / f".{name}.part"
+        retry(
+            partial(client.download_file, bucket, key + name, str(tmp), Config=transfer),
+            f"{location}{name}",
+        )
+        got = tmp.stat().st_size
+        if got != size:
+            tmp.unlink(missing_ok=True)
+            raise OSError(f"{location}{name}: downloaded {got} bytes, the listing said {size}")
+        os.replace(tmp, target)
+        if not _verified(dest, name, size):
+            target.unlink(missing_ok=True)
+            raise OSError(f"{location}{name}: its safetensors header does not match its size")
+        fetched += size
+    for action in apply_fix(dest):
+        log.info("staging.names_fixed", location=location, action=action.describe())
+    (dest / LAST_USED).touch()
+    log.info(
+        "staging.done",
+        location=location,
+        path=str(dest),
+        files=len(names),
+        bytes=fetched,
+        seconds=round(time.monotonic() - started, 2),
+    )
+    return dest
+
+
+def _verified(folder: Path, name: str, size: int) -> bool:
+    if not name.endswith(".safetensors"):
+        return True
+    try:
+        return read_header(LocalFiles(folder), name).expected_size == size
+    except (HeaderUnreadable, OSError):
+        return False
+
+
+def remove_staged(cache_dir: Path, location: str) -> None:
+    """Delete a staged copy (after its job ended)."""
+    try:
+        shutil.rmtree(staged_path(cache_dir, location))
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,234 @@
+"""S3 sources against a real S3 API: moto's server on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ckpt_watcher.checkpoints import completeness
+from ckpt_watcher.sources.s3 import Retry, S3Source, S3SourceError, make_client
+from ckpt_watcher.sources.staging import StagingError, stage, staged_path
+
+from .conftest import (
+    base_config,
+    read_ledger,
+    write_config,
+    write_fake_checkpoint,
+    write_safetensors,
+)
+from .helpers import status_json, wait_for, watcher_run
+
+NO_WAIT = Retry(attempts=3, initial=0.0, maximum=0.0)  # retries without back-off in tests
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    saved = {
+        k: os.environ.get(k)
+        for k in (
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_DEFAULT_REGION",
+            "AWS_ENDPOINT_URL",
+        )
+    }
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="test",
+        AWS_SECRET_ACCESS_KEY="test",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=endpoint,
+    )
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def bucket(s3_endpoint: str, request: pytest.FixtureRequest) -> str:
+    name = "b-" + request.node.name.lower().replace("_", "-")[:50].strip("-")
+    make_client(s3_endpoint).create_bucket(Bucket=name)
+    return name
+
+
+def upload_dir(client, folder: Path, bucket: str, prefix: str, skip: tuple[str, ...] = ()) -> None:
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.name not in skip:
+            client.upload_file(str(p), bucket, prefix + p.name)
+
+
+def test_scan_lists_checkpoint_prefixes_without_a_request_per_checkpoint(
+    tmp_path: Path, s3_endpoint: str, bucket: str
+) -> None:
+    client = make_client(s3_endpoint)
+    for i in range(30):
+        client.put_object(Bucket=bucket, Key=f"ckpts/job1/r_step{i}/config.json", Body=b"{}")
+    client.put_object(Bucket=bucket, Key="ckpts/job1/latest/config.json", Body=b"{}")
+    client.put_object(Bucket=bucket, Key="ckpts/grpo/checkpoint-5/config.json", Body=b"{}")
+    calls: list[str] = []
+    client.meta.events.register("before-call.s3.*", lambda model, **_: calls.append(model.name))
+    src = S3Source(f"s3://{bucket}/ckpts/", client=client, retry=NO_WAIT)
+    found = {f.location.rsplit("/", 2)[-2]: f for f in src.scan()}
+    assert len([f for f in found.values() if f.ident]) == 31
+    assert found["checkpoint-5"].ident is not None and found["checkpoint-5"].ident.run == "grpo"
+    assert found["latest"].ident is None and "follows no pattern" in found["latest"].note
+    assert (
+        calls == ["ListObjectsV2"] * len(calls) and len(calls) == 4
+    )  # ckpts/, job1/, grpo/, latest/
+
+
+def test_completeness_over_s3_reads_headers_only_and_waits_for_the_last_shard(
+    s3_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    client = make_client(s3_endpoint)
+    local = tmp_path / "r_step1"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    write_safetensors(local / "model-00001-of-00002.safetensors", {"a": 1000})
+    write_safetensors(local / "model-00002-of-00002.safetensors", {"b": 1000})
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        },
+    }
+    (local / "model.safetensors.index.json").write_text(json.dumps(index))
+    upload_dir(client, local, bucket, "c/r_step1/", skip=("model-00002-of-00002.safetensors",))
+    src = S3Source(f"s3://{bucket}/c/", client=client, retry=NO_WAIT)
+    loc = f"s3://{bucket}/c/r_step1/"
+    v = completeness.check(src.view(loc), now=0, stable_seconds=60)
+    assert v.state == "incomplete" and "1 of 2 shards" in v.reason
+    client.upload_file(
+        str(local / "model-00002-of-00002.safetensors"),
+        bucket,
+        "c/r_step1/model-00002-of-00002.safetensors",
+    )
+    ranges: list[str] = []
+    client.meta.events.register(
+        "before-call.s3.GetObject", lambda params, **_: ranges.append(params.get("Range", ""))
+    )
+    assert completeness.check(src.view(loc), now=0, stable_seconds=60).ready
+    assert all(r.startswith("bytes=") for r in ranges if r != "") and len(ranges) >= 4
+
+
+def test_staging_fetches_only_what_an_eval_needs_and_fixes_names(
+    s3_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    client = make_client(s3_endpoint)
+    ck = write_fake_checkpoint(tmp_path / "src" / "r_step2", naming_bug=True)
+    (ck / "tokenizer.json").write_text("{}")
+    big = 64 << 20
+    with open(ck / "optimizer.pt", "wb") as f:
+        f.truncate(big)  # Adam state: never fetched
+    (ck / "rng_state_0.pth").write_bytes(b"r" * 1000)
+    upload_dir(client, ck, bucket, "x/r_step2/")
+    client.put_object(Bucket=bucket, Key="x/r_step2/__0_0.distcp", Body=b"d" * 1000)
+    cache = tmp_path / "cache"
+    dest = stage(f"s3://{bucket}/x/r_step2/", cache, client=client, retry=NO_WAIT)
+    assert dest.is_relative_to(cache)
+    names = sorted(p.name for p in dest.iterdir())
+    assert names == [
+        ".last_used",
+        "config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+    ]
+    assert (dest / "model.safetensors").read_bytes() == (ck / "model.safetensors").read_bytes()
+    fetched = sum(
+        p.stat().st_size for p in dest.iterdir() if p.name != "model-00001-of-00001.safetensors"
+    )
+    total = sum(p.stat().st_size for p in ck.iterdir()) + 1000
+    assert fetched / total < 0.35
+
+
+@pytest.mark.parametrize("key", ["../evil/", "a/../../evil/", "a/./b/", "a//b/"])
+def test_keys_never_escape_the_cache(tmp_path: Path, key: str) -> None:
+    with pytest.raises(StagingError):
+        staged_path(tmp_path / "cache", f"s3://bucket/{key}")
+
+
+def test_odd_characters_stay_inside_the_cache(tmp_path: Path) -> None:
+    p = staged_path(tmp_path / "cache", "s3://bucket/we ird;$(x)/\u00e9\\n_step1/")
+    assert p.resolve().is_relative_to((tmp_path / "cache").resolve())
+    assert len(p.relative_to(tmp_path / "cache").parts) == 3
+
+
+def test_missing_bucket_and_bad_credentials_fail_fast_with_a_clear_message(
+    s3_endpoint: str,
+) -> None:
+    src = S3Source(
+        "s3://no-such-bucket-here/x/",
+        client=make_client(s3_endpoint),
+        retry=Retry(attempts=5, initial=5),
+    )
+    with pytest.raises(S3SourceError, match="NoSuchBucket: the bucket does not exist"):
+        src.scan()  # would take > 5 s if it retried
+
+
+@pytest.mark.slow
+def test_checkpoint_uploaded_shard_by_shard_is_evaluated_once_after_its_last_shard(
+    tmp_path: Path, s3_endpoint: str, bucket: str, addition_tasks: Path, copy_checkpoint
+) -> None:
+    from .test_e2e_hf import split_in_two_shards
+
+    client = make_client(s3_endpoint)
+    ck = copy_checkpoint(tmp_path / "local" / "s3run_step300")
+    shard2 = split_in_two_shards(ck)
+    with open(ck / "optimizer.pt", "wb") as f:
+        f.truncate(16 << 20)
+    upload_dir(client, ck, bucket, "ckpts/job/s3run_step300/", skip=(shard2.name,))
+    raw = base_config(tmp_path, tmp_path, addition_tasks)
+    cache = tmp_path / "cache"
+    raw["sources"] = [
+        {
+            "kind": "s3",
+            "uri": f"s3://{bucket}/ckpts/",
+            "poll_seconds": 1,
+            "cache_dir": str(cache),
+            "keep_staged": True,
+        }
+    ]
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        st = wait_for(
+            lambda: (
+                (s := status_json(cfg)[1]) and s["checkpoint_counts"].get("incomplete") == 1 and s
+            ),
+            60,
+            "an incomplete S3 checkpoint",
+            daemon,
+            log,
+        )
+        assert st["checkpoints"][0]["reason"] == "1 of 2 shards present"
+        assert not st["queue"] and not st["running"]
+        client.upload_file(str(shard2), bucket, f"ckpts/job/s3run_step300/{shard2.name}")
+        wait_for(lambda: read_ledger(tmp_path / "ledgers", "s3run"), 300, "a result", daemon, log)
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    (line,) = read_ledger(tmp_path / "ledgers", "s3run")
+    assert (
+        line["status"] == "ok" and line["checkpoint"] == f"s3://{bucket}/ckpts/job/s3run_step300/"
+    )
+    staged = staged_path(cache, line["checkpoint"])
+    assert not (staged / "optimizer.pt").exists()
+    assert (staged / shard2.name).read_bytes() == shard2.read_bytes()
