@@ -207,6 +207,7 @@ def test_checkpoint_uploaded_shard_by_shard_is_evaluated_once_after_its_last_sha
             "keep_staged": True,
         }
     ]
+    raw["ledger_mirror"] = f"s3://{bucket}/mirror/"
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
@@ -229,6 +230,37 @@ def test_checkpoint_uploaded_shard_by_shard_is_evaluated_once_after_its_last_sha
     assert (
         line["status"] == "ok" and line["checkpoint"] == f"s3://{bucket}/ckpts/job/s3run_step300/"
     )
+    mirrored = client.get_object(Bucket=bucket, Key="mirror/s3run/ledger.jsonl")["Body"].read()
+    assert mirrored == (tmp_path / "ledgers" / "s3run" / "ledger.jsonl").read_bytes()
     staged = staged_path(cache, line["checkpoint"])
     assert not (staged / "optimizer.pt").exists()
     assert (staged / shard2.name).read_bytes() == shard2.read_bytes()
+
+
+def test_doctor_checks_s3_reachability(tmp_path: Path, s3_endpoint: str, bucket: str) -> None:
+    import subprocess
+
+    from .conftest import WATCHER
+
+    cfg = write_config(
+        tmp_path / "w.yaml",
+        {
+            "state_dir": str(tmp_path / "s"),
+            "ledger_dir": str(tmp_path / "l"),
+            "sources": [
+                {"kind": "s3", "uri": f"s3://{bucket}/ckpts/"},
+                {"kind": "s3", "uri": "s3://nope-missing/x/"},
+            ],
+            "devices": {"gpus": [], "cpu_slots": 1},
+            "eval": {"backend": "hf", "tasks": [{"task": "gsm8k"}]},
+        },
+    )
+    r = subprocess.run(
+        [*WATCHER, "doctor", "-c", str(cfg)], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 1
+    assert f"ok    sources[0]: s3://{bucket}/ckpts/ reachable (empty so far)" in r.stdout
+    assert (
+        "FAIL  sources[1]: s3://nope-missing/x/: NoSuchBucket: the bucket does not exist"
+        in r.stdout
+    )

@@ -38,6 +38,7 @@ from ckpt_watcher.errors import ConfigError, NamingFixError
 from ckpt_watcher.executors.base import WORKER_MODULE, Executor, is_our_worker
 from ckpt_watcher.executors.local import LocalExecutor, kill_group
 from ckpt_watcher.ledger import LedgerIndex, result_key
+from ckpt_watcher.mirror import LedgerMirror
 from ckpt_watcher.notify import Notifier
 from ckpt_watcher.sources.base import Found, Source, diff
 from ckpt_watcher.sources.local import LocalSource
@@ -149,6 +150,7 @@ class Daemon:
         self.failures_this_pass = 0
         self._last_heartbeat = 0.0
         self.notifier = Notifier()
+        self.mirror = LedgerMirror(cfg.ledger_mirror, cfg.ledger_dir) if cfg.ledger_mirror else None
 
     def _source(self, name: str) -> Source | None:
         return next((rt.source for rt in self.sources if rt.source.name == name), None)
@@ -664,6 +666,8 @@ class Daemon:
             "settings_hash": job.settings_hash,
         }
         if self.ledger.append(line):
+            if self.mirror is not None:
+                self.mirror.upload(job.run)
             log.info(
                 "eval.finished" if status == "ok" else "eval.failed",
                 job_id=job.id,

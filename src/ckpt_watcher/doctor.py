@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ckpt_watcher.config import LocalSource, WatcherConfig
 from ckpt_watcher.devices import build_inventory
+from ckpt_watcher.errors import WatcherError
 
 MIN_FREE_GB = 1.0
 _NETWORK_FS = ("nfs", "nfs4", "efs", "cifs", "smb3", "fuse.sshfs", "lustre")
@@ -106,20 +107,22 @@ def check_sources(cfg: WatcherConfig) -> list[Check]:
                 )
                 out.append(Check(f"sources[{i}]", True, f"{s.path} readable{note}"))
         else:
-            out.append(
-                Check(
-                    f"sources[{i}]",
-                    False,
-                    f"{s.uri}: S3 sources are not available in this version yet",
-                )
-            )
+            out.append(_s3_check(f"sources[{i}]", s.uri, s.endpoint_url))
     if cfg.ledger_mirror:
-        out.append(
-            Check(
-                "ledger_mirror", False, "the S3 ledger mirror is not available in this version yet"
-            )
-        )
+        out.append(_s3_check("ledger_mirror", cfg.ledger_mirror, None))
     return out
+
+
+def _s3_check(name: str, uri: str, endpoint_url: str | None) -> Check:
+    """Credentials and reachability: one listing request, at most one retry."""
+    from ckpt_watcher.sources.s3 import Retry, S3Source
+
+    src = S3Source(uri, endpoint_url=endpoint_url, retry=Retry(attempts=2, initial=0.5))
+    try:
+        found = src.exists(uri)
+    except (OSError, WatcherError) as e:
+        return Check(name, False, str(e))
+    return Check(name, True, f"{uri} reachable" + ("" if found else " (empty so far)"))
 
 
 def check_disk(cfg: WatcherConfig) -> list[Check]:
