@@ -264,3 +264,100 @@ def test_doctor_checks_s3_reachability(tmp_path: Path, s3_endpoint: str, bucket:
         "FAIL  sources[1]: s3://nope-missing/x/: NoSuchBucket: the bucket does not exist"
         in r.stdout
     )
+
+
+class FlakyProxy:
+    """A loopback HTTP proxy in front of the S3 server that fails a seeded share of requests:
+    half of the failures answer 503 SlowDown, half drop the connection without a reply."""
+
+    def __init__(self, upstream: str, fail_rate: float, seed: int) -> None:
+        import http.client
+        import http.server
+        import random
+        import threading
+        from urllib.parse import urlparse
+
+        up = urlparse(upstream)
+        rng = random.Random(seed)
+        lock = threading.Lock()
+        self.failures = 0
+        self.requests = 0
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _relay(self) -> None:
+                with lock:
+                    proxy.requests += 1
+                    roll = rng.random()
+                if roll < fail_rate / 2:
+                    with lock:
+                        proxy.failures += 1
+                    body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                if roll < fail_rate:
+                    with lock:
+                        proxy.failures += 1
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                length = int(self.headers.get("Content-Length") or 0)
+                body_in = self.rfile.read(length) if length else None
+                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=30)
+                conn.request(self.command, self.path, body=body_in, headers=dict(self.headers))
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _relay
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_staging_through_20_percent_failures_is_byte_identical(
+    s3_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    direct = make_client(s3_endpoint)
+    sources = []
+    for step in (1, 2, 3):
+        ck = write_fake_checkpoint(tmp_path / "src" / f"f_step{step}", naming_bug=step == 2)
+        write_safetensors(ck / "model.safetensors", {"a.weight": 50_000 * step, "b.weight": 8})
+        upload_dir(direct, ck, bucket, f"flaky/f_step{step}/")
+        sources.append(ck)
+    proxy = FlakyProxy(s3_endpoint, fail_rate=0.2, seed=7)
+    try:
+        client = make_client(proxy.url)
+        retry = Retry(attempts=12, initial=0.0, maximum=0.0)
+        src = S3Source(f"s3://{bucket}/flaky/", client=client, retry=retry)
+        found = sorted(f.location for f in src.scan() if f.ident)
+        assert len(found) == 3
+        for loc, ck in zip(found, sources, strict=True):
+            assert completeness.check(src.view(loc), now=0, stable_seconds=60).ready
+            dest = stage(loc, tmp_path / "cache", client=client, retry=retry)
+            for p in ck.iterdir():
+                assert (dest / p.name).read_bytes() == p.read_bytes()
+    finally:
+        proxy.close()
+    assert proxy.failures >= 5 and proxy.failures / proxy.requests > 0.1  # faults really happened
