@@ -72,6 +72,7 @@ def build_sources(cfg: WatcherConfig) -> list[Source]:
                     s.endpoint_url,
                     cache_dir=s.cache_dir,
                     keep_staged=s.keep_staged,
+                    cache_max_gb=s.cache_max_gb,
                 )
             )
     return out
@@ -512,9 +513,14 @@ class Daemon:
         )
         if not free:
             return
-        for job, device in scheduler.assign(
-            self.state.jobs("queued"), free, now, self.cfg.policy.order
-        ):
+        queued = self.state.jobs("queued")
+        assignments = scheduler.assign(queued, free, now, self.cfg.policy.order)
+        if not assignments:
+            return
+        needed = [j.location for j in queued + running]
+        for rt in self.sources:
+            rt.source.make_room(needed)  # staged copies of jobs that are due stay
+        for job, device in assignments:
             self._start(job, device, now)
 
     def _request(self, job: Job, device: Device) -> dict[str, Any]:

@@ -52,6 +52,10 @@ class Source(Protocol):
         """A job on `location` ended: drop what was staged for it (unless kept)."""
         ...
 
+    def make_room(self, needed: list[str]) -> None:
+        """Before new jobs start: keep local caches within bounds, sparing `needed` locations."""
+        ...
+
     def watch(self, wake: Callable[[], None]) -> bool:
         """Start change notifications calling `wake`; False if unavailable (polling only)."""
         ...

@@ -132,6 +132,9 @@ class LocalSource:
     def release(self, location: str) -> None:
         pass
 
+    def make_room(self, needed: list[str]) -> None:
+        pass
+
     def watch(self, wake: Callable[[], None]) -> bool:
         """Start an inotify observer on the root; False (polling only) where that fails."""
         if not self.use_inotify:

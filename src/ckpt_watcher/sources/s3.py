@@ -225,8 +225,10 @@ class S3Source:
         retry: Retry | None = None,
         cache_dir: Path = Path("/tmp/watcher-cache"),
         keep_staged: bool = False,
+        cache_max_gb: float = 200.0,
     ) -> None:
         self.cache_dir = cache_dir
+        self.cache_max_gb = cache_max_gb
         self.keep_staged = keep_staged
         self.uri = uri
         self.name = uri
@@ -311,6 +313,14 @@ class S3Source:
             from ckpt_watcher.sources.staging import remove_staged
 
             remove_staged(self.cache_dir, location)
+
+    def make_room(self, needed: list[str]) -> None:
+        """Evict least recently used staged copies beyond cache_max_gb, except `needed` ones."""
+        from ckpt_watcher.sources.staging import evict, staged_path
+
+        keep = {staged_path(self.cache_dir, loc) for loc in needed}
+        if self.cache_dir.is_dir():
+            evict(self.cache_dir, int(self.cache_max_gb * 2**30), keep)
 
     def watch(self, wake: Callable[[], None]) -> bool:
         return False  # S3 has no change notifications here: polling only

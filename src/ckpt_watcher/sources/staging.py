@@ -147,6 +147,28 @@ def _verified(folder: Path, name: str, size: int) -> bool:
         return False
 
 
+def evict(cache_dir: Path, max_bytes: int, keep: set[Path]) -> list[Path]:
+    """Remove least recently used staged copies until the cache holds at most `max_bytes`;
+    copies in `keep` (needed by queued or running jobs) are never removed. Returns what went."""
+    staged = []
+    for marker in cache_dir.rglob(LAST_USED):
+        folder = marker.parent
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        staged.append((marker.stat().st_mtime, folder, size))
+    total = sum(s for _, _, s in staged)
+    removed = []
+    for _, folder, size in sorted(staged, key=lambda t: t[0]):
+        if total <= max_bytes:
+            break
+        if folder in keep:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        total -= size
+        removed.append(folder)
+        log.info("staging.evicted", path=str(folder), bytes=size)
+    return removed
+
+
 def remove_staged(cache_dir: Path, location: str) -> None:
     """Delete a staged copy (after its job ended)."""
     try:
