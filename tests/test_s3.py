@@ -194,7 +194,7 @@ def test_checkpoint_uploaded_shard_by_shard_is_evaluated_once_after_its_last_sha
     ck = copy_checkpoint(tmp_path / "local" / "s3run_step300")
     shard2 = split_in_two_shards(ck)
     with open(ck / "optimizer.pt", "wb") as f:
-        f.truncate(16 << 20)
+        f.truncate(1 << 30)  # 1 GB of (sparse) Adam state beside 1.3 MB of weights
     upload_dir(client, ck, bucket, "ckpts/job/s3run_step300/", skip=(shard2.name,))
     raw = base_config(tmp_path, tmp_path, addition_tasks)
     cache = tmp_path / "cache"
@@ -205,7 +205,8 @@ def test_checkpoint_uploaded_shard_by_shard_is_evaluated_once_after_its_last_sha
             "poll_seconds": 1,
             "cache_dir": str(cache),
             "keep_staged": True,
-        }
+        },
+        {"kind": "s3", "uri": "s3://no-such-bucket-anywhere/ckpts/", "poll_seconds": 1},
     ]
     raw["ledger_mirror"] = f"s3://{bucket}/mirror/"
     cfg = write_config(tmp_path / "w.yaml", raw)
@@ -221,6 +222,8 @@ def test_checkpoint_uploaded_shard_by_shard_is_evaluated_once_after_its_last_sha
             log,
         )
         assert st["checkpoints"][0]["reason"] == "1 of 2 shards present"
+        broken = next(s for s in st["sources"] if "no-such-bucket" in s["name"])
+        assert "NoSuchBucket: the bucket does not exist" in broken["error"]  # and the other goes on
         assert not st["queue"] and not st["running"]
         client.upload_file(str(shard2), bucket, f"ckpts/job/s3run_step300/{shard2.name}")
         wait_for(lambda: read_ledger(tmp_path / "ledgers", "s3run"), 300, "a result", daemon, log)

@@ -34,7 +34,7 @@ from ckpt_watcher.checkpoints import completeness
 from ckpt_watcher.config import LocalSource as LocalSourceConfig
 from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.devices import Device, Inventory, build_inventory, free_devices
-from ckpt_watcher.errors import ConfigError, NamingFixError
+from ckpt_watcher.errors import ConfigError, NamingFixError, WatcherError
 from ckpt_watcher.executors.base import WORKER_MODULE, Executor, is_our_worker
 from ckpt_watcher.executors.local import LocalExecutor, kill_group
 from ckpt_watcher.ledger import LedgerIndex, result_key
@@ -321,7 +321,7 @@ class Daemon:
         name = rt.source.name
         try:
             found = rt.source.scan()
-        except OSError as e:
+        except (OSError, WatcherError) as e:  # one failing source never stops the others
             self.state.record_scan(name, now, str(e), None)
             log.warning("source.scan_failed", source=name, error=str(e))
             return
@@ -384,13 +384,17 @@ class Daemon:
         if source is None:
             return  # its source left the config
         prev_fp = row["fingerprint"]
-        verdict = completeness.check(
-            source.view(row["location"]),
-            now=now,
-            stable_seconds=self.cfg.stable_seconds,
-            unchanged_since=row["unchanged_since"],
-            previous_fingerprint=prev_fp,
-        )
+        try:
+            verdict = completeness.check(
+                source.view(row["location"]),
+                now=now,
+                stable_seconds=self.cfg.stable_seconds,
+                unchanged_since=row["unchanged_since"],
+                previous_fingerprint=prev_fp,
+            )
+        except (OSError, WatcherError) as e:  # unreadable now (S3 down?): judged again next scan
+            log.warning("checkpoint.check_failed", location=row["location"], error=str(e))
+            return
         fields: dict[str, Any] = {"state": verdict.state, "reason": verdict.reason}
         if verdict.fingerprint and verdict.fingerprint != prev_fp:
             fields |= {"fingerprint": verdict.fingerprint, "unchanged_since": now}
@@ -703,7 +707,7 @@ class Daemon:
             return
         row = self.state.checkpoint(job.location)
         source = self._source(row["source"]) if row is not None else None
-        if source is not None and not source.exists(job.location):
+        if source is not None and not self._still_there(source, job.location):
             # deleted while it was being evaluated: retrying cannot help
             self.state.update_job(
                 job.id, state="skipped", error="checkpoint deleted during evaluation"
@@ -785,6 +789,13 @@ class Daemon:
         except OSError:
             return ""
         return "\n".join(lines[-LOG_TAIL_LINES:])
+
+    @staticmethod
+    def _still_there(source: Source, location: str) -> bool:
+        try:
+            return source.exists(location)
+        except (OSError, WatcherError):
+            return True  # cannot tell now: treat the failure as the job's, and retry it
 
     def _checkpoint_source(self, job: Job) -> str:
         row = self.state.checkpoint(job.location)
