@@ -112,6 +112,20 @@ def base_config(tmp: Path, watch: Path, tasks_dir: Path, **eval_over: Any) -> di
     }
 
 
+def idle_config(tmp: Path, **over: Any) -> Path:
+    """A config over an empty folder `tmp/ckpts` (created), one CPU slot: a daemon with no work."""
+    (tmp / "ckpts").mkdir(exist_ok=True)
+    data: dict[str, Any] = {
+        "state_dir": str(tmp / "s"),
+        "ledger_dir": str(tmp / "l"),
+        "sources": [{"kind": "local", "path": str(tmp / "ckpts")}],
+        "devices": {"gpus": [], "cpu_slots": 1},
+        "eval": {"tasks": [{"task": "addition"}]},
+    }
+    data.update(over)
+    return write_config(tmp / "w.yaml", data)
+
+
 def read_ledger(ledger_dir: Path, run: str) -> list[dict[str, Any]]:
     path = ledger_dir / run / "ledger.jsonl"
     if not path.exists():

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from ckpt_watcher.cli import main
 from ckpt_watcher.ledger import append
 
-from .conftest import REPO, write_config
+from .conftest import REPO, idle_config, write_config
 
 COMMANDS = sorted(main.commands)
 
@@ -86,17 +86,7 @@ def test_doctor_reports_each_check_and_fails_on_a_missing_source(tmp_path: Path)
 
     from .conftest import WATCHER
 
-    (tmp_path / "ck").mkdir()
-    cfg = write_config(
-        tmp_path / "w.yaml",
-        {
-            "state_dir": str(tmp_path / "s"),
-            "ledger_dir": str(tmp_path / "l"),
-            "sources": [{"kind": "local", "path": str(tmp_path / "ck")}],
-            "devices": {"gpus": [], "cpu_slots": 1},
-            "eval": {"backend": "hf", "tasks": [{"task": "gsm8k"}]},
-        },
-    )
+    cfg = idle_config(tmp_path, eval={"backend": "hf", "tasks": [{"task": "gsm8k"}]})
     r = subprocess.run(
         [*WATCHER, "doctor", "-c", str(cfg)], capture_output=True, text=True, timeout=300
     )

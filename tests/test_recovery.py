@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import WATCHER, base_config, read_ledger, write_config, write_fake_checkpoint
+from .conftest import (
+    WATCHER,
+    base_config,
+    idle_config,
+    read_ledger,
+    write_config,
+    write_fake_checkpoint,
+)
 from .helpers import status_json, wait_for, watcher_run
 
 pytestmark = pytest.mark.slow
@@ -133,17 +140,7 @@ def test_worker_killed_mid_eval_is_retried_then_ok(
 
 
 def test_status_tells_a_hung_daemon_from_a_dead_one(tmp_path: Path) -> None:
-    (tmp_path / "ckpts").mkdir()
-    cfg = write_config(
-        tmp_path / "w.yaml",
-        {
-            "state_dir": str(tmp_path / "s"),
-            "ledger_dir": str(tmp_path / "l"),
-            "sources": [{"kind": "local", "path": str(tmp_path / "ckpts")}],
-            "devices": {"gpus": [], "cpu_slots": 1},
-            "eval": {"tasks": [{"task": "addition"}]},
-        },
-    )
+    cfg = idle_config(tmp_path)
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
         wait_for(lambda: status_json(cfg)[0] == 0, 30, "running", daemon, log)

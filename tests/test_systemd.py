@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, WATCHER, write_config
+from .conftest import REPO, WATCHER, idle_config
 
 UNIT = REPO / "systemd" / "watcher.service"
 needs_analyze = pytest.mark.skipif(
@@ -91,17 +91,7 @@ def test_notify_ready_status_watchdog_stopping(tmp_path: Path, abstract: bool) -
         name = str(tmp_path / "notify.sock")
         sock.bind(name)
     sock.settimeout(0.2)
-    (tmp_path / "ckpts").mkdir()
-    cfg = write_config(
-        tmp_path / "w.yaml",
-        {
-            "state_dir": str(tmp_path / "s"),
-            "ledger_dir": str(tmp_path / "l"),
-            "sources": [{"kind": "local", "path": str(tmp_path / "ckpts")}],
-            "devices": {"gpus": [], "cpu_slots": 1},
-            "eval": {"tasks": [{"task": "addition"}]},
-        },
-    )
+    cfg = idle_config(tmp_path)
     env = dict(os.environ, NOTIFY_SOCKET=name, WATCHDOG_USEC="1000000")
     proc = subprocess.Popen([*WATCHER, "run", "-c", str(cfg)], env=env, stderr=subprocess.DEVNULL)
     messages: list[str] = []
