@@ -41,13 +41,18 @@ def test_backed_off_jobs_wait_and_next_retry_is_reported() -> None:
 
 
 def test_gpus_are_used_before_cpu_slots_and_busy_gpus_skipped() -> None:
-    inv = FakeInventory(gpus=[FakeGpu(6, "GPU-a"), FakeGpu(7, "GPU-b", foreign_mib=30000)], cpu=1)
-    free = free_devices(inv, in_use=[], our_pids=set())
+    inv = FakeInventory(gpus=[FakeGpu(6, "GPU-a"), FakeGpu(7, "GPU-b", [(999, 30000, 95)])], cpu=1)
+    free = free_devices(inv, in_use=[], our_pids=set(), idle_memory_mib=1024)
     assert [d.label for d in free] == ["cuda:6", "cpu:0"]
     assert free[0].visible == "GPU-a"
     (pair,) = scheduler.assign([job("a", 1)], free, 0, "newest_first")
     assert pair[1].label == "cuda:6"
-    assert [d.label for d in free_devices(inv, in_use=["gpu:GPU-a"], our_pids=set())] == ["cpu:0"]
+    assert [d.label for d in free_devices(inv, ["gpu:GPU-a"], set(), 1024)] == ["cpu:0"]
+    assert [d.label for d in free_devices(inv, [], {999}, 1024)] == [
+        "cuda:6",
+        "cuda:7",
+        "cpu:0",
+    ]  # 999 is ours
 
 
 def test_every_n_steps_and_finals() -> None:

@@ -89,6 +89,8 @@ class DevicesConfig(_Model):
     """A GPU where processes not ours hold more than this is busy (training is using it)."""
     reap_foreign_zombies: bool = False
     """Never kill processes we did not start unless this is true."""
+    zombie_after_seconds: float = Field(1800.0, gt=0)
+    """A process not ours that holds GPU memory at 0% utilisation this long is a suspected zombie."""
 
 
 class ExecutorConfig(_Model):

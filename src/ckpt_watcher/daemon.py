@@ -151,6 +151,8 @@ class Daemon:
         self.failures_this_pass = 0
         self._last_heartbeat = 0.0
         self.notifier = Notifier()
+        self._idle_since: dict[tuple[int, str], float] = {}
+        self._reported: set[tuple[int, str]] = set()
         self.mirror = LedgerMirror(cfg.ledger_mirror, cfg.ledger_dir) if cfg.ledger_mirror else None
 
     def _source(self, name: str) -> Source | None:
@@ -251,9 +253,59 @@ class Daemon:
     def _heartbeat(self, now: float) -> None:
         self.notifier.watchdog(now)
         if now - self._last_heartbeat >= HEARTBEAT_SECONDS:
+            self._watch_zombies(now)
             self.state.set_meta(heartbeat=now, stopping=bool(self.stop_requests))
             self.notifier.status(self._status_line())
             self._last_heartbeat = now
+
+    def _watch_zombies(self, now: float) -> None:
+        """Report processes not ours that sit on GPU memory at 0% utilisation; kill them only
+        if devices.reap_foreign_zombies is true."""
+        ours = {j.pid for j in self.state.jobs("running") if j.pid}
+        try:
+            processes = self.inventory.gpu_processes()
+        except Exception as e:  # NVML hiccup: try again next heartbeat
+            log.warning("devices.query_failed", error=str(e))
+            return
+        idle_now = {
+            (p.pid, p.device_id): p
+            for p in processes
+            if p.pid not in ours and p.used_mib > 0 and p.util_percent == 0
+        }
+        self._idle_since = {k: self._idle_since.get(k, now) for k in idle_now}
+        labels = {d.id: d.label for d in self.inventory.devices()}
+        suspects = []
+        for key, since in self._idle_since.items():
+            if now - since < self.cfg.devices.zombie_after_seconds:
+                continue
+            p = idle_now[key]
+            suspects.append(
+                {
+                    "pid": p.pid,
+                    "device": labels.get(p.device_id, p.device_id),
+                    "used_mib": p.used_mib,
+                    "idle_s": round(now - since),
+                }
+            )
+            if key not in self._reported:
+                self._reported.add(key)
+                log.warning(
+                    "devices.zombie_suspected",
+                    pid=p.pid,
+                    device=labels.get(p.device_id),
+                    used_mib=p.used_mib,
+                    idle_s=round(now - since),
+                    reaping=self.cfg.devices.reap_foreign_zombies,
+                )
+                if self.cfg.devices.reap_foreign_zombies:
+                    try:
+                        os.kill(p.pid, signal.SIGKILL)
+                        log.warning(
+                            "devices.zombie_reaped", pid=p.pid, device=labels.get(p.device_id)
+                        )
+                    except (ProcessLookupError, PermissionError) as e:
+                        log.error("devices.zombie_reap_failed", pid=p.pid, error=str(e))
+        self.state.set_meta(suspected_zombies=suspects)
 
     def _status_line(self) -> str:
         counts = self.state.job_counts()
@@ -514,6 +566,7 @@ class Daemon:
             self.inventory,
             in_use=[j.device for j in running if j.device],
             our_pids={j.pid for j in running if j.pid},
+            idle_memory_mib=self.cfg.devices.idle_memory_mib,
         )
         if not free:
             return
@@ -543,7 +596,7 @@ class Daemon:
             "batch_size": ev.batch_size,
             "limit": ev.limit,
             "results_dir": str((run_dir / folder).resolve()),
-            "device": "cuda" if device.kind == "cuda" else "cpu",
+            "device": device.compute,
             "tensor_parallel_size": ev.tensor_parallel_size,
         }
 

@@ -8,8 +8,11 @@ there is no GPU (tests, the demo).
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
@@ -25,13 +28,28 @@ class Device:
     kind: str  # cpu | cuda
     visible: str  # CUDA_VISIBLE_DEVICES for a worker on it ("" hides every GPU)
     label: str  # what users read: "cpu:0", "cuda:6"
+    runs_on: str = ""  # where the worker computes: "cuda", or "cpu" (CPU slots, fake GPUs)
+
+    @property
+    def compute(self) -> str:
+        return self.runs_on or ("cuda" if self.kind == "cuda" else "cpu")
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process holding memory on one of our GPUs, as NVML reports it."""
+
+    pid: int
+    device_id: str
+    used_mib: int
+    util_percent: int | None  # streaming-multiprocessor use; None when NVML cannot say
 
 
 class Inventory(Protocol):
     def devices(self) -> list[Device]: ...
 
-    def foreign_busy(self, our_pids: set[int]) -> dict[str, str]:
-        """Device id -> why it is busy with processes not ours."""
+    def gpu_processes(self) -> list[GpuProcess]:
+        """Every compute process on the selected GPUs (ours included)."""
         ...
 
 
@@ -39,31 +57,75 @@ def cpu_slots(n: int) -> list[Device]:
     return [Device(f"cpu:{i}", "cpu", "", f"cpu:{i}") for i in range(n)]
 
 
+def foreign_busy(
+    processes: Iterable[GpuProcess], our_pids: set[int], idle_memory_mib: int
+) -> dict[str, str]:
+    """Device id -> why it is busy: processes that are not our workers hold more than
+    `idle_memory_mib` on it (training, someone's notebook, a zombie)."""
+    held: dict[str, int] = {}
+    for p in processes:
+        if p.pid not in our_pids:
+            held[p.device_id] = held.get(p.device_id, 0) + p.used_mib
+    return {
+        dev: f"{mib} MiB held by other processes (training?)"
+        for dev, mib in held.items()
+        if mib > idle_memory_mib
+    }
+
+
 @dataclass
 class FakeGpu:
     index: int
     uuid: str
-    foreign_mib: int = 0  # memory held by processes that are not ours
+    # (pid, MiB, utilisation %) of processes that are not ours
+    foreign: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
 class FakeInventory:
-    """An in-memory GPU inventory (plus CPU slots) for tests and machines without GPUs."""
+    """An in-memory GPU inventory for tests and machines without GPUs: its "GPUs" are
+    scheduled like real ones (by UUID, busy when others hold memory) but workers compute on
+    the CPU."""
 
     gpus: list[FakeGpu] = field(default_factory=list)
     cpu: int = 0
-    idle_memory_mib: int = 1024
 
     def devices(self) -> list[Device]:
-        gpus = [Device(f"gpu:{g.uuid}", "cuda", g.uuid, f"cuda:{g.index}") for g in self.gpus]
+        gpus = [
+            Device(f"gpu:{g.uuid}", "cuda", g.uuid, f"cuda:{g.index}", "cpu") for g in self.gpus
+        ]
         return gpus + cpu_slots(self.cpu)
 
-    def foreign_busy(self, our_pids: set[int]) -> dict[str, str]:
-        return {
-            f"gpu:{g.uuid}": f"{g.foreign_mib} MiB held by other processes"
+    def gpu_processes(self) -> list[GpuProcess]:
+        return [
+            GpuProcess(pid, f"gpu:{g.uuid}", mib, util)
             for g in self.gpus
-            if g.foreign_mib > self.idle_memory_mib
-        }
+            for pid, mib, util in g.foreign
+        ]
+
+
+class FileInventory:
+    """A fake NVML read from a JSON file on every call, so a test can change it live:
+    {"gpus": [{"index": 6, "uuid": "GPU-a", "foreign": [[pid, mib, util], ...]}]}.
+    Selected with CKPT_WATCHER_FAKE_NVML=<file> (testing and demos only)."""
+
+    def __init__(self, path: Path, cpu: int = 0) -> None:
+        self.path = path
+        self.cpu = cpu
+
+    def _load(self) -> FakeInventory:
+        data = json.loads(self.path.read_text())
+        gpus = [
+            FakeGpu(g["index"], g["uuid"], [tuple(x) for x in g.get("foreign", [])])
+            for g in data["gpus"]
+        ]
+        return FakeInventory(gpus, self.cpu)
+
+    def devices(self) -> list[Device]:
+        return self._load().devices()
+
+    def gpu_processes(self) -> list[GpuProcess]:
+        return self._load().gpu_processes()
 
 
 class NvmlInventory:
@@ -98,20 +160,31 @@ class NvmlInventory:
         gpus = [Device(f"gpu:{u}", "cuda", u, f"cuda:{i}") for i, u in self._gpus]
         return gpus + cpu_slots(self.cfg.cpu_slots)
 
-    def foreign_busy(self, our_pids: set[int]) -> dict[str, str]:
-        busy = {}
+    def gpu_processes(self) -> list[GpuProcess]:
+        out = []
         for _index, uuid in self._gpus:
             h = self._nvml.nvmlDeviceGetHandleByUUID(uuid)
-            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(h)
-            held = sum((p.usedGpuMemory or 0) for p in procs if p.pid not in our_pids) >> 20
-            if held > self.cfg.idle_memory_mib:
-                busy[f"gpu:{uuid}"] = f"{held} MiB held by other processes (training?)"
-        return busy
+            util: dict[int, int] = {}
+            try:
+                for sample in self._nvml.nvmlDeviceGetProcessUtilization(h, 0):
+                    util[sample.pid] = max(util.get(sample.pid, 0), sample.smUtil)
+            except self._nvml.NVMLError:
+                util = {}  # not supported on this GPU/driver, or no samples yet
+            for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(h):
+                mib = (p.usedGpuMemory or 0) >> 20
+                out.append(
+                    GpuProcess(p.pid, f"gpu:{uuid}", mib, util.get(p.pid, 0 if util else None))
+                )
+        return out
 
 
 def build_inventory(cfg: DevicesConfig) -> tuple[Inventory, list[str]]:
     """The inventory for a config, and warnings to show (e.g. NVML missing)."""
     warnings: list[str] = []
+    fake = os.environ.get("CKPT_WATCHER_FAKE_NVML")
+    if fake:
+        warnings.append(f"using the fake GPU inventory in {fake} (CKPT_WATCHER_FAKE_NVML)")
+        return FileInventory(Path(fake), cfg.cpu_slots), warnings
     if cfg.gpus == [] or cfg.gpus is None:
         return FakeInventory(cpu=cfg.cpu_slots), warnings
     try:
@@ -124,8 +197,10 @@ def build_inventory(cfg: DevicesConfig) -> tuple[Inventory, list[str]]:
         return FakeInventory(cpu=cfg.cpu_slots), warnings
 
 
-def free_devices(inv: Inventory, in_use: Iterable[str], our_pids: set[int]) -> list[Device]:
+def free_devices(
+    inv: Inventory, in_use: Iterable[str], our_pids: set[int], idle_memory_mib: int
+) -> list[Device]:
     """Devices neither running one of our jobs nor held by foreign processes."""
     taken = set(in_use)
-    busy = inv.foreign_busy(our_pids)
+    busy = foreign_busy(inv.gpu_processes(), our_pids, idle_memory_mib)
     return [d for d in inv.devices() if d.id not in taken and d.id not in busy]

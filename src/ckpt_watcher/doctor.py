@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt_watcher.config import LocalSource, WatcherConfig
-from ckpt_watcher.devices import build_inventory
+from ckpt_watcher.devices import build_inventory, foreign_busy
 from ckpt_watcher.errors import WatcherError
 
 MIN_FREE_GB = 1.0
@@ -45,7 +45,7 @@ def check_devices(cfg: WatcherConfig) -> Check:
         return Check(
             "devices", False, "none usable: " + ("; ".join(warnings) or "set devices.cpu_slots")
         )
-    busy = inv.foreign_busy(set())
+    busy = foreign_busy(inv.gpu_processes(), set(), cfg.devices.idle_memory_mib)
     extra = f" (busy with other processes now: {', '.join(busy)})" if busy else ""
     note = f"; {warnings[0]}" if warnings else ""
     return Check("devices", True, f"{', '.join(devices)}{extra}{note}")

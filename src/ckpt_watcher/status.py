@@ -106,6 +106,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
             for j in state.jobs("failed")
         ]
         counts = state.checkpoint_counts()
+        zombies = state.get_meta("suspected_zombies") or []
     finally:
         state.close()
     return {
@@ -116,6 +117,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         "queue": queued,
         "running": running,
         "failures": failures,
+        "suspected_zombies": zombies,
         "latest_results": latest_results(cfg),
     }
 
@@ -195,6 +197,14 @@ def render(data: dict[str, Any]) -> str:
     lines.append(f"failures: {len(data['failures'])}")
     for f in data["failures"]:
         lines.append(f"  {f['label']}: {(f['error'] or '').splitlines()[0] if f['error'] else ''}")
+    if data["suspected_zombies"]:
+        lines.append(
+            f"suspected zombies (not ours: never killed unless devices.reap_foreign_zombies): {len(data['suspected_zombies'])}"
+        )
+        for z in data["suspected_zombies"]:
+            lines.append(
+                f"  {z['device']}: pid {z['pid']} holds {z['used_mib']} MiB at 0% for {z['idle_s']}s"
+            )
     lines.append("latest results:")
     for r in data["latest_results"]:
         shots = r["num_fewshot"] if r["num_fewshot"] is not None else "default"

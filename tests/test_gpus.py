@@ -1,0 +1,91 @@
+"""GPU-aware scheduling with a fake NVML inventory (a JSON file the test edits live), real
+daemon processes, real workers (computing on the CPU) and real signals."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import WATCHER, base_config, idle_config, read_ledger, write_config
+from .helpers import status_json, wait_for, watcher_run
+
+
+def fake_nvml(path: Path, foreign: list[list[int]]) -> None:
+    gpus = [{"index": 6, "uuid": "GPU-6-aaaa", "foreign": foreign}]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"gpus": gpus}))
+    tmp.replace(path)
+
+
+@pytest.mark.slow
+def test_gpu_held_by_training_is_skipped_then_used_once_freed(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nvml = tmp_path / "nvml.json"
+    fake_nvml(nvml, [[4242, 30000, 97]])  # training holds 30 GB at 97%
+    monkeypatch.setenv("CKPT_WATCHER_FAKE_NVML", str(nvml))
+    watch = tmp_path / "ckpts"
+    copy_checkpoint(watch / "g_step1")
+    raw = base_config(tmp_path, watch, addition_tasks)
+    raw["devices"] = {"gpus": "all", "cpu_slots": 0}
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        st = wait_for(
+            lambda: (s := status_json(cfg)[1]) and s["queue"] and s, 60, "a queued job", daemon, log
+        )
+        scans = st["sources"][0]["last_scan_at"]
+        wait_for(
+            lambda: status_json(cfg)[1]["sources"][0]["last_scan_at"] != scans, 10, "another scan"
+        )
+        st = status_json(cfg)[1]
+        assert st["running"] == [] and len(st["queue"]) == 1  # the only GPU is training's
+        fake_nvml(nvml, [])  # training ended
+        wait_for(lambda: read_ledger(tmp_path / "ledgers", "g"), 120, "a result", daemon, log)
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    (line,) = read_ledger(tmp_path / "ledgers", "g")
+    assert line["status"] == "ok" and line["device"] == "cuda:6"
+
+
+def test_suspected_zombies_are_reported_and_killed_only_when_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    zombie = subprocess.Popen(["sleep", "300"])
+    try:
+        nvml = tmp_path / "nvml.json"
+        fake_nvml(nvml, [[zombie.pid, 5000, 0]])  # holds 5 GB, does nothing
+        monkeypatch.setenv("CKPT_WATCHER_FAKE_NVML", str(nvml))
+        devices = {"gpus": "all", "cpu_slots": 0, "zombie_after_seconds": 1}
+        cfg = idle_config(tmp_path, devices=devices)
+        log = tmp_path / "daemon.log"
+        with watcher_run(cfg, log) as daemon:
+            st = wait_for(
+                lambda: (s := status_json(cfg)[1]) and s["suspected_zombies"] and s,
+                30,
+                "a suspected zombie",
+                daemon,
+                log,
+            )
+            assert st["suspected_zombies"][0]["pid"] == zombie.pid
+            assert st["suspected_zombies"][0]["device"] == "cuda:6"
+            r = subprocess.run([*WATCHER, "status", "-c", str(cfg)], capture_output=True, text=True)
+            assert f"pid {zombie.pid} holds 5000 MiB at 0%" in r.stdout
+            daemon.send_signal(signal.SIGTERM)
+            assert daemon.wait(timeout=30) == 0
+        assert zombie.poll() is None  # reported, never killed
+
+        cfg = idle_config(tmp_path, devices=devices | {"reap_foreign_zombies": True})
+        with watcher_run(cfg, log) as daemon:
+            wait_for(lambda: zombie.poll() is not None, 30, "the zombie to be reaped", daemon, log)
+            daemon.send_signal(signal.SIGTERM)
+            assert daemon.wait(timeout=30) == 0
+        assert zombie.returncode == -signal.SIGKILL
+        assert '"event": "devices.zombie_reaped"' in log.read_text()
+    finally:
+        if zombie.poll() is None:
+            zombie.kill()
