@@ -571,6 +571,8 @@ class Daemon:
         if not free:
             return
         queued = self.state.jobs("queued")
+        if self._split(scheduler.eligible(queued, now), len(free), now):
+            queued = self.state.jobs("queued")
         assignments = scheduler.assign(queued, free, now, self.cfg.policy.order)
         if not assignments:
             return
@@ -579,6 +581,30 @@ class Daemon:
             rt.source.make_room(needed)  # staged copies of jobs that are due stay
         for job, device in assignments:
             self._start(job, device, now)
+
+    def _split(self, eligible: list[Job], free: int, now: float) -> bool:
+        """Spread one checkpoint's tasks over spare devices (see scheduler.split_plan)."""
+        plan = scheduler.split_plan(
+            eligible, free, lambda t: self.ledger.estimate(t["task"], t["num_fewshot"])
+        )
+        for job_id, groups in plan.items():
+            job = next(j for j in eligible if j.id == job_id)
+            self.state.update_job(job.id, tasks=groups[0])
+            for i, group in enumerate(groups[1:], start=1):
+                part = Job.new(
+                    id=f"{job.id}-{i}",
+                    location=job.location,
+                    run=job.run,
+                    step=job.step,
+                    label=job.label,
+                    tasks=group,
+                    settings_hash=job.settings_hash,
+                    created_at=now,
+                    order_key=job.order_key,
+                )
+                self.state.add_job(part)
+            log.info("job.split", job_id=job.id, parts=[[t["task"] for t in g] for g in groups])
+        return bool(plan)
 
     def _request(self, job: Job, device: Device) -> dict[str, Any]:
         ev = self.cfg.eval
@@ -856,14 +882,26 @@ class Daemon:
 
     def _finish_job(self, job: Job, state: str, now: float, error: str | None = None) -> None:
         self.state.update_job(job.id, state=state, finished_at=now, error=error, pid=None)
+        if self.state.jobs("queued", "running", location=job.location):
+            return  # other parts of a split checkpoint are still due
         source = self._source(self._checkpoint_source(job))
         if source is not None:
             source.release(job.location)
-        ck_state = "done" if state == "ok" else "failed"
         row = self.state.checkpoint(job.location)
         if row is not None and row["state"] in ("planned", "ready"):
+            all_tasks = [t.model_dump() for t in self.cfg.eval.tasks]
+            due = [
+                t
+                for t in all_tasks
+                if not self.ledger.is_ok(self._task_key(job.run, job.step, job.label, t))
+            ]
+            failed = [j.error for j in self.state.jobs("failed", location=job.location) if j.error]
             self.state.upsert_checkpoint(
-                job.location, row["source"], now, state=ck_state, reason=error or ""
+                job.location,
+                row["source"],
+                now,
+                state="failed" if due else "done",
+                reason=(failed[-1] if failed else "") if due else "",
             )
 
     # --- two-stage shutdown --------------------------------------------------------------------

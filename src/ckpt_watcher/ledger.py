@@ -127,6 +127,7 @@ class LedgerIndex:
         self.ledger_dir = ledger_dir
         self.ok: set[ResultKey] = set()
         self.failed_lines = 0
+        self.durations: dict[tuple[str, int | None], list[float]] = {}
 
     def load(self) -> LedgerIndex:
         for run in iter_runs(self.ledger_dir):
@@ -137,6 +138,9 @@ class LedgerIndex:
     def _note(self, line: dict[str, Any]) -> None:
         if line.get("status") == "ok":
             self.ok.add(line_key(line))
+            if isinstance(line.get("duration_s"), int | float):
+                key = (line["task"], line.get("num_fewshot"))
+                self.durations.setdefault(key, []).append(float(line["duration_s"]))
         else:
             self.failed_lines += 1
 
@@ -153,6 +157,14 @@ class LedgerIndex:
         append(self.ledger_dir, line)
         self._note(line)
         return True
+
+    def estimate(self, task: str, num_fewshot: int | None, default: float = 60.0) -> float:
+        """Typical duration of a task from earlier results (median of the last 20)."""
+        seen = self.durations.get((task, num_fewshot))
+        if not seen:
+            return default
+        recent = sorted(seen[-20:])
+        return recent[len(recent) // 2]
 
     def is_ok(self, key: ResultKey) -> bool:
         return key in self.ok

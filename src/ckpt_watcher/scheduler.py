@@ -6,7 +6,8 @@ can be tested exhaustively and the daemon only carries decisions out.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ckpt_watcher.devices import Device
 from ckpt_watcher.state import Job
@@ -30,6 +31,40 @@ def assign(
     """Give each free device the next eligible job, in policy order (GPUs before CPU slots)."""
     devices = sorted(free, key=lambda d: (d.kind != "cuda", d.id))
     return list(zip(order_jobs(eligible(jobs, now), order), devices, strict=False))
+
+
+TaskEstimate = Callable[[dict[str, Any]], float]
+
+
+def split_plan(
+    jobs: Sequence[Job], free: int, estimate: TaskEstimate
+) -> dict[str, list[list[dict[str, Any]]]]:
+    """When more devices are free than jobs wait, split the biggest jobs' tasks over the spare
+    devices so each checkpoint finishes sooner. Returns job id -> task groups (only for jobs
+    that are split); each group becomes one job. Groups are balanced longest-processing-time
+    first, with task durations estimated from earlier results."""
+    if free <= len(jobs) or not jobs:
+        return {}
+    devices = {j.id: 1 for j in jobs}
+    work = {j.id: sum(estimate(t) for t in j.tasks) for j in jobs}
+    by_id = {j.id: j for j in jobs}
+    for _ in range(free - len(jobs)):
+        splittable = [j for j in jobs if devices[j.id] < len(j.tasks)]
+        if not splittable:
+            break
+        most = max(splittable, key=lambda j: (work[j.id] / devices[j.id], -j.created_at))
+        devices[most.id] += 1
+    plan = {}
+    for jid, n in devices.items():
+        if n > 1:
+            groups: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+            loads = [0.0] * n
+            for t in sorted(by_id[jid].tasks, key=estimate, reverse=True):
+                k = loads.index(min(loads))
+                groups[k].append(t)
+                loads[k] += estimate(t)
+            plan[jid] = groups
+    return plan
 
 
 def next_retry_at(jobs: Sequence[Job], now: float) -> float | None:
