@@ -32,10 +32,12 @@ def test_minimal_config_gets_the_contract_defaults() -> None:
     assert cfg.stable_seconds == 120
 
 
-def test_example_config_in_repo_is_valid() -> None:
+def test_example_configs_in_repo_are_valid() -> None:
     cfg = load_config(Path(__file__).parents[1] / "configs" / "example.yaml")
     assert [t.task for t in cfg.eval.tasks] == ["gsm8k", "mbpp"]
     assert cfg.eval.tasks[1].allow_code_execution is True
+    sidecar = load_config(Path(__file__).parents[1] / "configs" / "sagemaker-sidecar.yaml")
+    assert sidecar.devices.gpus == [6, 7] and sidecar.ledger_mirror
 
 
 def test_set_overrides_nested_keys_lists_and_types() -> None:
