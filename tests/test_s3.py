@@ -381,3 +381,20 @@ def test_cache_evicts_least_recently_used_copies_but_never_needed_ones(tmp_path:
     src.make_room(needed=[locs[0]])  # the oldest is needed by a queued job
     left = sorted(p.parent.name for p in cache.rglob(".last_used"))
     assert left == ["r_step0", "r_step3"]  # 4,000 -> 2,000 bytes: step1 and step2 went
+
+
+def test_scan_reports_keys_that_could_escape_and_never_plans_them(
+    s3_endpoint: str, bucket: str
+) -> None:
+    client = make_client(s3_endpoint)
+    for key in [
+        "ck/../r_step1/config.json",
+        "ck//r_step2/config.json",
+        "ck/./r_step3/config.json",
+        "ck/ok_step4/config.json",
+    ]:
+        client.put_object(Bucket=bucket, Key=key, Body=b"{}")
+    found = S3Source(f"s3://{bucket}/ck/", client=client, retry=NO_WAIT).scan()
+    good = [f.location for f in found if f.ident]
+    assert good == [f"s3://{bucket}/ck/ok_step4/"]
+    assert sum("never staged" in f.note for f in found) == 3

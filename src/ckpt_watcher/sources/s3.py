@@ -266,6 +266,17 @@ class S3Source:
                 continue  # model files under an unknown name: reported, not walked into
             for sub in subs:
                 path = PurePosixPath(sub.rstrip("/"))
+                parts = sub[len(self.prefix) :].rstrip("/").split("/")
+                if any(p in ("", ".", "..") for p in parts):
+                    found.append(
+                        Found(
+                            f"s3://{self.bucket}/{sub}",
+                            None,
+                            None,
+                            "key has empty, '.' or '..' components: never staged",
+                        )
+                    )
+                    continue
                 if looks_like_checkpoint_name(path.name):
                     ident = parse_name(
                         path.name,
