@@ -33,7 +33,7 @@ from ckpt_watcher import scheduler
 from ckpt_watcher.checkpoints import completeness
 from ckpt_watcher.config import LocalSource as LocalSourceConfig
 from ckpt_watcher.config import WatcherConfig
-from ckpt_watcher.devices import Device, Inventory, build_inventory, free_devices
+from ckpt_watcher.devices import Device, GpuProcess, Inventory, build_inventory, free_devices
 from ckpt_watcher.errors import ConfigError, NamingFixError, WatcherError
 from ckpt_watcher.executors.base import WORKER_MODULE, Executor, is_our_worker
 from ckpt_watcher.executors.local import LocalExecutor, kill_group
@@ -57,6 +57,19 @@ _MISSABLE = ("incomplete", "invalid", "ready", "planned")
 
 def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class RayInventory:
+    """Capacity of a Ray cluster: one slot per GPU it has; Ray places each task on a node."""
+
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
+
+    def devices(self) -> list[Device]:
+        return list(self.executor.slots())
+
+    def gpu_processes(self) -> list[GpuProcess]:
+        return []  # other nodes' GPUs are not visible to this host's NVML
 
 
 def build_sources(cfg: WatcherConfig) -> list[Source]:
@@ -128,6 +141,16 @@ class Daemon:
         self.stop_requests = 0
         self.stop_deadline: float | None = None
         self.inventory_warnings: list[str] = []
+        self.sources = [_SourceRuntime(s) for s in (sources or build_sources(cfg))]
+        if executor_factory is None and cfg.executor.kind == "ray":
+            from ckpt_watcher.executors.ray import RayExecutor
+
+            ray_executor = RayExecutor(self._on_worker_exit, cfg.executor.address)
+            self.executor: Executor = ray_executor
+            inventory = inventory or RayInventory(ray_executor)
+        else:
+            factory = executor_factory or (lambda cb: LocalExecutor(cb))
+            self.executor = factory(self._on_worker_exit)
         if inventory is None:
             inventory, self.inventory_warnings = build_inventory(cfg.devices)
         self.inventory = inventory
@@ -136,13 +159,6 @@ class Daemon:
                 "config field devices: no device to run evals on (no usable GPU found); "
                 "set devices.cpu_slots to 1 or more on a machine without GPUs"
             )
-        self.sources = [_SourceRuntime(s) for s in (sources or build_sources(cfg))]
-        if cfg.executor.kind != "local":
-            raise ConfigError(
-                "config field executor.kind: ray is not available in this version yet; use local"
-            )
-        factory = executor_factory or (lambda cb: LocalExecutor(cb))
-        self.executor = factory(self._on_worker_exit)
         self.state = State(cfg.state_dir)
         self.ledger = LedgerIndex(cfg.ledger_dir)
         self.settings_hash = cfg.eval.settings_hash()

@@ -28,7 +28,7 @@ class Device:
     kind: str  # cpu | cuda
     visible: str  # CUDA_VISIBLE_DEVICES for a worker on it ("" hides every GPU)
     label: str  # what users read: "cpu:0", "cuda:6"
-    runs_on: str = ""  # where the worker computes: "cuda", or "cpu" (CPU slots, fake GPUs)
+    runs_on: str = ""  # where the worker computes: cuda, cpu (CPU slots, fake GPUs), auto (Ray)
 
     @property
     def compute(self) -> str:

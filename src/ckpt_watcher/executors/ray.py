@@ -1,0 +1,120 @@
+"""Run each job as one Ray task (`num_gpus=1`) somewhere in a Ray cluster (multi-node).
+
+The daemon stays the only scheduler and the only ledger writer: a Ray task runs
+`python -m ckpt_watcher.worker` as a subprocess on whichever node Ray placed it (the subprocess
+inherits the `CUDA_VISIBLE_DEVICES` Ray set), then returns the worker's outcome files and log to
+the daemon, which writes them into the job's folder and settles the job as for a local worker.
+A node that dies fails its job's attempt; the job is retried (elsewhere) like any failure.
+Checkpoint and ledger folders must be on storage every node sees (EFS/NFS), or S3 sources used.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from ckpt_watcher.devices import Device
+from ckpt_watcher.errors import BackendUnavailable
+from ckpt_watcher.executors.base import ExitCallback, WorkerHandle
+
+log = structlog.get_logger("ckpt_watcher.executors.ray")
+
+
+def _run_on_node(spec_json: str, job_id: str) -> dict[str, Any]:
+    """Inside the Ray task: run the worker in a scratch folder; return what it wrote."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    import ray
+
+    with tempfile.TemporaryDirectory(prefix=f"ckpt-watcher-{job_id}-") as tmp:
+        folder = Path(tmp)
+        (folder / "spec.json").write_text(spec_json)
+        with open(folder / "worker.log", "wb") as out:
+            rc = subprocess.call(
+                [sys.executable, "-m", "ckpt_watcher.worker", str(folder)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=dict(os.environ),
+            )
+        return {
+            "rc": rc,
+            "node": ray.util.get_node_ip_address(),
+            "files": {
+                p.name: p.read_text() for p in folder.iterdir() if p.name.startswith("outcome-")
+            },
+            "log": (folder / "worker.log").read_text(errors="replace"),
+        }
+
+
+class RayExecutor:
+    def __init__(self, on_exit: ExitCallback, address: str = "auto") -> None:
+        try:
+            import ray
+        except ImportError as e:
+            raise BackendUnavailable(
+                "executor.kind is ray but Ray is not installed: pip install 'ckpt-watcher[ray]'"
+            ) from e
+        self._ray: Any = ray
+        if not ray.is_initialized():
+            ray.init(
+                address=address,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
+        self._remote = ray.remote(num_gpus=1, max_retries=0)(_run_on_node)
+        self.on_exit = on_exit
+        self._refs: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.nodes: dict[str, str] = {}  # job id -> node, once known
+
+    def slots(self) -> list[Device]:
+        """One device per GPU Ray sees in the cluster (Ray places each task)."""
+        gpus = int(self._ray.cluster_resources().get("GPU", 0))
+        return [Device(f"ray:{i}", "cuda", "", f"ray:gpu{i}", "auto") for i in range(gpus)]
+
+    def start(
+        self, job_id: str, job_dir: Path, env: dict[str, str], log_path: Path
+    ) -> WorkerHandle:
+        spec = (job_dir / "spec.json").read_text()
+        ref = self._remote.options(name=job_id).remote(spec, job_id)
+        with self._lock:
+            self._refs[job_id] = ref
+        threading.Thread(
+            target=self._wait, args=(job_id, ref, job_dir, log_path), daemon=True
+        ).start()
+        return WorkerHandle(job_id, 0, "ray")
+
+    def _wait(self, job_id: str, ref: Any, job_dir: Path, log_path: Path) -> None:
+        try:
+            result = self._ray.get(ref)
+        except Exception as e:  # the node died, the task was cancelled, Ray lost it
+            log_path.write_text(f"Ray task failed: {type(e).__name__}: {e}\n")
+            rc = -9
+        else:
+            for name, text in result["files"].items():
+                (job_dir / name).write_text(text)
+            log_path.write_text(f"[ran on node {result['node']}]\n" + result["log"])
+            self.nodes[job_id] = result["node"]
+            rc = int(result["rc"])
+        with self._lock:
+            self._refs.pop(job_id, None)
+        self.on_exit(job_id, rc)
+
+    def kill(self, job_id: str) -> None:
+        with self._lock:
+            ref = self._refs.get(job_id)
+        if ref is not None:
+            self._ray.cancel(ref, force=True)
+
+    def running(self) -> set[str]:
+        with self._lock:
+            return set(self._refs)

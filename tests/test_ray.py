@@ -1,0 +1,118 @@
+"""Multi-node execution through a real local Ray cluster that declares 2 (fake) GPUs: the daemon
+stays the only scheduler and ledger writer; Ray places one task per job."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from .conftest import base_config, read_ledger, write_config
+from .helpers import wait_for, watcher_run
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray not installed"),
+]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    ray = str(Path(os.sys.executable).parent / "ray")
+    tmp = tmp_path_factory.mktemp("ray")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    r = subprocess.run(
+        [
+            ray,
+            "start",
+            "--head",
+            "--num-cpus=2",
+            "--num-gpus=2",
+            "--port=0",
+            f"--temp-dir={tmp}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    address = (
+        next(line.split("'")[1] for line in r.stdout.splitlines() if "ray.init(address=" in line)
+        if "ray.init(address=" in r.stdout
+        else "auto"
+    )
+    try:
+        yield address
+    finally:
+        subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120, env=env)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ts(text: str) -> float:
+    return datetime.fromisoformat(text).timestamp()
+
+
+def test_two_checkpoints_run_concurrently_on_two_ray_gpus_and_a_killed_worker_is_retried(
+    tmp_path: Path, ray_cluster: str, addition_tasks: Path, copy_checkpoint
+) -> None:
+    watch = tmp_path / "ckpts"
+    for step in (1, 2):
+        copy_checkpoint(watch / f"ray_step{step}")
+    raw = base_config(tmp_path, watch, addition_tasks)
+    raw["executor"] = {"kind": "ray", "address": ray_cluster}
+    raw["devices"] = {"gpus": [], "cpu_slots": 0}
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        lines = wait_for(
+            lambda: (
+                len(read_ledger(tmp_path / "ledgers", "ray")) >= 2
+                and read_ledger(tmp_path / "ledgers", "ray")
+            ),
+            300,
+            "2 results",
+            daemon,
+            log,
+        )
+        # a third checkpoint: kill the Ray worker process that runs its eval
+        copy_checkpoint(watch / "ray_step3")
+
+        def ray_worker_of_step3() -> int | None:
+            r = subprocess.run(
+                ["pgrep", "-f", "ckpt_watcher.worker"], capture_output=True, text=True
+            )
+            for pid in r.stdout.split():
+                parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                return parent
+            return None
+
+        victim = wait_for(ray_worker_of_step3, 120, "the third eval to start", daemon, log)
+        os.kill(victim, signal.SIGKILL)
+        wait_for(
+            lambda: len(read_ledger(tmp_path / "ledgers", "ray")) >= 3,
+            300,
+            "the retried result",
+            daemon,
+            log,
+        )
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    lines = read_ledger(tmp_path / "ledgers", "ray")
+    assert sorted((ln["step"], ln["status"]) for ln in lines) == [(1, "ok"), (2, "ok"), (3, "ok")]
+    one, two = sorted((ln for ln in lines if ln["step"] in (1, 2)), key=lambda ln: ln["step"])
+    assert ts(one["started_at"]) < ts(two["finished_at"]) and ts(two["started_at"]) < ts(
+        one["finished_at"]
+    )
+    assert {one["device"], two["device"]} == {"ray:gpu0", "ray:gpu1"}
+    third = next(ln for ln in lines if ln["step"] == 3)
+    assert third["attempt"] == 2
