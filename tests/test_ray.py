@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import base_config, read_ledger, write_config
-from .helpers import wait_for, watcher_run
+from .helpers import status_json, wait_for, watcher_run
 
 pytestmark = [
     pytest.mark.slow,
@@ -88,15 +88,31 @@ def test_two_checkpoints_run_concurrently_on_two_ray_gpus_and_a_killed_worker_is
         copy_checkpoint(watch / "ray_step3")
 
         def ray_worker_of_step3() -> int | None:
+            """The Ray worker process running step 3's eval (the parent of our worker, whose
+            scratch folder is named after the job), and no other process on this machine."""
             r = subprocess.run(
-                ["pgrep", "-f", "ckpt_watcher.worker"], capture_output=True, text=True
+                ["pgrep", "-f", "ckpt-watcher-ray-3-"], capture_output=True, text=True
             )
             for pid in r.stdout.split():
-                parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                return parent
+                try:
+                    parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                    if Path(f"/proc/{parent}/cmdline").read_bytes().startswith(b"ray::"):
+                        return parent
+                except OSError:
+                    continue
             return None
 
         victim = wait_for(ray_worker_of_step3, 120, "the third eval to start", daemon, log)
+        st = wait_for(
+            lambda: (s := status_json(cfg)[1]) and s["running"] and s["running"][0]["node"] and s,
+            30,
+            "status to name the node",
+            daemon,
+            log,
+        )
+        assert st["running"][0]["label"] == "ray_step3" and st["running"][0]["device"].startswith(
+            "ray:gpu"
+        )
         os.kill(victim, signal.SIGKILL)
         wait_for(
             lambda: len(read_ledger(tmp_path / "ledgers", "ray")) >= 3,

@@ -268,6 +268,13 @@ class Daemon:
 
     def _heartbeat(self, now: float) -> None:
         self.notifier.watchdog(now)
+        where = getattr(self.executor, "where", None)
+        if where is not None:  # executors that place jobs on other nodes say where
+            for job in self.state.jobs("running"):
+                host = where(job.id)
+                if host and host != job.host:
+                    self.state.update_job(job.id, host=host)
+                    log.info("eval.placed", job_id=job.id, run=job.run, step=job.step, node=host)
         if now - self._last_heartbeat >= HEARTBEAT_SECONDS:
             self._watch_zombies(now)
             self.state.set_meta(heartbeat=now, stopping=bool(self.stop_requests))

@@ -76,6 +76,7 @@ class Job:
     started_at: float | None
     error: str | None
     order_key: float
+    host: str | None = None  # the node running it (Ray), once known
 
     @classmethod
     def new(
@@ -134,6 +135,7 @@ class Job:
             started_at=row["started_at"],
             error=row["error"],
             order_key=row["order_key"] or 0.0,
+            host=row["host"],
         )
 
 

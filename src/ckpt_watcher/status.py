@@ -94,6 +94,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
                 "step": j.step,
                 "label": j.label,
                 "device": j.device_label,
+                "node": j.host,
                 "pid": j.pid,
                 "attempt": j.attempt,
                 "tasks": [t["task"] for t in j.tasks],
@@ -190,8 +191,10 @@ def render(data: dict[str, Any]) -> str:
         lines.append(f"  {q['label']}  tasks {', '.join(q['tasks'])}{retry}")
     lines.append(f"running: {len(data['running'])}")
     for r in data["running"]:
+        node = f" on node {r['node']}" if r["node"] else ""
+        pid = f"pid {r['pid']}, " if r["pid"] else ""
         lines.append(
-            f"  {r['device']}: {r['label']} (pid {r['pid']}, attempt {r['attempt']}, "
+            f"  {r['device']}{node}: {r['label']} ({pid}attempt {r['attempt']}, "
             f"{r['running_s']}s, tasks {', '.join(r['tasks'])})"
         )
     lines.append(f"failures: {len(data['failures'])}")

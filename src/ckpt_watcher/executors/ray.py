@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,9 @@ from ckpt_watcher.executors.base import ExitCallback, WorkerHandle
 log = structlog.get_logger("ckpt_watcher.executors.ray")
 
 
-def _run_on_node(spec_json: str, job_id: str) -> dict[str, Any]:
-    """Inside the Ray task: run the worker in a scratch folder; return what it wrote."""
+def _run_on_node(spec_json: str, job_id: str) -> Iterator[Any]:
+    """Inside the Ray task: say which node this is, then run the worker in a scratch folder and
+    return what it wrote (a streaming generator: the node arrives before the result)."""
     import os
     import subprocess
     import sys
@@ -33,6 +35,7 @@ def _run_on_node(spec_json: str, job_id: str) -> dict[str, Any]:
 
     import ray
 
+    yield ray.util.get_node_ip_address()
     with tempfile.TemporaryDirectory(prefix=f"ckpt-watcher-{job_id}-") as tmp:
         folder = Path(tmp)
         (folder / "spec.json").write_text(spec_json)
@@ -44,9 +47,8 @@ def _run_on_node(spec_json: str, job_id: str) -> dict[str, Any]:
                 stdin=subprocess.DEVNULL,
                 env=dict(os.environ),
             )
-        return {
+        yield {
             "rc": rc,
-            "node": ray.util.get_node_ip_address(),
             "files": {
                 p.name: p.read_text() for p in folder.iterdir() if p.name.startswith("outcome-")
             },
@@ -70,7 +72,7 @@ class RayExecutor:
                 log_to_driver=False,
                 logging_level=logging.WARNING,
             )
-        self._remote = ray.remote(num_gpus=1, max_retries=0)(_run_on_node)
+        self._remote = ray.remote(num_gpus=1, max_retries=0, num_returns="streaming")(_run_on_node)
         self.on_exit = on_exit
         self._refs: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -95,15 +97,15 @@ class RayExecutor:
 
     def _wait(self, job_id: str, ref: Any, job_dir: Path, log_path: Path) -> None:
         try:
-            result = self._ray.get(ref)
+            self.nodes[job_id] = str(self._ray.get(next(ref)))
+            result = self._ray.get(next(ref))
         except Exception as e:  # the node died, the task was cancelled, Ray lost it
             log_path.write_text(f"Ray task failed: {type(e).__name__}: {e}\n")
             rc = -9
         else:
             for name, text in result["files"].items():
                 (job_dir / name).write_text(text)
-            log_path.write_text(f"[ran on node {result['node']}]\n" + result["log"])
-            self.nodes[job_id] = result["node"]
+            log_path.write_text(f"[ran on node {self.nodes[job_id]}]\n" + result["log"])
             rc = int(result["rc"])
         with self._lock:
             self._refs.pop(job_id, None)
@@ -114,6 +116,10 @@ class RayExecutor:
             ref = self._refs.get(job_id)
         if ref is not None:
             self._ray.cancel(ref, force=True)
+
+    def where(self, job_id: str) -> str | None:
+        """The node running a job, once its task has started."""
+        return self.nodes.get(job_id)
 
     def running(self) -> set[str]:
         with self._lock:
