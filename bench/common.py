@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -19,6 +21,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 BIN = Path(sys.executable).parent
 WATCHER = [sys.executable, "-m", "ckpt_watcher"]
+
+
+def fake_checkpoint(folder: Path) -> None:
+    """A complete checkpoint-shaped folder with one tiny tensor (not loadable by a model)."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
 
 
 def trained_checkpoint(work: Path, steps: int = 300) -> Path:

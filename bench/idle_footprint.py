@@ -13,24 +13,16 @@ import json
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import time
 from pathlib import Path
 
-from common import WATCHER
+from common import WATCHER, fake_checkpoint
 
 from ckpt_watcher.config import load_config
 from ckpt_watcher.ledger import append
 
 TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def fake_checkpoint(folder: Path) -> None:
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text("{}")
-    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
-    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -10,13 +10,13 @@ Usage: python bench/scheduling.py [--scale 0.1]
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import struct
 import tempfile
 from datetime import datetime
 from pathlib import Path
+
+from common import fake_checkpoint
 
 from ckpt_watcher.config import parse_config
 from ckpt_watcher.daemon import Daemon
@@ -25,13 +25,6 @@ from ckpt_watcher.executors.simulated import SimulatedExecutor
 from ckpt_watcher.ledger import ledger_path, read_lines
 
 TASKS = {"gsm8k": 8.0, "mbpp": 5.0, "humaneval": 3.0, "ifeval": 2.0, "arc": 1.0}  # relative
-
-
-def fake_checkpoint(folder: Path) -> None:
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text("{}")
-    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
-    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
 
 
 def ts(text: str) -> float:
