@@ -21,25 +21,20 @@ def _task_label(line: dict[str, Any]) -> str:
 
 
 def metric_table(lines: list[dict[str, Any]], include_stderr: bool = False) -> Table:
-    """One row per checkpoint (by step), one column per task/shots/metric; latest ok line wins.
-
-    A task whose latest line failed shows `FAILED` in its cells.
+    """One row per checkpoint (by step), one column per task/shots/metric; the latest ok line
+    wins. A task with failed lines and no ok line for a checkpoint shows `FAILED`.
     """
-    cells: dict[tuple[Any, str], dict[str, Any]] = {}
-    order: dict[tuple[Any, str], tuple[float, str]] = {}
+    Key = tuple[Any, str]  # (step, label)
+    cells: dict[Key, dict[str, Any]] = {}
     columns: list[str] = []
-    failed: dict[tuple[Any, str], set[str]] = {}
+    failed: dict[Key, set[str]] = {}
     for line in lines:
-        ck = (line.get("step"), line.get("label", ""))
-        key = (ck, "")
-        order.setdefault(
-            key,
-            (line["step"] if line.get("step") is not None else float("inf"), line.get("label", "")),
-        )
+        key = (line.get("step"), line.get("label", ""))
+        cells.setdefault(key, {})
         if line.get("status") != "ok":
             failed.setdefault(key, set()).add(_task_label(line))
             continue
-        row = cells.setdefault(key, {})
+        row = cells[key]
         for metric, value in line.get("metrics", {}).items():
             if "_stderr" in metric and not include_stderr:
                 continue
@@ -48,9 +43,9 @@ def metric_table(lines: list[dict[str, Any]], include_stderr: bool = False) -> T
                 columns.append(col)
             row[col] = value
     out_rows = []
-    for key in sorted(order, key=lambda k: order[k]):
-        (step, label), _ = key
-        row = cells.get(key, {})
+    for key in sorted(cells, key=lambda k: (k[0] if k[0] is not None else float("inf"), k[1])):
+        step, label = key
+        row = cells[key]
         values = []
         for col in columns:
             if col in row:
