@@ -100,3 +100,15 @@ def test_doctor_reports_each_check_and_fails_on_a_missing_source(tmp_path: Path)
         timeout=300,
     )
     assert r.returncode == 1 and "FAIL  sources[0]:" in r.stdout and "does not exist" in r.stdout
+
+
+def test_plot_writes_a_png_of_metrics_by_step(tmp_path: Path) -> None:
+    cfg = _ledger(tmp_path)
+    out = tmp_path / "plots" / "r.png"
+    result = CliRunner().invoke(main, ["plot", "-c", str(cfg), "r", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "(1 series)" in result.output
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    result = CliRunner().invoke(main, ["plot", "-c", str(cfg), "nope", "-o", str(out)])
+    assert result.exit_code == 1 and "runs with results: r" in result.output

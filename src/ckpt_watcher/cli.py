@@ -158,6 +158,36 @@ def results(config_path: Path, run_name: str, fmt: str, with_stderr: bool) -> No
     click.echo(render(metric_table(report.lines, include_stderr=with_stderr), fmt))
 
 
+@main.command()
+@config_option
+@click.argument("run_name", metavar="RUN")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="The PNG file to write.",
+)
+@handle_errors
+def plot(config_path: Path, run_name: str, output: Path) -> None:
+    """Plot one run's metrics against the step, from its ledger, as a PNG."""
+    from ckpt_watcher import ledger as ledger_mod
+    from ckpt_watcher.plot import plot_run
+
+    cfg = _load(config_path)
+    path = ledger_mod.ledger_path(cfg.ledger_dir, run_name)
+    if not path.exists():
+        runs = list(ledger_mod.iter_runs(cfg.ledger_dir))
+        _fail(
+            1,
+            f"no ledger for run {run_name!r} at {path}; runs with results: {', '.join(runs) or 'none'}",
+        )
+    drawn = plot_run(ledger_mod.read_lines(path).lines, run_name, output)
+    if not drawn:
+        _fail(1, f"run {run_name!r} has no ok results with a step yet; nothing to plot")
+    click.echo(f"wrote {output} ({drawn} series)")
+
+
 @main.command("fix-names")
 @click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--dry-run", is_flag=True, help="Only say what would be linked.")
