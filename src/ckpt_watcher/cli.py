@@ -62,6 +62,21 @@ def _load(config_path: Path, overrides: tuple[str, ...] = ()) -> WatcherConfig:
     return load_config(config_path, list(overrides))
 
 
+def _run_ledger(config_path: Path, run_name: str) -> list[dict[str, Any]]:
+    """One run's ledger lines; exit 1 naming the runs that do have results if it has none."""
+    from ckpt_watcher import ledger as ledger_mod
+
+    cfg = _load(config_path)
+    path = ledger_mod.ledger_path(cfg.ledger_dir, run_name)
+    if not path.exists():
+        runs = ", ".join(ledger_mod.iter_runs(cfg.ledger_dir)) or "none"
+        _fail(1, f"no ledger for run {run_name!r} at {path}; runs with results: {runs}")
+    report = ledger_mod.read_lines(path)
+    if report.skipped:
+        click.echo(f"watcher: skipped {report.skipped} torn or unreadable ledger line(s)", err=True)
+    return report.lines
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="watcher")
 @click.option(
@@ -141,21 +156,10 @@ def status(config_path: Path, as_json: bool) -> None:
 @handle_errors
 def results(config_path: Path, run_name: str, fmt: str, with_stderr: bool) -> None:
     """The metric-by-step table of one run, from its ledger."""
-    from ckpt_watcher import ledger as ledger_mod
     from ckpt_watcher.report import metric_table, render
 
-    cfg = _load(config_path)
-    path = ledger_mod.ledger_path(cfg.ledger_dir, run_name)
-    if not path.exists():
-        runs = list(ledger_mod.iter_runs(cfg.ledger_dir))
-        _fail(
-            1,
-            f"no ledger for run {run_name!r} at {path}; runs with results: {', '.join(runs) or 'none'}",
-        )
-    report = ledger_mod.read_lines(path)
-    if report.skipped:
-        click.echo(f"watcher: skipped {report.skipped} torn or unreadable ledger line(s)", err=True)
-    click.echo(render(metric_table(report.lines, include_stderr=with_stderr), fmt))
+    lines = _run_ledger(config_path, run_name)
+    click.echo(render(metric_table(lines, include_stderr=with_stderr), fmt))
 
 
 @main.command()
@@ -171,18 +175,9 @@ def results(config_path: Path, run_name: str, fmt: str, with_stderr: bool) -> No
 @handle_errors
 def plot(config_path: Path, run_name: str, output: Path) -> None:
     """Plot one run's metrics against the step, from its ledger, as a PNG."""
-    from ckpt_watcher import ledger as ledger_mod
     from ckpt_watcher.plot import plot_run
 
-    cfg = _load(config_path)
-    path = ledger_mod.ledger_path(cfg.ledger_dir, run_name)
-    if not path.exists():
-        runs = list(ledger_mod.iter_runs(cfg.ledger_dir))
-        _fail(
-            1,
-            f"no ledger for run {run_name!r} at {path}; runs with results: {', '.join(runs) or 'none'}",
-        )
-    drawn = plot_run(ledger_mod.read_lines(path).lines, run_name, output)
+    drawn = plot_run(_run_ledger(config_path, run_name), run_name, output)
     if not drawn:
         _fail(1, f"run {run_name!r} has no ok results with a step yet; nothing to plot")
     click.echo(f"wrote {output} ({drawn} series)")
