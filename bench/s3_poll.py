@@ -18,7 +18,8 @@ from pathlib import Path
 
 from moto.server import ThreadedMotoServer
 
-from ckpt_watcher.sources.s3 import S3Source, make_client
+from ckpt_watcher.s3client import make_client
+from ckpt_watcher.sources.s3 import S3Source
 from ckpt_watcher.sources.staging import stage
 
 

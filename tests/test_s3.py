@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from ckpt_watcher.checkpoints import completeness
-from ckpt_watcher.sources.s3 import Retry, S3Source, S3SourceError, make_client
-from ckpt_watcher.sources.staging import StagingError, stage, staged_path
+from ckpt_watcher.errors import S3Error, StagingError
+from ckpt_watcher.s3client import Retry, make_client
+from ckpt_watcher.sources.s3 import S3Source
+from ckpt_watcher.sources.staging import stage, staged_path
 
 from .conftest import (
     base_config,
@@ -180,7 +182,7 @@ def test_missing_bucket_and_bad_credentials_fail_fast_with_a_clear_message(
         client=make_client(s3_endpoint),
         retry=Retry(attempts=5, initial=5),
     )
-    with pytest.raises(S3SourceError, match="NoSuchBucket: the bucket does not exist"):
+    with pytest.raises(S3Error, match="NoSuchBucket: the bucket does not exist"):
         src.scan()  # would take > 5 s if it retried
 
 

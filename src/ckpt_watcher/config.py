@@ -62,6 +62,9 @@ class S3Source(_Model):
     """Staged copies beyond this size are evicted, least recently used first."""
     keep_staged: bool = False
     """Keep a staged copy after its job ends (default: removed)."""
+    request_timeout_seconds: float = Field(30.0, gt=0)
+    """An S3 request with no answer after this long fails and is retried; a source whose calls
+    keep failing is shown as unreachable in `watcher status` (the others carry on)."""
 
     @field_validator("uri")
     @classmethod

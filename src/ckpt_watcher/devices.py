@@ -204,3 +204,48 @@ def free_devices(
     taken = set(in_use)
     busy = foreign_busy(inv.gpu_processes(), our_pids, idle_memory_mib)
     return [d for d in inv.devices() if d.id not in taken and d.id not in busy]
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A process not ours that has held GPU memory at 0% utilisation for `idle_s` seconds."""
+
+    pid: int
+    device: str  # the device's label
+    used_mib: int
+    idle_s: int
+    new: bool  # first time reported
+
+
+class ZombieWatch:
+    """Remembers since when each foreign process has sat idle on a GPU; `observe` names those
+    idle for `after_seconds` or more (each reported as `new` once). Killing is the caller's
+    decision (devices.reap_foreign_zombies)."""
+
+    def __init__(self, after_seconds: float) -> None:
+        self.after_seconds = after_seconds
+        self._idle_since: dict[tuple[int, str], float] = {}
+        self._reported: set[tuple[int, str]] = set()
+
+    def observe(
+        self, processes: Iterable[GpuProcess], ours: set[int], labels: dict[str, str], now: float
+    ) -> list[Suspect]:
+        idle_now = {
+            (p.pid, p.device_id): p
+            for p in processes
+            if p.pid not in ours and p.used_mib > 0 and p.util_percent == 0
+        }
+        self._idle_since = {k: self._idle_since.get(k, now) for k in idle_now}
+        out = []
+        for key, since in self._idle_since.items():
+            if now - since < self.after_seconds:
+                continue
+            p = idle_now[key]
+            new = key not in self._reported
+            self._reported.add(key)
+            out.append(
+                Suspect(
+                    p.pid, labels.get(p.device_id, p.device_id), p.used_mib, round(now - since), new
+                )
+            )
+        return out

@@ -107,17 +107,19 @@ def check_sources(cfg: WatcherConfig) -> list[Check]:
                 )
                 out.append(Check(f"sources[{i}]", True, f"{s.path} readable{note}"))
         else:
-            out.append(_s3_check(f"sources[{i}]", s.uri, s.endpoint_url))
+            out.append(_s3_check(f"sources[{i}]", s.uri, s.endpoint_url, s.request_timeout_seconds))
     if cfg.ledger_mirror:
-        out.append(_s3_check("ledger_mirror", cfg.ledger_mirror, None))
+        out.append(_s3_check("ledger_mirror", cfg.ledger_mirror, None, 30.0))
     return out
 
 
-def _s3_check(name: str, uri: str, endpoint_url: str | None) -> Check:
+def _s3_check(name: str, uri: str, endpoint_url: str | None, timeout: float) -> Check:
     """Credentials and reachability: one listing request, at most one retry."""
-    from ckpt_watcher.sources.s3 import Retry, S3Source
+    from ckpt_watcher.s3client import Retry
+    from ckpt_watcher.sources.s3 import S3Source
 
-    src = S3Source(uri, endpoint_url=endpoint_url, retry=Retry(attempts=2, initial=0.5))
+    retry = Retry(attempts=2, initial=0.5)
+    src = S3Source(uri, endpoint_url=endpoint_url, retry=retry, request_timeout=timeout)
     try:
         found = src.exists(uri)
     except (OSError, WatcherError) as e:

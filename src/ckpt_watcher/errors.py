@@ -40,3 +40,11 @@ class EvalError(WatcherError):
 
 class BackendUnavailable(EvalError):
     """An optional backend is not installed; the message names the pip install line."""
+
+
+class S3Error(WatcherError):
+    """S3 refused for a reason retrying cannot fix (credentials, bucket, permissions)."""
+
+
+class StagingError(WatcherError):
+    """A checkpoint could not be staged safely (bad key, or a file that does not verify)."""

@@ -1,6 +1,6 @@
 """The per-run ledger: `<ledger_dir>/<run>/ledger.jsonl`, one JSON object per result line.
 
-Lines are only ever appended (and fsynced), never rewritten. A torn last line (a crash in the
+The line schema is `result_line`'s. Lines are only ever appended (and fsynced), never rewritten. A torn last line (a crash in the
 middle of an append) is skipped with a warning; the next append starts on a fresh line. The
 daemon is the only writer. A result's identity is (run, step-or-label, task, num_fewshot,
 settings hash): after any crash each identity has at most one `ok` line.
@@ -17,6 +17,8 @@ from typing import Any
 
 import structlog
 
+from ckpt_watcher.clock import seconds_between
+from ckpt_watcher.durable import fsync_dir
 from ckpt_watcher.errors import LedgerError
 
 SCHEMA = 1
@@ -31,6 +33,69 @@ def result_key(
 ) -> ResultKey:
     """The identity of one result. A final checkpoint without a step is identified by label."""
     return (run, str(step) if step is not None else f"label:{label}", task, num_fewshot, settings)
+
+
+def task_key(
+    run: str, step: int | None, label: str, task: dict[str, Any], settings: str
+) -> ResultKey:
+    """The identity of one task entry (`{"task": ..., "num_fewshot": ...}`) on a checkpoint."""
+    return result_key(run, step, label, task["task"], task["num_fewshot"], settings)
+
+
+def result_line(
+    *,
+    job: Any,
+    outcome: dict[str, Any],
+    status: str,
+    error: str | None,
+    eval_cfg: Any,
+    ledger_dir: Path,
+) -> dict[str, Any]:
+    """One ledger line (schema 1) for a task's outcome on a job's checkpoint.
+
+    `job` is a state.Job, `outcome` what the worker wrote for the task (for a failure with no
+    outcome, just task and num_fewshot), `eval_cfg` the config's `eval` section.
+    """
+    started = outcome.get("started_at") or ""
+    finished = outcome.get("finished_at") or ""
+    rfile = outcome.get("results_file")
+    if rfile:
+        try:  # relative to the run's ledger folder, so the folder can move
+            rfile = str(Path(rfile).relative_to((ledger_dir / job.run).resolve()))
+        except ValueError:
+            pass
+    gen_kwargs = dict(eval_cfg.gen_kwargs)
+    if eval_cfg.max_gen_toks is not None:
+        gen_kwargs["max_gen_toks"] = eval_cfg.max_gen_toks
+    ok = status == "ok"
+    return {
+        "schema": SCHEMA,
+        "run": job.run,
+        "step": job.step,
+        "label": job.label,
+        "checkpoint": job.location,
+        "task": outcome["task"],
+        "num_fewshot": outcome["num_fewshot"],
+        "status": status,
+        "metrics": outcome.get("metrics", {}) if ok else {},
+        "backend": eval_cfg.backend,
+        "device": job.device_label,
+        "model_args": eval_cfg.model_args,
+        "gen_kwargs": gen_kwargs,
+        "seed": eval_cfg.seed,
+        "clamped_requests": outcome.get("clamped_requests", 0),
+        "truncated_prompts": outcome.get("truncated_prompts", 0),
+        "n_samples": outcome.get("n_samples"),
+        "attempt": job.attempt,
+        "started_at": started or None,
+        "finished_at": finished or None,
+        "duration_s": seconds_between(started, finished),
+        "lm_eval_version": outcome.get("lm_eval_version"),
+        "results_file": rfile if ok else None,
+        "error": error,
+        "job_id": job.id,
+        "settings_hash": job.settings_hash,
+    }
 
 
 def line_key(line: dict[str, Any]) -> ResultKey:
@@ -102,7 +167,7 @@ def append(ledger_dir: Path, line: dict[str, Any]) -> Path:
     except OSError as e:
         raise LedgerError(f"cannot append to ledger {path}: {e.strerror}") from e
     if created:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     return path
 
 
@@ -110,14 +175,6 @@ def _ends_with_newline(path: Path) -> bool:
     with open(path, "rb") as f:
         f.seek(-1, os.SEEK_END)
         return f.read(1) == b"\n"
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LedgerIndex:
@@ -168,3 +225,14 @@ class LedgerIndex:
 
     def is_ok(self, key: ResultKey) -> bool:
         return key in self.ok
+
+    def due(
+        self,
+        run: str,
+        step: int | None,
+        label: str,
+        tasks: list[dict[str, Any]],
+        settings: str,
+    ) -> list[dict[str, Any]]:
+        """The task entries of a checkpoint that have no `ok` line with these settings yet."""
+        return [t for t in tasks if not self.is_ok(task_key(run, step, label, t, settings))]

@@ -1,10 +1,18 @@
 """The ledger mirror (SageMaker's local disk vanishes with the job): after every append, each
 run's whole ledger file is uploaded to `<ledger_mirror>/<run>/ledger.jsonl` as one PUT, so the
-mirror always holds a complete object, never a partial one. Failures are logged, retried on the
-next append, and never stop the daemon."""
+mirror always holds a complete object, never a partial one.
+
+Uploads run on the mirror's own lane, never on the daemon's loop: an S3 endpoint that hangs
+delays only the mirror. Appends made while an upload is in flight are coalesced into the next
+upload of that run. A failed upload is logged and tried again (`retry_due`), so the mirror
+catches up once S3 answers again; it never stops the daemon.
+"""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -12,20 +20,34 @@ from typing import Any
 import structlog
 
 from ckpt_watcher.errors import WatcherError
+from ckpt_watcher.lane import Lane
 from ckpt_watcher.ledger import ledger_path
-from ckpt_watcher.sources.s3 import Retry, make_client, split_uri
+from ckpt_watcher.s3client import Retry, make_client, split_uri
 
 log = structlog.get_logger("ckpt_watcher.mirror")
+
+RETRY_FAILED_SECONDS = 30.0
 
 
 class LedgerMirror:
     def __init__(
-        self, uri: str, ledger_dir: Path, client: Any = None, retry: Retry | None = None
+        self,
+        uri: str,
+        ledger_dir: Path,
+        client: Any = None,
+        retry: Retry | None = None,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.bucket, self.prefix = split_uri(uri)
         self.ledger_dir = ledger_dir
         self._client = client
-        self.retry = retry or Retry()
+        self.retry = retry or Retry(max_seconds=120)
+        self.lane = Lane("ledger-mirror", wake)
+        self._lock = threading.Lock()
+        self._dirty: set[str] = set()
+        self._failed: set[str] = set()
+        self._draining = False
+        self._last_retry = 0.0
 
     @property
     def client(self) -> Any:
@@ -33,8 +55,44 @@ class LedgerMirror:
             self._client = make_client()
         return self._client
 
+    def request(self, run: str) -> None:
+        """Upload `run`'s ledger soon, on the mirror's lane (returns at once)."""
+        with self._lock:
+            self._dirty.add(run)
+            if self._draining:
+                return  # the upload in flight picks it up
+            self._draining = True
+        self.lane.submit(self._drain)
+
+    def retry_due(self, now: float, force: bool = False) -> None:
+        """Re-send runs whose upload failed, at most every RETRY_FAILED_SECONDS (or now)."""
+        with self._lock:
+            if not self._failed or (not force and now - self._last_retry < RETRY_FAILED_SECONDS):
+                return
+            self._last_retry = now
+            runs, self._failed = self._failed, set()
+        for run in runs:
+            self.request(run)
+
+    def pending(self) -> set[str]:
+        """Runs whose latest ledger is not in the mirror yet."""
+        with self._lock:
+            return self._dirty | self._failed
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._dirty:
+                    self._draining = False
+                    return
+                run = self._dirty.pop()
+            if not self.upload(run):
+                with self._lock:
+                    self._failed.add(run)
+
     def upload(self, run: str) -> bool:
-        """Put the run's whole ledger; False (logged) if S3 refused or stayed unreachable."""
+        """Put the run's whole ledger now (blocking); False (logged) if S3 refused or stayed
+        unreachable."""
         body = ledger_path(self.ledger_dir, run).read_bytes()
         key = f"{self.prefix}{run}/ledger.jsonl"
         put = partial(
@@ -53,3 +111,18 @@ class LedgerMirror:
             return False
         log.info("ledger.mirrored", run=run, uri=f"s3://{self.bucket}/{key}", bytes=len(body))
         return True
+
+    def flush(self, timeout: float) -> bool:
+        """At shutdown: wait up to `timeout` seconds for uploads in flight or due; True if the
+        mirror holds every run's latest ledger."""
+        self.retry_due(0.0, force=True)  # failed runs get one more try now
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._draining:
+                    return not (self._dirty or self._failed)
+            time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        self.lane.close()

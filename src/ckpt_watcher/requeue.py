@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from ckpt_watcher.config import WatcherConfig
-from ckpt_watcher.ledger import LedgerIndex, result_key
+from ckpt_watcher.ledger import LedgerIndex
 from ckpt_watcher.state import State
 
 _REQUEUEABLE = ("done", "failed", "skipped")
@@ -30,7 +30,7 @@ def requeue(
     """Return (checkpoints put back as ready, checkpoints left alone with why)."""
     ledger = LedgerIndex(cfg.ledger_dir).load()
     settings = cfg.eval.settings_hash()
-    tasks = [t for t in cfg.eval.tasks if task is None or t.task == task]
+    tasks = [t.model_dump() for t in cfg.eval.tasks if task is None or t.task == task]
     state = State(cfg.state_dir)
     done: list[Requeued] = []
     left: list[str] = []
@@ -42,11 +42,8 @@ def requeue(
         ]
         for row in rows:
             due = [
-                f"{t.task} ({t.num_fewshot}-shot)"
-                for t in tasks
-                if not ledger.is_ok(
-                    result_key(run, row["step"], row["label"], t.task, t.num_fewshot, settings)
-                )
+                f"{t['task']} ({t['num_fewshot']}-shot)"
+                for t in ledger.due(run, row["step"], row["label"], tasks, settings)
             ]
             if row["state"] not in _REQUEUEABLE:
                 left.append(

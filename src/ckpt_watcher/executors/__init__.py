@@ -1,1 +1,20 @@
 """Executors start a worker process for a job on a device, report its exit, and kill it."""
+
+from __future__ import annotations
+
+from ckpt_watcher.config import WatcherConfig
+from ckpt_watcher.devices import Inventory
+from ckpt_watcher.executors.base import Executor, ExitCallback
+
+
+def build_executor(cfg: WatcherConfig, on_exit: ExitCallback) -> tuple[Executor, Inventory | None]:
+    """The executor for `executor.kind`, and the device inventory it brings (Ray: the
+    cluster's GPUs), or None to use this host's (NVML, CPU slots)."""
+    if cfg.executor.kind == "ray":
+        from ckpt_watcher.executors.ray import RayExecutor, RayInventory
+
+        ray = RayExecutor(on_exit, cfg.executor.address)
+        return ray, RayInventory(ray)
+    from ckpt_watcher.executors.local import LocalExecutor
+
+    return LocalExecutor(on_exit), None

@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from ckpt_watcher.devices import Device
+from ckpt_watcher.devices import Device, GpuProcess
 from ckpt_watcher.errors import BackendUnavailable
 from ckpt_watcher.executors.base import ExitCallback, WorkerHandle
 
@@ -124,3 +124,16 @@ class RayExecutor:
     def running(self) -> set[str]:
         with self._lock:
             return set(self._refs)
+
+
+class RayInventory:
+    """Capacity of a Ray cluster: one slot per GPU it has; Ray places each task on a node."""
+
+    def __init__(self, executor: RayExecutor) -> None:
+        self.executor = executor
+
+    def devices(self) -> list[Device]:
+        return list(self.executor.slots())
+
+    def gpu_processes(self) -> list[GpuProcess]:
+        return []  # other nodes' GPUs are not visible to this host's NVML

@@ -7,17 +7,13 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from datetime import UTC, datetime
 from itertools import count
 from pathlib import Path
 
+from ckpt_watcher.clock import utcnow
 from ckpt_watcher.executors.base import ExitCallback, WorkerHandle
 
 _pids = count(10_000_000)  # never a real pid
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class SimulatedExecutor:
@@ -42,7 +38,7 @@ class SimulatedExecutor:
     def _run(self, job_id: str, job_dir: Path, spec: dict, cancel: threading.Event) -> None:
         rc = 0
         for i, t in enumerate(spec["request"]["tasks"]):
-            started = _now()
+            started = utcnow()
             if cancel.wait(self.duration(t["task"], t["num_fewshot"])):
                 rc = -9
                 break
@@ -55,7 +51,7 @@ class SimulatedExecutor:
                 "clamped_requests": 0,
                 "truncated_prompts": 0,
                 "started_at": started,
-                "finished_at": _now(),
+                "finished_at": utcnow(),
                 "results_file": None,
                 "error": None,
                 "lm_eval_version": "simulated",

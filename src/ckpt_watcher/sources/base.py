@@ -10,6 +10,8 @@ from typing import Any, Protocol
 from ckpt_watcher.checkpoints.files import CheckpointFiles
 from ckpt_watcher.checkpoints.naming import CheckpointId
 
+UNRECOGNISED = "name follows no pattern ({run}_step{N}, {run}_final, checkpoint-{N}, global_step_{N}, step_{N})"
+
 
 @dataclass(frozen=True)
 class Found:
@@ -22,10 +24,18 @@ class Found:
 
 
 class Source(Protocol):
-    """A place checkpoints appear. `scan` is the truth; `watch` may only wake a scan early."""
+    """A place checkpoints appear. `scan` is the truth; `watch` may only wake a scan early.
+
+    Every method may block on I/O (a network filesystem, S3): the daemon calls them only from
+    the source's own thread, never from its loop, and hands each source only its own locations.
+    """
 
     name: str
     poll_seconds: float
+
+    def owns(self, location: str) -> bool:
+        """True if `location` is one of this source's (under its root or prefix)."""
+        ...
 
     def scan(self) -> list[Found]:
         """List every checkpoint candidate now (raises OSError subclasses on failure)."""

@@ -18,11 +18,10 @@ import structlog
 from ckpt_watcher.checkpoints.files import LocalFiles
 from ckpt_watcher.checkpoints.namefix import apply_fix
 from ckpt_watcher.checkpoints.naming import looks_like_checkpoint_name, parse_checkpoint_dir
-from ckpt_watcher.sources.base import Found
+from ckpt_watcher.sources.base import UNRECOGNISED, Found
 
 log = structlog.get_logger("ckpt_watcher.sources.local")
 
-UNRECOGNISED = "name follows no pattern ({run}_step{N}, {run}_final, checkpoint-{N}, global_step_{N}, step_{N})"
 # Files whose presence makes a folder "model-like" even when its name follows no pattern.
 _MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json")
 # inotify events that can complete a checkpoint: a file closed after writing, created, moved or
@@ -62,6 +61,10 @@ class LocalSource:
         self._scandir = scandir
         self._observer: Any = None
         self._lock = threading.Lock()
+
+    def owns(self, location: str) -> bool:
+        root = str(self.root).rstrip("/") + "/"
+        return location.startswith(root)
 
     def scan(self) -> list[Found]:
         if not self.root.is_dir():

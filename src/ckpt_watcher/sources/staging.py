@@ -22,8 +22,8 @@ import structlog
 from ckpt_watcher.checkpoints.files import LocalFiles
 from ckpt_watcher.checkpoints.namefix import apply_fix
 from ckpt_watcher.checkpoints.safetensors_header import HeaderUnreadable, read_header
-from ckpt_watcher.errors import WatcherError
-from ckpt_watcher.sources.s3 import Retry, S3Files, make_client, split_uri
+from ckpt_watcher.errors import StagingError
+from ckpt_watcher.s3client import DEFAULT_REQUEST_TIMEOUT, Retry, S3Files, make_client, split_uri
 
 log = structlog.get_logger("ckpt_watcher.sources.staging")
 
@@ -46,10 +46,6 @@ NEEDED = frozenset(
     }
 )
 LAST_USED = ".last_used"
-
-
-class StagingError(WatcherError):
-    """A checkpoint could not be staged safely (bad key, or a file that does not verify)."""
 
 
 def needed_files(files: dict[str, int]) -> list[str]:
@@ -86,11 +82,12 @@ def stage(
     endpoint_url: str | None = None,
     client: Any = None,
     retry: Retry | None = None,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
 ) -> Path:
     """Download what an eval of `location` needs into the cache; returns the local folder."""
     from boto3.s3.transfer import TransferConfig
 
-    client = client or make_client(endpoint_url)
+    client = client or make_client(endpoint_url, request_timeout)
     retry = retry or Retry()
     bucket, key = split_uri(location)
     view = S3Files(client, retry, bucket, key)

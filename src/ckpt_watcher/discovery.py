@@ -1,0 +1,340 @@
+"""Discovery: each source's scans and checks on its own lane; their results applied to the state.
+
+A scan runs on the source's lane (thread): list the tree, then judge completeness of every
+checkpoint that is new or still waiting, and apply the naming fix to those now ready. The loop
+only submits scans and applies finished ones (SQLite writes stay on the loop's thread), so a
+source that hangs or fails delays only itself:
+
+- a scan that fails (after its bounded retries) marks the source `unreachable since T: why`;
+- a scan with no answer for `unanswered_after(source)` seconds marks it so while it runs on;
+- the next scan that succeeds clears it: the source resumes without a restart.
+
+Checkpoint life cycle handled here: seen -> incomplete | invalid | unrecognised -> ready;
+missed when a checkpoint not yet evaluated disappears.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from ckpt_watcher.checkpoints import completeness
+from ckpt_watcher.checkpoints.completeness import Completeness
+from ckpt_watcher.clock import iso
+from ckpt_watcher.errors import NamingFixError, WatcherError
+from ckpt_watcher.lane import Lane
+from ckpt_watcher.sources.base import Found, Source, diff
+from ckpt_watcher.state import State
+
+log = structlog.get_logger("ckpt_watcher.discovery")
+
+# Checkpoint states that a fresh scan re-examines (the writer may still change them).
+RECHECK = ("incomplete", "invalid")
+# States in which a vanished checkpoint counts as missed (it was never evaluated).
+MISSABLE = ("incomplete", "invalid", "ready", "planned")
+
+
+def unanswered_after(source: Source) -> float:
+    """How long a scan may run before its source is shown unreachable (it may still answer)."""
+    timeout = getattr(source, "request_timeout", 30.0)
+    return max(10.0, 2 * timeout)
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A completeness verdict from the lane, and what the naming fix did for a ready one."""
+
+    verdict: Completeness
+    fixes: list[str] = field(default_factory=list)
+    fix_failed: bool = False
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    found: list[Found]
+    judged: dict[str, Judged]
+    watching: bool
+
+
+@dataclass
+class _Watched:
+    """One source and its lane, as the loop sees them."""
+
+    source: Source
+    lane: Lane
+    snapshot: dict[str, Found] = field(default_factory=dict)
+    next_scan: float = 0.0
+    woken: bool = False
+    watching: bool = False
+    scan: Future[ScanResult] | None = None
+    scan_started: float = 0.0
+    scan_started_mono: float = 0.0
+    marked_unanswered: bool = False
+
+
+class Discovery:
+    def __init__(
+        self,
+        sources: list[Source],
+        state: State,
+        stable_seconds: float,
+        wake: Callable[[], None],
+    ) -> None:
+        self.state = state
+        self.stable_seconds = stable_seconds
+        self._wake = wake
+        self.watched = [_Watched(s, Lane(f"source-{i}", wake)) for i, s in enumerate(sources)]
+
+    # --- which source holds a location -----------------------------------------------------
+    def source_named(self, name: str) -> Source | None:
+        return next((w.source for w in self.watched if w.source.name == name), None)
+
+    def _lane_of(self, name: str) -> _Watched | None:
+        return next((w for w in self.watched if w.source.name == name), None)
+
+    def stage_spec(self, source_name: str, location: str) -> dict[str, Any] | None:
+        src = self.source_named(source_name)
+        return src.stage_spec(location) if src is not None else None
+
+    def exists(self, source_name: str, location: str) -> Future[bool] | None:
+        """Ask (on the source's lane) whether a checkpoint is still there; None if its source
+        left the config."""
+        w = self._lane_of(source_name)
+        if w is None:
+            return None
+        return w.lane.submit(functools.partial(w.source.exists, location))
+
+    def release(self, source_name: str, location: str) -> None:
+        """A checkpoint's jobs ended: the source may drop what it staged (on its lane)."""
+        w = self._lane_of(source_name)
+        if w is not None:
+            w.lane.submit(_logged("source.release_failed", w.source.release, location))
+
+    def make_room(self, needed: dict[str, list[str]]) -> None:
+        """Before jobs start: each source keeps its cache in bounds, sparing its own `needed`
+        locations (source name -> locations of its queued and running jobs)."""
+        for name, locations in needed.items():
+            w = self._lane_of(name)
+            if w is not None:
+                w.lane.submit(_logged("source.make_room_failed", w.source.make_room, locations))
+
+    # --- the loop's part -------------------------------------------------------------------
+    def tick(self, now: float, *, force: bool = False, start: bool = True) -> None:
+        """Apply finished scans, flag unanswered ones, and (if `start`) start the scans due."""
+        for w in self.watched:
+            if w.scan is not None:
+                if w.scan.done():
+                    self._finish(w, now)
+                else:
+                    self._flag_unanswered(w, now)
+            if start and w.scan is None and (force or w.woken or now >= w.next_scan):
+                self._start(w, now)
+
+    def scanning(self) -> bool:
+        return any(w.scan is not None for w in self.watched)
+
+    def next_deadline(self) -> float | None:
+        idle = [w.next_scan for w in self.watched if w.scan is None]
+        return min(idle) if idle else None
+
+    def close(self) -> None:
+        for w in self.watched:
+            w.lane.close()
+            try:
+                w.source.close()
+            except Exception as e:  # closing must never stop the shutdown
+                log.warning("source.close_failed", source=w.source.name, error=str(e))
+
+    def _start(self, w: _Watched, now: float) -> None:
+        name = w.source.name
+        rows = self.state.checkpoints(source=name)
+        settled = {r["location"] for r in rows if r["state"] not in (*RECHECK, "missed")}
+        recheck = {
+            r["location"]: (r["fingerprint"], r["unchanged_since"])
+            for r in rows
+            if r["state"] in RECHECK
+        }
+        w.woken = False
+        w.next_scan = now + w.source.poll_seconds
+        w.scan_started = now
+        w.scan_started_mono = time.monotonic()
+        w.marked_unanswered = False
+        wake_source = functools.partial(self._wake_source, w)
+        w.scan = w.lane.submit(
+            functools.partial(self._scan, w.source, w.watching, wake_source, settled, recheck, now)
+        )
+
+    def _wake_source(self, w: _Watched) -> None:
+        w.woken = True
+        self._wake()
+
+    def _flag_unanswered(self, w: _Watched, now: float) -> None:
+        waited = time.monotonic() - w.scan_started_mono
+        if w.marked_unanswered or waited < unanswered_after(w.source):
+            return
+        w.marked_unanswered = True
+        error = f"no answer for {waited:.0f}s (the scan is still waiting)"
+        self.state.mark_unreachable(w.source.name, w.scan_started, error)
+        log.warning("source.unreachable", source=w.source.name, error=error)
+
+    # --- on the source's lane: I/O only, no state ------------------------------------------
+    def _scan(
+        self,
+        source: Source,
+        watching: bool,
+        wake: Callable[[], None],
+        settled: set[str],
+        recheck: dict[str, tuple[str | None, float | None]],
+        now: float,
+    ) -> ScanResult:
+        if not watching:
+            watching = source.watch(wake)
+        found = source.scan()
+        judged = {}
+        for f in found:
+            if f.ident is None or f.location in settled:
+                continue
+            fp, since = recheck.get(f.location, (None, None))
+            j = self._judge(source, f.location, fp, since, now)
+            if j is not None:
+                judged[f.location] = j
+        return ScanResult(found, judged, watching)
+
+    def _judge(
+        self, source: Source, location: str, fp: str | None, since: float | None, now: float
+    ) -> Judged | None:
+        try:
+            verdict = completeness.check(
+                source.view(location),
+                now=now,
+                stable_seconds=self.stable_seconds,
+                unchanged_since=since,
+                previous_fingerprint=fp,
+            )
+            if not verdict.ready:
+                return Judged(verdict)
+            try:
+                return Judged(verdict, source.prepare(location))
+            except NamingFixError as e:
+                return Judged(Completeness("invalid", str(e), verdict.fingerprint), fix_failed=True)
+        except (OSError, WatcherError) as e:  # unreadable now (S3 down?): judged next scan
+            log.warning("checkpoint.check_failed", location=location, error=str(e))
+            return None
+
+    # --- back on the loop: apply a finished scan -------------------------------------------
+    def _finish(self, w: _Watched, now: float) -> None:
+        future, w.scan = w.scan, None
+        assert future is not None
+        name = w.source.name
+        try:
+            result = future.result()
+        except (OSError, WatcherError) as e:  # one failing source never stops the others
+            self._record(name, now, str(e), None)
+            return
+        except Exception as e:  # a bug in a source must not take the daemon down
+            log.exception("source.scan_crashed", source=name)
+            self._record(name, now, f"{type(e).__name__}: {e}", None)
+            return
+        w.watching = result.watching
+        snapshot = {f.location: f for f in result.found}
+        added, removed = diff(w.snapshot, snapshot)
+        w.snapshot = snapshot
+        for f in added:
+            self._register(name, f, now)
+        for f in removed:
+            self._forget(f, now)
+        for location, judged in result.judged.items():
+            row = self.state.checkpoint(location)
+            if row is not None and row["state"] in RECHECK:
+                self._apply(row, judged, now)
+        self._record(name, now, None, sum(1 for f in result.found if f.ident))
+
+    def _record(self, name: str, now: float, error: str | None, n: int | None) -> None:
+        before = next((r for r in self.state.sources() if r["name"] == name), None)
+        was_down = before is not None and before["unreachable_since"] is not None
+        self.state.record_scan(name, now, error, n)
+        if error is not None:
+            log.warning("source.scan_failed", source=name, error=error)
+        elif was_down:
+            since = iso(before["unreachable_since"]) if before is not None else "?"
+            log.info("source.reachable", source=name, unreachable_since=since)
+
+    def _register(self, source: str, f: Found, now: float) -> None:
+        row = self.state.checkpoint(f.location)
+        if f.ident is None:
+            if row is None or row["state"] != "unrecognised":
+                self.state.upsert_checkpoint(
+                    f.location, source, now, state="unrecognised", reason=f.note
+                )
+                log.warning("checkpoint.unrecognised", location=f.location, reason=f.note)
+            return
+        if row is not None and row["state"] != "missed":
+            return  # known from before a restart: its state stands
+        ident = f.ident
+        self.state.upsert_checkpoint(
+            f.location,
+            source,
+            now,
+            run=ident.run,
+            step=ident.step,
+            label=ident.label,
+            final=int(ident.final),
+            state="incomplete",
+            reason="just seen",
+        )
+        log.info("checkpoint.seen", location=f.location, run=ident.run, step=ident.step)
+
+    def _forget(self, f: Found, now: float) -> None:
+        row = self.state.checkpoint(f.location)
+        if row is None or row["state"] not in MISSABLE:
+            return
+        for job in self.state.jobs("queued", location=f.location):
+            self.state.update_job(
+                job.id, state="skipped", error="checkpoint deleted before evaluation"
+            )
+        if not self.state.jobs("running", location=f.location):
+            self.state.upsert_checkpoint(
+                f.location, row["source"], now, state="missed", reason="deleted before evaluation"
+            )
+            log.warning("checkpoint.missed", location=f.location, run=row["run"], step=row["step"])
+
+    def _apply(self, row: Any, judged: Judged, now: float) -> None:
+        verdict = judged.verdict
+        for action in judged.fixes:
+            log.info("checkpoint.names_fixed", location=row["location"], action=action)
+        if judged.fix_failed:
+            log.error("checkpoint.names_unfixable", location=row["location"], error=verdict.reason)
+        fields: dict[str, Any] = {"state": verdict.state, "reason": verdict.reason}
+        if verdict.fingerprint and verdict.fingerprint != row["fingerprint"]:
+            fields |= {"fingerprint": verdict.fingerprint, "unchanged_since": now}
+        if verdict.ready:
+            fields["ready_at"] = now
+        if verdict.state != row["state"] or verdict.reason != row["reason"]:
+            self.state.upsert_checkpoint(row["location"], row["source"], now, **fields)
+            log.info(
+                f"checkpoint.{verdict.state}",
+                location=row["location"],
+                run=row["run"],
+                step=row["step"],
+                reason=verdict.reason,
+            )
+        elif "fingerprint" in fields:
+            self.state.upsert_checkpoint(row["location"], row["source"], now, **fields)
+
+
+def _logged(event: str, fn: Callable[[Any], Any], arg: Any) -> Callable[[], None]:
+    """`fn(arg)` for a lane, where a failure is logged (nobody waits on its Future)."""
+
+    def call() -> None:
+        try:
+            fn(arg)
+        except Exception as e:
+            log.warning(event, error=f"{type(e).__name__}: {e}")
+
+    return call

