@@ -6,7 +6,9 @@ import json
 import os
 import shutil
 import struct
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,98 @@ def addition_tasks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     (folder / "addition_long.yaml").write_text(long)
     return folder
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    saved = {
+        k: os.environ.get(k)
+        for k in (
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_DEFAULT_REGION",
+            "AWS_ENDPOINT_URL",
+        )
+    }
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="test",
+        AWS_SECRET_ACCESS_KEY="test",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=endpoint,
+    )
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def bucket(s3_endpoint: str, request: pytest.FixtureRequest) -> str:
+    from ckpt_watcher.s3client import make_client
+
+    name = "b-" + request.node.name.lower().replace("_", "-")[:50].strip("-")
+    make_client(s3_endpoint).create_bucket(Bucket=name)
+    return name
+
+
+def upload_dir(client, folder: Path, bucket: str, prefix: str, skip: tuple[str, ...] = ()) -> None:
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.name not in skip:
+            client.upload_file(str(p), bucket, prefix + p.name)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    ray = str(Path(os.sys.executable).parent / "ray")
+    tmp = tmp_path_factory.mktemp("ray")
+    # Ray's workers inherit this environment: dummy AWS credentials let them stage from the
+    # test's S3 server (sources name its endpoint_url), as an instance role would in production
+    env = dict(
+        os.environ,
+        RAY_USAGE_STATS_ENABLED="0",
+        AWS_ACCESS_KEY_ID="test",
+        AWS_SECRET_ACCESS_KEY="test",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    r = subprocess.run(
+        [
+            ray,
+            "start",
+            "--head",
+            "--num-cpus=2",
+            "--num-gpus=2",
+            "--port=0",
+            f"--temp-dir={tmp}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    address = (
+        next(line.split("'")[1] for line in r.stdout.splitlines() if "ray.init(address=" in line)
+        if "ray.init(address=" in r.stdout
+        else "auto"
+    )
+    try:
+        yield address
+    finally:
+        subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120, env=env)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_config(path: Path, data: dict[str, Any]) -> Path:

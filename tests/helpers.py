@@ -103,3 +103,62 @@ def lm_eval_cli(
     assert r.returncode == 0, r.stderr[-3000:]
     (result,) = list(out.rglob("results_*.json"))
     return json.loads(result.read_text())
+
+
+class HangingEndpoint:
+    """A loopback TCP endpoint that accepts connections and never answers (a broken VPC
+    endpoint, a dead proxy) until `recover()`; from then on new connections are relayed to
+    `upstream` (the test's S3 server), byte for byte."""
+
+    def __init__(self, upstream: str) -> None:
+        import socket
+        import threading
+        from urllib.parse import urlparse
+
+        up = urlparse(upstream)
+        self._upstream = (up.hostname or "127.0.0.1", up.port or 80)
+        self._answering = threading.Event()
+        self._held: list[socket.socket] = []
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def recover(self) -> None:
+        self._answering.set()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            self.connections += 1
+            if not self._answering.is_set():
+                self._held.append(conn)  # read nothing, answer nothing
+                continue
+            up = socket.create_connection(self._upstream, timeout=30)
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+
+    def close(self) -> None:
+        self._server.close()
+        for s in self._held:
+            s.close()
+
+
+def _pipe(src: Any, dst: Any) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(2)
+            except OSError:
+                pass

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import signal
 import subprocess
-from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -21,41 +19,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray not installed"),
 ]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    ray = str(Path(os.sys.executable).parent / "ray")
-    tmp = tmp_path_factory.mktemp("ray")
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    r = subprocess.run(
-        [
-            ray,
-            "start",
-            "--head",
-            "--num-cpus=2",
-            "--num-gpus=2",
-            "--port=0",
-            f"--temp-dir={tmp}",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    address = (
-        next(line.split("'")[1] for line in r.stdout.splitlines() if "ray.init(address=" in line)
-        if "ray.init(address=" in r.stdout
-        else "auto"
-    )
-    try:
-        yield address
-    finally:
-        subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120, env=env)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def ts(text: str) -> float:

@@ -243,3 +243,37 @@ def test_hostile_directories_are_reported_by_a_running_daemon_never_evaluated(
     assert not st["queue"] and not st["running"]
     assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
     assert not (tmp_path / "l").exists() or not any((tmp_path / "l").glob("*/ledger.jsonl"))
+
+
+def test_a_job_running_through_three_daemon_deaths_fails_instead_of_crash_looping(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint
+) -> None:
+    watch = tmp_path / "ckpts"
+    copy_checkpoint(watch / "loop_step1")
+    raw = base_config(tmp_path, watch, addition_tasks, max_attempts=3)
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    log = tmp_path / "daemon.log"
+    for death in (1, 2, 3):
+        with watcher_run(cfg, log) as daemon:
+            job = wait_for(
+                lambda: running_job(cfg), 60, f"the eval to start ({death})", daemon, log
+            )
+            assert job["attempt"] == 1  # earlier deaths cost no attempt
+            # memory pressure: the kernel kills the daemon and the eval it was running
+            os.kill(daemon.pid, signal.SIGKILL)
+            os.killpg(job["pid"], signal.SIGKILL)
+            daemon.wait()
+        assert read_ledger(tmp_path / "ledgers", "loop") == []
+    with watcher_run(cfg, log) as daemon:
+        lines = wait_for(
+            lambda: read_ledger(tmp_path / "ledgers", "loop"), 30, "the failed line", daemon, log
+        )
+        code, st = status_json(cfg)
+        assert code == 0 and st is not None and not st["running"] and not st["queue"]
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    (line,) = lines
+    assert line["status"] == "failed"
+    assert line["error"].startswith("the daemon died while this job ran (3 times)")
+    assert [f["error"] for f in st["failures"]] == ["the daemon died while this job ran (3 times)"]
+    assert '"event": "recovery.crash_loop"' in log.read_text()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from ckpt_watcher.sources.staging import stage, staged_path
 from .conftest import (
     base_config,
     read_ledger,
+    upload_dir,
     write_config,
     write_fake_checkpoint,
     write_safetensors,
@@ -26,53 +26,6 @@ from .conftest import (
 from .helpers import status_json, wait_for, watcher_run
 
 NO_WAIT = Retry(attempts=3, initial=0.0, maximum=0.0)  # retries without back-off in tests
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    saved = {
-        k: os.environ.get(k)
-        for k in (
-            "AWS_ACCESS_KEY_ID",
-            "AWS_SECRET_ACCESS_KEY",
-            "AWS_DEFAULT_REGION",
-            "AWS_ENDPOINT_URL",
-        )
-    }
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="test",
-        AWS_SECRET_ACCESS_KEY="test",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_ENDPOINT_URL=endpoint,
-    )
-    try:
-        yield endpoint
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@pytest.fixture
-def bucket(s3_endpoint: str, request: pytest.FixtureRequest) -> str:
-    name = "b-" + request.node.name.lower().replace("_", "-")[:50].strip("-")
-    make_client(s3_endpoint).create_bucket(Bucket=name)
-    return name
-
-
-def upload_dir(client, folder: Path, bucket: str, prefix: str, skip: tuple[str, ...] = ()) -> None:
-    for p in sorted(folder.iterdir()):
-        if p.is_file() and p.name not in skip:
-            client.upload_file(str(p), bucket, prefix + p.name)
 
 
 def test_scan_lists_checkpoint_prefixes_without_a_request_per_checkpoint(

@@ -53,16 +53,8 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
             "stopping": bool(state.get_meta("stopping")) if alive else False,
             "mode": state.get_meta("mode"),
         }
-        sources = [
-            {
-                "name": r["name"],
-                "last_scan_at": _iso_or_none(r["last_scan_at"]),
-                "last_scan_age_s": round(now - r["last_scan_at"], 1) if r["last_scan_at"] else None,
-                "error": r["last_error"],
-                "checkpoints": r["n_checkpoints"],
-            }
-            for r in state.sources()
-        ]
+        scanned = {r["name"]: r for r in state.sources()}
+        sources = [_source(scanned.get(s.name), s.name, now) for s in cfg.sources]
         checkpoints = [
             {
                 "location": r["location"],
@@ -123,6 +115,27 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
     }
 
 
+def _source(row: Any, name: str, now: float) -> dict[str, Any]:
+    """A configured source as status shows it (`row` None: no scan has finished yet)."""
+    if row is None:
+        return {
+            "name": name,
+            "last_scan_at": None,
+            "last_scan_age_s": None,
+            "error": None,
+            "unreachable_since": None,
+            "checkpoints": None,
+        }
+    return {
+        "name": name,
+        "last_scan_at": _iso_or_none(row["last_scan_at"]),
+        "last_scan_age_s": round(now - row["last_scan_at"], 1) if row["last_scan_at"] else None,
+        "error": row["last_error"],
+        "unreachable_since": _iso_or_none(row["unreachable_since"]),
+        "checkpoints": row["n_checkpoints"],
+    }
+
+
 def _iso_or_none(ts: float | None) -> str | None:
     return iso(ts) if ts else None
 
@@ -174,6 +187,9 @@ def render(data: dict[str, Any]) -> str:
         lines.append(f"daemon: DOWN since {d['stopped_at'] or 'unknown'}")
     lines.append("sources:")
     for s in data["sources"]:
+        if s["unreachable_since"]:
+            lines.append(f"  {s['name']}: unreachable since {s['unreachable_since']}: {s['error']}")
+            continue
         err = f"  ERROR: {s['error']}" if s["error"] else ""
         lines.append(
             f"  {s['name']}: last scan {_ago(s['last_scan_age_s'])}, {s['checkpoints'] or 0} checkpoints{err}"

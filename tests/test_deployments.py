@@ -1,0 +1,233 @@
+"""The combinations a deployment uses, end to end with real processes: local and S3 sources in
+one daemon, an S3 endpoint that hangs beside a local folder that works (with the ledger mirror
+going on meanwhile), S3 with Ray, and a checkpoint split over Ray GPUs."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt_watcher.s3client import make_client
+
+from .conftest import base_config, read_ledger, upload_dir, write_config
+from .helpers import HangingEndpoint, status_json, wait_for, watcher_run
+
+pytestmark = pytest.mark.slow
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray not installed")
+
+TWO_TASKS = [{"task": "addition", "num_fewshot": 0}, {"task": "addition", "num_fewshot": 1}]
+
+
+def ok_lines(ledgers: Path, run: str) -> list[dict]:
+    return [ln for ln in read_ledger(ledgers, run) if ln["status"] == "ok"]
+
+
+def publish(src: Path, dest: Path) -> None:
+    """Make a checkpoint appear complete at once, as trainers that save then rename do."""
+    staging = dest.parent.parent / f".{dest.name}.writing"
+    shutil.copytree(src, staging)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(staging, dest)
+
+
+def test_local_and_s3_sources_in_one_daemon_both_get_their_results(
+    tmp_path: Path, s3_endpoint: str, bucket: str, addition_tasks: Path, trained_checkpoint: Path
+) -> None:
+    client = make_client(s3_endpoint)
+    upload_dir(client, trained_checkpoint, bucket, "ckpts/jobA/sm_step300/")
+    watch = tmp_path / "efs"
+    publish(trained_checkpoint, watch / "efs_step300")
+    raw = base_config(tmp_path, watch, addition_tasks)
+    raw["sources"].append(
+        {
+            "kind": "s3",
+            "uri": f"s3://{bucket}/ckpts/",
+            "poll_seconds": 1,
+            "cache_dir": str(tmp_path / "cache"),
+        }
+    )
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    log = tmp_path / "daemon.log"
+    ledgers = tmp_path / "ledgers"
+    with watcher_run(cfg, log) as daemon:
+        wait_for(
+            lambda: ok_lines(ledgers, "efs") and ok_lines(ledgers, "sm"),
+            300,
+            "both results",
+            daemon,
+            log,
+        )
+        code, st = status_json(cfg)
+        assert code == 0 and st is not None  # the daemon is up and serving
+        assert all(s["error"] is None and s["checkpoints"] == 1 for s in st["sources"])
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    (efs,) = read_ledger(ledgers, "efs")
+    (sm,) = read_ledger(ledgers, "sm")
+    assert efs["checkpoint"] == str(watch / "efs_step300")
+    assert sm["checkpoint"] == f"s3://{bucket}/ckpts/jobA/sm_step300/"
+    assert efs["metrics"] == sm["metrics"]  # the same weights, from a folder and from S3
+
+
+def test_a_hanging_s3_endpoint_delays_only_itself_and_the_mirror_keeps_up(
+    tmp_path: Path, s3_endpoint: str, bucket: str, addition_tasks: Path, trained_checkpoint: Path
+) -> None:
+    client = make_client(s3_endpoint)
+    upload_dir(client, trained_checkpoint, bucket, "ckpts/jobB/far_step300/")
+    endpoint = HangingEndpoint(s3_endpoint)
+    watch = tmp_path / "efs"
+    watch.mkdir()
+    raw = base_config(tmp_path, watch, addition_tasks)
+    raw["sources"].append(
+        {
+            "kind": "s3",
+            "uri": f"s3://{bucket}/ckpts/",
+            "endpoint_url": endpoint.url,
+            "poll_seconds": 1,
+            "request_timeout_seconds": 1,
+            "cache_dir": str(tmp_path / "cache"),
+        }
+    )
+    raw["ledger_mirror"] = f"s3://{bucket}/mirror/"  # the working endpoint (AWS_ENDPOINT_URL)
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    log = tmp_path / "daemon.log"
+    ledgers = tmp_path / "ledgers"
+    heartbeats: list[float] = []
+
+    def status() -> dict:
+        code, st = status_json(cfg)
+        assert code == 0 and st is not None, (
+            f"watcher status exit {code}: the daemon is not serving"
+        )
+        heartbeats.append(st["daemon"]["heartbeat_age_s"])
+        return st
+
+    def s3_source(st: dict) -> dict:
+        return next(s for s in st["sources"] if s["name"].startswith("s3://"))
+
+    try:
+        with watcher_run(cfg, log) as daemon:
+            wait_for(lambda: status_json(cfg)[0] == 0, 60, "the daemon to serve", daemon, log)
+            st = wait_for(
+                lambda: (st := status()) and s3_source(st)["unreachable_since"] and st,
+                60,
+                "the S3 source to show as unreachable",
+                daemon,
+                log,
+            )
+            assert (
+                "still failing" in s3_source(st)["error"] or "no answer" in s3_source(st)["error"]
+            )
+            publish(trained_checkpoint, watch / "near_step300")
+            written = time.monotonic()
+            wait_for(
+                lambda: status()["running"] or ok_lines(ledgers, "near"),
+                15,
+                "the local checkpoint's eval to start",
+                daemon,
+                log,
+            )
+            dispatched_after = time.monotonic() - written
+            wait_for(lambda: ok_lines(ledgers, "near"), 180, "the local result", daemon, log)
+            local_ledger = (ledgers / "near" / "ledger.jsonl").read_bytes()
+
+            def mirrored() -> bytes | None:
+                try:
+                    return client.get_object(Bucket=bucket, Key="mirror/near/ledger.jsonl")[
+                        "Body"
+                    ].read()
+                except client.exceptions.NoSuchKey:
+                    return None
+
+            wait_for(lambda: mirrored() == local_ledger, 30, "the mirror", daemon, log)
+            assert s3_source(status())["unreachable_since"]  # still down while all that happened
+
+            endpoint.recover()
+            wait_for(
+                lambda: ok_lines(ledgers, "far"), 240, "the S3 result after recovery", daemon, log
+            )
+            st = wait_for(
+                lambda: (st := status()) and not s3_source(st)["unreachable_since"] and st,
+                30,
+                "the S3 source to be reachable again",
+                daemon,
+                log,
+            )
+            assert s3_source(st)["error"] is None and s3_source(st)["checkpoints"] == 1
+            daemon.send_signal(signal.SIGTERM)
+            assert daemon.wait(timeout=60) == 0
+    finally:
+        endpoint.close()
+    assert dispatched_after < 15
+    assert max(heartbeats) < 10, heartbeats  # stale after 20 s; the loop never blocked
+    assert endpoint.connections > 1
+    far = ok_lines(ledgers, "far")
+    assert len(far) == 1 and far[0]["checkpoint"] == f"s3://{bucket}/ckpts/jobB/far_step300/"
+
+
+@needs_ray
+def test_s3_source_with_ray_executor(
+    tmp_path: Path,
+    s3_endpoint: str,
+    bucket: str,
+    ray_cluster: str,
+    addition_tasks: Path,
+    trained_checkpoint: Path,
+) -> None:
+    upload_dir(make_client(s3_endpoint), trained_checkpoint, bucket, "sm/jobC/rays3_step300/")
+    raw = base_config(tmp_path, tmp_path / "unused", addition_tasks)
+    raw["sources"] = [
+        {
+            "kind": "s3",
+            "uri": f"s3://{bucket}/sm/",
+            "endpoint_url": s3_endpoint,  # Ray's workers stage from it too
+            "poll_seconds": 1,
+            "cache_dir": str(tmp_path / "cache"),
+        }
+    ]
+    raw["executor"] = {"kind": "ray", "address": ray_cluster}
+    raw["devices"] = {"gpus": [], "cpu_slots": 0}
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        wait_for(lambda: read_ledger(tmp_path / "ledgers", "rays3"), 300, "a result", daemon, log)
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    (line,) = read_ledger(tmp_path / "ledgers", "rays3")
+    assert line["status"] == "ok", line["error"]
+    assert line["device"].startswith("ray:gpu")
+    assert line["checkpoint"] == f"s3://{bucket}/sm/jobC/rays3_step300/"
+
+
+@needs_ray
+def test_local_checkpoint_split_over_two_ray_gpus(
+    tmp_path: Path, ray_cluster: str, addition_tasks: Path, trained_checkpoint: Path
+) -> None:
+    watch = tmp_path / "ckpts"
+    publish(trained_checkpoint, watch / "split_step300")
+    raw = base_config(tmp_path, watch, addition_tasks, tasks=TWO_TASKS)
+    raw["executor"] = {"kind": "ray", "address": ray_cluster}
+    raw["devices"] = {"gpus": [], "cpu_slots": 0}
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        wait_for(
+            lambda: len(read_ledger(tmp_path / "ledgers", "split")) >= 2,
+            300,
+            "2 results",
+            daemon,
+            log,
+        )
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    lines = read_ledger(tmp_path / "ledgers", "split")
+    assert sorted((ln["status"], ln["num_fewshot"]) for ln in lines) == [("ok", 0), ("ok", 1)]
+    assert len({ln["device"] for ln in lines}) == 2  # one task per Ray GPU
+    assert len({ln["job_id"] for ln in lines}) == 2
+    assert '"event": "job.split"' in log.read_text()

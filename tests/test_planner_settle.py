@@ -1,0 +1,257 @@
+"""The daemon's decisions as tables of cases: no processes, no clock, no files."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ckpt_watcher import planner, settle
+from ckpt_watcher.planner import MarkCheckpoint, QueueJob, SkipJob
+from ckpt_watcher.state import Job
+
+T0 = {"task": "a", "num_fewshot": 0}
+T1 = {"task": "b", "num_fewshot": 5}
+
+
+def row(
+    step: int | None, state: str = "ready", final: bool = False, run: str = "r"
+) -> dict[str, Any]:
+    label = f"{run}_final" if final else f"{run}_step{step}"
+    return {
+        "location": f"/c/{label}",
+        "run": run,
+        "step": step,
+        "label": label,
+        "final": int(final),
+        "state": state,
+    }
+
+
+@pytest.mark.parametrize(
+    "rows, due, busy, every, expected",
+    [
+        # ready, nothing done: one job with both tasks, marked planned
+        (
+            [row(100)],
+            [T0, T1],
+            set(),
+            1,
+            [
+                QueueJob("/c/r_step100", "r", 100, "r_step100", [T0, T1], 100.0),
+                MarkCheckpoint("/c/r_step100", "planned"),
+            ],
+        ),
+        # only what is still due is queued
+        (
+            [row(100)],
+            [T1],
+            set(),
+            1,
+            [
+                QueueJob("/c/r_step100", "r", 100, "r_step100", [T1], 100.0),
+                MarkCheckpoint("/c/r_step100", "planned"),
+            ],
+        ),
+        # everything in the ledger already
+        (
+            [row(100)],
+            [],
+            set(),
+            1,
+            [MarkCheckpoint("/c/r_step100", "done", "all tasks in the ledger")],
+        ),
+        # a job is already queued or running: no second job
+        ([row(100)], [T0], {"/c/r_step100"}, 1, [MarkCheckpoint("/c/r_step100", "planned")]),
+        # every_n_steps: 150 is skipped, 200 planned
+        (
+            [row(150)],
+            [T0],
+            set(),
+            100,
+            [
+                MarkCheckpoint(
+                    "/c/r_step150",
+                    "skipped",
+                    "step 150 is not a multiple of policy.every_n_steps=100",
+                )
+            ],
+        ),
+        # finals are always evaluated, and sort after their step
+        (
+            [row(150, final=True)],
+            [T0],
+            set(),
+            100,
+            [
+                QueueJob("/c/r_final", "r", 150, "r_final", [T0], 150.5),
+                MarkCheckpoint("/c/r_final", "planned"),
+            ],
+        ),
+        # a final with no known step sorts after everything
+        (
+            [row(None, final=True)],
+            [T0],
+            set(),
+            100,
+            [
+                QueueJob("/c/r_final", "r", None, "r_final", [T0], 1e18),
+                MarkCheckpoint("/c/r_final", "planned"),
+            ],
+        ),
+    ],
+)
+def test_plan_ready(rows, due, busy, every, expected) -> None:
+    actions = planner.plan_ready(
+        rows, due=lambda r: due, has_jobs=lambda loc: loc in busy, every_n_steps=every
+    )
+    assert actions == expected
+
+
+def queued(jid: str, step: int, run: str = "r") -> Job:
+    return Job.new(
+        id=jid,
+        location=f"/c/{run}_step{step}",
+        run=run,
+        step=step,
+        label=f"{run}_step{step}",
+        tasks=[T0],
+        settings_hash="h",
+        created_at=0.0,
+        order_key=float(step),
+    )
+
+
+def test_superseded_drops_older_queued_jobs_of_the_same_run_only() -> None:
+    rows = [row(100, "planned"), row(300, "ready"), row(50, "done", run="other")]
+    jobs = [queued("j100", 100), queued("j300", 300), queued("o10", 10, run="other")]
+    reason = "superseded by a newer checkpoint"
+    assert planner.superseded(rows, jobs) == [
+        SkipJob("j100", "/c/r_step100", reason),
+        MarkCheckpoint("/c/r_step100", "skipped", reason),
+        SkipJob("o10", "/c/other_step10", reason),
+        MarkCheckpoint("/c/other_step10", "skipped", reason),
+    ]
+
+
+@pytest.mark.parametrize(
+    "state, due, errors, expected",
+    [
+        ("planned", [], [], MarkCheckpoint("", "done")),
+        ("planned", [T0], ["first", "last"], MarkCheckpoint("", "failed", "last")),
+        ("ready", [T0], [], MarkCheckpoint("", "failed", "")),
+        ("missed", [T0], [], None),  # moved on: deleted meanwhile
+        ("skipped", [], [], None),
+    ],
+)
+def test_after_jobs(state, due, errors, expected) -> None:
+    assert planner.after_jobs(state, due, errors) == expected
+
+
+def attempt(**over: Any) -> settle.Attempt:
+    base: dict[str, Any] = {
+        "attempt": 1,
+        "max_attempts": 3,
+        "remaining": [T0],
+        "rc": 1,
+        "now": 1000.0,
+        "backoff_seconds": 30.0,
+    }
+    return settle.Attempt(**(base | over))
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        (attempt(remaining=[]), settle.Verdict("ok", attempt=1)),
+        (
+            attempt(remaining=[], rc=-9),
+            settle.Verdict("ok", attempt=1),
+        ),  # killed after its last task
+        (
+            attempt(killed_for_stop=True, attempt=2),
+            settle.Verdict("requeue", "interrupted by shutdown", attempt=1),
+        ),
+        (
+            attempt(checkpoint_gone=True),
+            settle.Verdict("missed", "checkpoint deleted during evaluation", attempt=1),
+        ),
+        (
+            attempt(rc=-9),
+            settle.Verdict(
+                "retry",
+                "worker killed by signal SIGKILL (OOM killer?)",
+                attempt=1,
+                not_before=1030.0,
+            ),
+        ),
+        (
+            attempt(rc=-9, attempt=2),
+            settle.Verdict(
+                "retry",
+                "worker killed by signal SIGKILL (OOM killer?)",
+                attempt=2,
+                not_before=1060.0,
+            ),
+        ),
+        (
+            attempt(rc=4, log_tail="Traceback ...\nValueError: bad shape"),
+            settle.Verdict(
+                "retry",
+                "worker exited with code 4: ValueError: bad shape",
+                attempt=1,
+                not_before=1030.0,
+            ),
+        ),
+        (
+            attempt(rc=3, task_errors=["a: KeyError: 'x'"], timed_out_after=60.0),
+            settle.Verdict(
+                "retry", "timed out after 60s (eval.timeout_seconds)", attempt=1, not_before=1030.0
+            ),
+        ),
+        (
+            attempt(rc=3, task_errors=["a: KeyError: 'x'"], attempt=3),
+            settle.Verdict(
+                "fail", "a: KeyError: 'x'", attempt=3, error="a: KeyError: 'x' (after 3 attempts)"
+            ),
+        ),
+        (
+            attempt(rc=-9, attempt=3, log_tail="loading"),
+            settle.Verdict(
+                "fail",
+                "worker killed by signal SIGKILL (OOM killer?)",
+                attempt=3,
+                error="worker killed by signal SIGKILL (OOM killer?) (after 3 attempts)\n--- worker log tail ---\nloading",
+            ),
+        ),
+        # killed for stop wins over a gone checkpoint: the next start judges it again
+        (
+            attempt(killed_for_stop=True, checkpoint_gone=True),
+            settle.Verdict("requeue", "interrupted by shutdown", attempt=0),
+        ),
+    ],
+)
+def test_settle(case: settle.Attempt, expected: settle.Verdict) -> None:
+    assert settle.settle(case) == expected
+
+
+@pytest.mark.parametrize(
+    "attempt_no, deaths, max_attempts, remaining, kind, new_deaths, new_attempt",
+    [
+        (1, 0, 3, [], "ok", None, 1),  # finished before the daemon died: harvested
+        (1, 0, 3, [T0], "requeue", 1, 0),  # a single kill -9 costs no attempt
+        (1, 1, 3, [T0], "requeue", 2, 0),
+        (1, 2, 3, [T0], "fail", 3, 1),  # the third death while it ran: a crash loop
+        (1, 0, 1, [T0], "requeue", 1, 0),  # even with max_attempts 1, one death is forgiven
+        (1, 1, 1, [T0], "fail", 2, 1),
+        (2, 0, 3, [T0], "requeue", 1, 1),  # an earlier real failure keeps its attempt
+    ],
+)
+def test_recover(
+    attempt_no, deaths, max_attempts, remaining, kind, new_deaths, new_attempt
+) -> None:
+    v = settle.recover(attempt_no, deaths, max_attempts, remaining)
+    assert (v.kind, v.daemon_deaths, v.attempt) == (kind, new_deaths, new_attempt)
+    if kind == "fail":
+        assert v.reason == f"the daemon died while this job ran ({new_deaths} times)"
+        assert v.error.startswith(v.reason) and "watcher requeue" in v.error
