@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_watcher.errors import StateError
+from ckpt_watcher.state import Job, State
+
 from .conftest import (
     WATCHER,
     base_config,
@@ -253,15 +256,34 @@ def test_a_job_running_through_three_daemon_deaths_fails_instead_of_crash_loopin
     raw = base_config(tmp_path, watch, addition_tasks, max_attempts=3)
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"
+
+    killed: set[int] = set()
+
+    def started_worker(daemon_pid: int) -> Job | None:
+        # read the state directly (not through `watcher status`, a slower subprocess): the kill
+        # must land while the worker is still importing, long before its eval could finish.
+        # The row must be the new daemon's, not the one the last kill left `running`.
+        try:
+            state = State(tmp_path / "state", readonly=True)
+        except StateError:
+            return None
+        try:
+            if state.get_meta("daemon_pid") != daemon_pid:
+                return None
+            return next((j for j in state.jobs("running") if j.pid and j.pid not in killed), None)
+        finally:
+            state.close()
+
     for death in (1, 2, 3):
         with watcher_run(cfg, log) as daemon:
             job = wait_for(
-                lambda: running_job(cfg), 60, f"the eval to start ({death})", daemon, log
+                lambda: started_worker(daemon.pid), 60, f"the eval to start ({death})", daemon, log
             )
-            assert job["attempt"] == 1  # earlier deaths cost no attempt
+            killed.add(job.pid)
+            assert job.attempt == 1  # earlier deaths cost no attempt
             # memory pressure: the kernel kills the daemon and the eval it was running
             os.kill(daemon.pid, signal.SIGKILL)
-            os.killpg(job["pid"], signal.SIGKILL)
+            os.killpg(job.pid, signal.SIGKILL)
             daemon.wait()
         assert read_ledger(tmp_path / "ledgers", "loop") == []
     with watcher_run(cfg, log) as daemon:
