@@ -12,9 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from ckpt_watcher import ledger as ledger_mod
-from ckpt_watcher.config import WatcherConfig, parse_config
+from ckpt_watcher.config import WatcherConfig, apply_overrides, parse_config
 from ckpt_watcher.daemon import Daemon
+from ckpt_watcher.durable import write_atomic
 from ckpt_watcher.report import metric_table, render
 from ckpt_watcher.state import State
 
@@ -22,8 +25,12 @@ RUN = "demo"
 TERMINAL = ("done", "failed", "invalid", "skipped", "missed")
 
 
+CONFIG_NAME = "watcher.yaml"
+
+
 def demo_config(workdir: Path, overrides: list[str] | None = None) -> WatcherConfig:
-    """The demo's config: a local folder, one CPU slot, the bundled addition task."""
+    """The demo's config: a local folder, one CPU slot, the bundled addition task. Written to
+    `<workdir>/watcher.yaml` (with any --set overrides applied), for the user to edit and reuse."""
     from ckpt_watcher.demo.tiny import write_task
 
     tasks = write_task(workdir / "tasks")
@@ -44,7 +51,10 @@ def demo_config(workdir: Path, overrides: list[str] | None = None) -> WatcherCon
             "tasks": [{"task": "addition", "num_fewshot": 0}],
         },
     }
-    return parse_config(raw, overrides)
+    raw = apply_overrides(raw, overrides or [])
+    cfg = parse_config(raw)
+    write_atomic(workdir / CONFIG_NAME, yaml.safe_dump(raw, sort_keys=False))
+    return cfg
 
 
 def _all_evaluated(cfg: WatcherConfig, written: int) -> bool:
@@ -137,6 +147,13 @@ def run_demo(
         f"\nresults ({time.monotonic() - t0:.0f}s in all), from {ledger_mod.ledger_path(cfg.ledger_dir, RUN)}:"
     )
     echo(render(metric_table(lines), "table"))
+    config = workdir / CONFIG_NAME
+    echo(f"\nthe demo's config is {config} (edit it, or point `sources` at your own checkpoints)")
+    echo("next, try:")
+    echo(f"  watcher status -c {config}")
+    echo(f"  watcher results -c {config} {RUN} --format md")
+    echo(f"  watcher plot -c {config} {RUN} -o {workdir / 'demo.png'}")
+    echo(f"  watcher run -c {config}   # keep watching the folder (Ctrl-C stops it)")
     failed = [ln for ln in lines if ln.get("status") != "ok"]
     if failed:
         echo(f"{len(failed)} eval(s) failed; see `watcher status` and the ledger's error field")

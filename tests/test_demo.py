@@ -1,0 +1,50 @@
+"""`watcher demo`, as a new user runs it: the tiny model must learn, on any machine, and the
+demo must leave a config that the commands it suggests accept."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import WATCHER, read_ledger
+
+pytestmark = pytest.mark.slow
+
+
+def test_watcher_demo_learns_prints_its_table_and_leaves_a_usable_config(tmp_path: Path) -> None:
+    workdir = tmp_path / "demo"
+    r = subprocess.run(
+        [*WATCHER, "demo", "--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = read_ledger(workdir / "ledgers", "demo")
+    scores = {ln["step"]: ln["metrics"]["exact_match,none"] for ln in lines if ln["status"] == "ok"}
+    assert len(scores) == len(lines) == 4, lines
+    first, last = scores[min(scores)], scores[max(scores)]
+    assert last >= 0.6 and last > first, scores
+    for step, score in scores.items():  # the table the user reads is the ledger's
+        assert any(ln.split()[:2] == [str(step), f"{score:.4f}"] for ln in r.stdout.splitlines()), (
+            r.stdout
+        )
+    config = workdir / "watcher.yaml"
+    assert config.is_file()
+    suggested = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("watcher ")]
+    assert {c.split()[1] for c in suggested} >= {"status", "results", "plot"}, r.stdout
+    assert any(c.split()[1] == "run" for c in suggested)  # not run here: it watches until stopped
+    for command in (c for c in suggested if c.split()[1] != "run"):
+        argv = command.split("#")[0].split()
+        assert str(config) in argv, command
+        out = subprocess.run(
+            [*WATCHER, *argv[1:]], capture_output=True, text=True, timeout=120, cwd=workdir
+        )
+        # status exits 3: the demo's daemon has stopped, as it says
+        assert out.returncode in ((0, 3) if argv[1] == "status" else (0,)), command + out.stderr
+        if argv[1] == "results":
+            assert f"{last:.4f}" in out.stdout
