@@ -52,9 +52,13 @@ def test_local_and_s3_sources_in_one_daemon_both_get_their_results(
             "cache_dir": str(tmp_path / "cache"),
         }
     )
+    raw["ledger_mirror"] = f"s3://{bucket}/mirror/"
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"
     ledgers = tmp_path / "ledgers"
+    # a ledger appended just before a crash, never uploaded: the next start mirrors it
+    (ledgers / "earlier").mkdir(parents=True)
+    (ledgers / "earlier" / "ledger.jsonl").write_text('{"run": "earlier", "task": "t"}\n')
     with watcher_run(cfg, log) as daemon:
         wait_for(
             lambda: ok_lines(ledgers, "efs") and ok_lines(ledgers, "sm"),
@@ -73,6 +77,9 @@ def test_local_and_s3_sources_in_one_daemon_both_get_their_results(
     assert efs["checkpoint"] == str(watch / "efs_step300")
     assert sm["checkpoint"] == f"s3://{bucket}/ckpts/jobA/sm_step300/"
     assert efs["metrics"] == sm["metrics"]  # the same weights, from a folder and from S3
+    for run in ("earlier", "efs", "sm"):
+        mirrored = client.get_object(Bucket=bucket, Key=f"mirror/{run}/ledger.jsonl")["Body"].read()
+        assert mirrored == (ledgers / run / "ledger.jsonl").read_bytes()
 
 
 def test_a_hanging_s3_endpoint_delays_only_itself_and_the_mirror_keeps_up(

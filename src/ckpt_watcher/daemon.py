@@ -28,7 +28,7 @@ from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.executors import build_executor
 from ckpt_watcher.executors.base import Executor
 from ckpt_watcher.jobs import JobRunner
-from ckpt_watcher.ledger import LedgerIndex
+from ckpt_watcher.ledger import LedgerIndex, iter_runs
 from ckpt_watcher.mirror import LedgerMirror
 from ckpt_watcher.notify import Notifier
 from ckpt_watcher.sources import Source, build_sources
@@ -119,7 +119,12 @@ class Daemon:
             return self._run()
         finally:
             if self.mirror is not None:
-                self.mirror.flush(MIRROR_FLUSH_SECONDS)
+                if not self.mirror.flush(MIRROR_FLUSH_SECONDS):
+                    log.error(
+                        "ledger.mirror_behind",
+                        runs=sorted(self.mirror.pending()),
+                        hint="the local ledgers are complete; the next start uploads every run again",
+                    )
                 self.mirror.close()
             self.discovery.close()
             self.state.set_meta(daemon_stopped_at=self.clock(), daemon_pid=None)
@@ -138,6 +143,9 @@ class Daemon:
         for w in self.inventory_warnings:
             log.warning("devices.warning", message=w)
         self.ledger.load()
+        if self.mirror is not None:  # a crash may have come between an append and its upload
+            for run in iter_runs(self.cfg.ledger_dir):
+                self.mirror.request(run)
         self._save_resolved_config()
         self.jobs.recover(now)
         log.info(

@@ -5,7 +5,8 @@ mirror always holds a complete object, never a partial one.
 Uploads run on the mirror's own lane, never on the daemon's loop: an S3 endpoint that hangs
 delays only the mirror. Appends made while an upload is in flight are coalesced into the next
 upload of that run. A failed upload is logged and tried again (`retry_due`), so the mirror
-catches up once S3 answers again; it never stops the daemon.
+catches up once S3 answers again; it never stops the daemon. The daemon re-sends every run at
+start, so a crash between an append and its upload leaves the mirror behind only until then.
 """
 
 from __future__ import annotations
