@@ -86,7 +86,13 @@ def test_unknown_task_fails_with_a_clear_line_then_requeue_runs_only_it(
     again = subprocess.run(
         [*WATCHER, "requeue", "-c", str(cfg), "f"], capture_output=True, text=True
     )
-    assert again.returncode == 1 and "every task already ok" in again.stdout
+    assert again.returncode == 0 and "every task already ok" in again.stdout
+    assert "nothing to requeue for run 'f'" in again.stdout
+    unknown = subprocess.run(
+        [*WATCHER, "requeue", "-c", str(cfg), "nope"], capture_output=True, text=True
+    )
+    assert unknown.returncode == 1
+    assert "no run 'nope' in the state or the ledgers; runs: f" in unknown.stderr
 
 
 def nvml_works() -> bool:

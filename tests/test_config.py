@@ -40,6 +40,33 @@ def test_example_configs_in_repo_are_valid() -> None:
     assert sidecar.devices.gpus == [6, 7] and sidecar.ledger_mirror
 
 
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (
+            {"soruces": MINIMAL["sources"], "eval": MINIMAL["eval"]},
+            "config field soruces: unknown key 'soruces' (did you mean 'sources'?)",
+        ),
+        (
+            MINIMAL | {"eval": {"tasks": [{"task": "gsm8k"}], "max_atempts": 2}},
+            "config field eval.max_atempts: unknown key 'max_atempts' (did you mean 'max_attempts'?)",
+        ),
+        (
+            MINIMAL | {"sources": [{"kind": "s3", "uri": "s3://b/p/", "endpont_url": "x"}]},
+            "config field sources[0].endpont_url: unknown key 'endpont_url' (did you mean 'endpoint_url'?)",
+        ),
+        (
+            MINIMAL | {"zzz": 1},
+            "config field zzz: unknown key 'zzz' (check its spelling and the config reference in the README)",
+        ),
+    ],
+)
+def test_a_misspelt_key_names_itself_and_the_closest_valid_key(raw: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config(raw)
+    assert str(e.value).startswith(message), str(e.value)
+
+
 def test_set_overrides_nested_keys_lists_and_types() -> None:
     raw = yaml.safe_load(yaml.safe_dump(MINIMAL))
     cfg = parse_config(

@@ -235,19 +235,22 @@ def requeue_cmd(config_path: Path, run_name: str, step: int | None, task: str | 
     Results already ok with the current settings are never run twice. A running daemon picks
     the checkpoints up within seconds; otherwise the next `watcher run` or `once` does.
     """
-    from ckpt_watcher.requeue import requeue
+    from ckpt_watcher.requeue import known_runs, requeue
 
-    done, left = requeue(_load(config_path), run_name, step, task)
+    cfg = _load(config_path)
+    runs = known_runs(cfg)
+    if run_name not in runs:
+        _fail(
+            1, f"no run {run_name!r} in the state or the ledgers; runs: {', '.join(runs) or 'none'}"
+        )
+    done, left = requeue(cfg, run_name, step, task)
     for r in done:
         click.echo(f"requeued {r.label}: {', '.join(r.due)}")
     for why in left:
         click.echo(f"left alone {why}")
     if not done:
-        _fail(
-            1,
-            f"nothing to requeue for run {run_name!r}"
-            + (f" step {step}" if step is not None else ""),
-        )
+        where = f"run {run_name!r}" + (f" step {step}" if step is not None else "")
+        click.echo(f"nothing to requeue for {where}")
 
 
 @main.command()

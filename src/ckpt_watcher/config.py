@@ -8,6 +8,7 @@ naming the field (the CLI turns that into exit code 2).
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import json
 from pathlib import Path
@@ -345,13 +346,46 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
+def _keys_at(loc: tuple[Any, ...]) -> set[str]:
+    """The config keys valid at a location (the union of the members' keys for a union)."""
+    models: list[Any] = [WatcherConfig]
+    for part in loc:
+        nxt: list[Any] = []
+        for m in models:
+            if isinstance(part, int) or part in ("local", "s3"):
+                nxt.append(m)  # list items and union members: the same candidates
+                continue
+            field = getattr(m, "model_fields", {}).get(part)
+            if field is not None:
+                nxt += _models_in(field.annotation)
+        models = nxt
+    return {k for m in models for k in getattr(m, "model_fields", {})}
+
+
+def _models_in(annotation: Any) -> list[Any]:
+    from typing import get_args
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
 def format_validation_error(e: ValidationError) -> str:
-    """One line: the first offending field's dotted path and what is wrong with it."""
-    err = e.errors()[0]
+    """One line: the first offending field's dotted path and what is wrong with it. An unknown
+    key goes first (a misspelt key is also why a required one seems missing), with the closest
+    valid key."""
+    errors = sorted(e.errors(), key=lambda x: x["type"] != "extra_forbidden")
+    err = errors[0]
     path = _field_path(tuple(err["loc"]))
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
-        msg = "unknown key (check its spelling and the config reference in the README)"
+        key = str(err["loc"][-1])
+        close = difflib.get_close_matches(key, _keys_at(tuple(err["loc"][:-1])), n=1)
+        msg = f"unknown key {key!r}" + (
+            f" (did you mean {close[0]!r}?)"
+            if close
+            else " (check its spelling and the config reference in the README)"
+        )
     elif err["type"] == "missing":
         msg = "required but missing"
     msg = msg.removeprefix("Value error, ")

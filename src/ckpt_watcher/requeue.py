@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass
 
 from ckpt_watcher.config import WatcherConfig
-from ckpt_watcher.ledger import LedgerIndex
+from ckpt_watcher.errors import StateError
+from ckpt_watcher.ledger import LedgerIndex, iter_runs
 from ckpt_watcher.state import State
 
 _REQUEUEABLE = ("done", "failed", "skipped")
@@ -63,3 +64,17 @@ def requeue(
     finally:
         state.close()
     return done, left
+
+
+def known_runs(cfg: WatcherConfig) -> list[str]:
+    """Every run the daemon has seen (state) or has results for (ledgers), sorted."""
+    runs = set(iter_runs(cfg.ledger_dir))
+    try:
+        state = State(cfg.state_dir, readonly=True)
+    except StateError:
+        return sorted(runs)
+    try:
+        runs |= {r["run"] for r in state.checkpoints() if r["run"]}
+    finally:
+        state.close()
+    return sorted(runs)
