@@ -107,8 +107,11 @@ def run(config_path: Path, overrides: tuple[str, ...]) -> None:
     shutdown_grace_seconds; a second signal kills them (their jobs are re-queued).
     """
     from ckpt_watcher.daemon import run_daemon
+    from ckpt_watcher.preflight import require_known_tasks
 
-    sys.exit(run_daemon(_load(config_path, overrides), once=False))
+    cfg = _load(config_path, overrides)
+    require_known_tasks(cfg)
+    sys.exit(run_daemon(cfg, once=False))
 
 
 @main.command()
@@ -118,8 +121,11 @@ def run(config_path: Path, overrides: tuple[str, ...]) -> None:
 def once(config_path: Path, overrides: tuple[str, ...]) -> None:
     """One pass: discover, evaluate everything due, wait for it, exit (1 if any eval failed)."""
     from ckpt_watcher.daemon import run_daemon
+    from ckpt_watcher.preflight import require_known_tasks
 
-    sys.exit(run_daemon(_load(config_path, overrides), once=True))
+    cfg = _load(config_path, overrides)
+    require_known_tasks(cfg)
+    sys.exit(run_daemon(cfg, once=True))
 
 
 @main.command()

@@ -86,6 +86,19 @@ def check_backend(cfg: WatcherConfig) -> list[Check]:
     return checks
 
 
+def check_tasks(cfg: WatcherConfig) -> Check:
+    from ckpt_watcher.preflight import task_problems
+
+    try:
+        problems = task_problems(cfg)
+    except WatcherError as e:
+        return Check("tasks", False, str(e))
+    if problems:
+        return Check("tasks", False, "; ".join(problems))
+    names = ", ".join(sorted({t.task for t in cfg.eval.tasks}))
+    return Check("tasks", True, f"{names}: known to lm-eval, local data files present")
+
+
 def check_sources(cfg: WatcherConfig) -> list[Check]:
     out = []
     for i, s in enumerate(cfg.sources):
@@ -183,6 +196,7 @@ def run_checks(cfg: WatcherConfig) -> list[Check]:
     ]
     checks.append(check_devices(cfg))
     checks += check_backend(cfg)
+    checks.append(check_tasks(cfg))
     checks += check_sources(cfg)
     checks += check_disk(cfg)
     return checks

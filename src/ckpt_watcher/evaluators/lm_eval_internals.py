@@ -38,6 +38,8 @@ RELIED_ON: list[tuple[str, str, list[str]]] = [
     ("lm_eval.models.vllm_causallms", "VLLM.max_gen_toks", []),
     ("lm_eval.api.instance", "Instance.args", []),
     ("lm_eval.utils", "handle_non_serializable", ["o"]),
+    ("lm_eval.tasks", "TaskManager.all_tasks", []),
+    ("lm_eval.tasks", "TaskManager.task_index", []),
 ]
 
 # Keys lm-eval accepts as the generation length, in its order of precedence.
@@ -121,6 +123,13 @@ def n_samples(results: dict[str, Any], task: str) -> int | None:
         return int(ns[task].get("effective", ns[task].get("original", 0)))
     total = sum(int(v.get("effective", 0)) for v in ns.values())
     return total or None
+
+
+def task_yaml_config(task_manager: Any, name: str) -> dict[str, Any]:
+    """The YAML config lm-eval indexed for a task name ({} for groups and tags)."""
+    entry = task_manager.task_index.get(name)
+    cfg = getattr(entry, "cfg", None)
+    return cfg if isinstance(cfg, dict) else {}
 
 
 def json_default(o: Any) -> Any:

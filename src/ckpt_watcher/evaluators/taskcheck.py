@@ -1,0 +1,74 @@
+"""`python -m ckpt_watcher.evaluators.taskcheck`: resolve task names the way the worker will
+(lm-eval's TaskManager, with `eval.include_path`) and check each task's local data files, so a
+typo or a missing file is caught before any device is spent. Reads
+`{"tasks": [...], "include_path": ...}` as JSON on stdin; writes
+`{"unknown": {name: [closest names]}, "missing_data": {name: [paths]}}` on stdout, and, when
+all is well and the request names a cache, the cache file.
+Imports lm-eval: run it as a subprocess (the daemon never imports lm-eval).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ckpt_watcher.durable import write_json_atomic
+from ckpt_watcher.evaluators.lm_eval_internals import task_yaml_config
+
+# `dataset_path` values under which `dataset_kwargs.data_files` are local files
+LOCAL_BUILDERS = frozenset({"json", "csv", "parquet", "text", "arrow"})
+
+
+def local_data_files(cfg: dict[str, Any]) -> list[str]:
+    """The local files a task's YAML reads (none for a Hub dataset)."""
+    if cfg.get("dataset_path") not in LOCAL_BUILDERS:
+        return []
+    files = (cfg.get("dataset_kwargs") or {}).get("data_files") or []
+    if isinstance(files, dict):
+        files = list(files.values())
+    out: list[str] = []
+    for f in files if isinstance(files, list) else [files]:
+        out += f if isinstance(f, list) else [f]
+    return [str(f) for f in out if isinstance(f, str)]
+
+
+def check(names: list[str], include_path: str | None) -> dict[str, Any]:
+    from lm_eval.tasks import TaskManager
+
+    tm = None
+    if include_path:  # the user's own tasks only: indexed at once
+        tm = TaskManager(include_path=include_path, include_defaults=False)
+        if not set(names) <= set(tm.all_tasks):
+            tm = None
+    if tm is None:  # lm-eval's thousands of YAMLs too: seconds
+        tm = TaskManager(include_path=include_path)
+    known = set(tm.all_tasks)
+    unknown: dict[str, list[str]] = {}
+    missing: dict[str, list[str]] = {}
+    for name in names:
+        if name not in known:
+            unknown[name] = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+            continue
+        gone = [f for f in local_data_files(task_yaml_config(tm, name)) if not Path(f).is_file()]
+        if gone:
+            missing[name] = gone
+    return {"unknown": unknown, "missing_data": missing}
+
+
+def main() -> int:
+    request = json.load(sys.stdin)
+    verdict = check(request["tasks"], request.get("include_path"))
+    cache = request.get("cache")
+    if cache and not (verdict["unknown"] or verdict["missing_data"]):
+        # written here, not by the caller: a daemon killed meanwhile still finds it next start
+        Path(cache["path"]).parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(Path(cache["path"]), {"ok_for": cache["key"]})
+    json.dump(verdict, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Before any device is spent: every task name in the config resolves, and every local data file
+its YAML names exists. The check runs lm-eval's TaskManager in a subprocess (about 3 s when every
+task is under `eval.include_path`; indexing lm-eval's own thousands of task YAMLs adds about
+12 s here), and a passed check is cached in `state_dir`, keyed by the
+task names, the include_path's YAML files (names, sizes, times) and the lm-eval version, so a
+restart after a crash does not pay for it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import subprocess
+import sys
+
+import structlog
+
+from ckpt_watcher.config import WatcherConfig
+from ckpt_watcher.errors import ConfigError, WatcherError
+
+log = structlog.get_logger("ckpt_watcher.preflight")
+
+CACHE_NAME = "taskcheck.json"
+TIMEOUT_SECONDS = 600.0
+
+
+def _cache_key(cfg: WatcherConfig) -> str:
+    names = sorted({t.task for t in cfg.eval.tasks})
+    yamls: list[str] = []
+    include = cfg.eval.include_path
+    if include is not None and include.exists():
+        for p in sorted(include.rglob("*.y*ml")):
+            st = p.stat()
+            yamls.append(f"{p}:{st.st_size}:{st.st_mtime_ns}")
+    try:
+        version = importlib.metadata.version("lm-eval")
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    blob = json.dumps([names, str(include), yamls, version]).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def task_problems(cfg: WatcherConfig) -> list[str]:
+    """One line per unknown task (with the closest names) or missing data file; [] if none."""
+    key = _cache_key(cfg)
+    cache = cfg.state_dir / CACHE_NAME
+    try:
+        if json.loads(cache.read_text()).get("ok_for") == key:
+            log.info("tasks.checked", cached=True, tasks=len(cfg.eval.tasks))
+            return []
+    except (OSError, ValueError):
+        pass
+    names = sorted({t.task for t in cfg.eval.tasks})
+    request = {
+        "tasks": names,
+        "include_path": str(cfg.eval.include_path) if cfg.eval.include_path else None,
+        "cache": {"path": str(cache), "key": key},
+    }
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "ckpt_watcher.evaluators.taskcheck"],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_SECONDS,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise WatcherError(f"checking the task names took over {TIMEOUT_SECONDS:g}s") from e
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise WatcherError(
+            f"cannot check the task names: lm-eval failed to start ({last}); run `watcher doctor`"
+        )
+    verdict = json.loads(r.stdout)
+    problems = []
+    for name, close in sorted(verdict["unknown"].items()):
+        hint = (
+            f"did you mean {', '.join(repr(c) for c in close)}?"
+            if close
+            else "check its spelling; custom tasks need eval.include_path"
+        )
+        problems.append(f"unknown task {name!r} ({hint})")
+    for name, paths in sorted(verdict["missing_data"].items()):
+        problems.append(
+            f"task {name!r} reads {', '.join(paths)}, which does not exist "
+            "(fix dataset_kwargs.data_files in its YAML)"
+        )
+    if not problems:  # the subprocess has written the cache
+        log.info("tasks.checked", cached=False, tasks=len(names))
+    return problems
+
+
+def require_known_tasks(cfg: WatcherConfig) -> None:
+    """Raise ConfigError (exit 2) naming every task problem."""
+    problems = task_problems(cfg)
+    if problems:
+        raise ConfigError("config field eval.tasks: " + "; ".join(problems))
