@@ -92,7 +92,15 @@ def test_doctor_reports_each_check_and_fails_on_a_missing_source(tmp_path: Path)
     )
     assert r.returncode == 0, r.stdout
     names = [line.split()[1].rstrip(":") for line in r.stdout.splitlines()]
-    assert names == ["config", "devices", "lm-eval", "tasks", "sources[0]", "state_dir", "ledger_dir"]
+    assert names == [
+        "config",
+        "devices",
+        "lm-eval",
+        "tasks",
+        "sources[0]",
+        "state_dir",
+        "ledger_dir",
+    ]
     r = subprocess.run(
         [*WATCHER, "doctor", "-c", str(cfg), "--set", f"sources.0.path={tmp_path / 'gone'}"],
         capture_output=True,

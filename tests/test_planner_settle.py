@@ -224,6 +224,37 @@ def attempt(**over: Any) -> settle.Attempt:
                 error="worker killed by signal SIGKILL (OOM killer?) (after 3 attempts)\n--- worker log tail ---\nloading",
             ),
         ),
+        # cannot heal: failed at once, attempts left or not
+        (
+            attempt(rc=3, task_errors=["a: KeyError: 'x' (check the task name)"], heals=False),
+            settle.Verdict(
+                "fail",
+                "a: KeyError: 'x' (check the task name)",
+                attempt=1,
+                error="a: KeyError: 'x' (check the task name) (not retried: it would fail the same way)",
+            ),
+        ),
+        # a worker that said why it stopped (crash.json) is quoted rather than its log
+        (
+            attempt(
+                rc=4,
+                crash_error="ValueError: Unrecognized model (re-save)",
+                heals=False,
+                log_tail="x",
+            ),
+            settle.Verdict(
+                "fail",
+                "ValueError: Unrecognized model (re-save)",
+                attempt=1,
+                error="ValueError: Unrecognized model (re-save) (not retried: it would fail the same way)",
+            ),
+        ),
+        (
+            attempt(rc=4, crash_error="OSError: [Errno 5] Input/output error", log_tail="x"),
+            settle.Verdict(
+                "retry", "OSError: [Errno 5] Input/output error", attempt=1, not_before=1030.0
+            ),
+        ),
         # killed for stop wins over a gone checkpoint: the next start judges it again
         (
             attempt(killed_for_stop=True, checkpoint_gone=True),

@@ -28,7 +28,7 @@ from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.devices import Device
 from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.durable import write_json_atomic
-from ckpt_watcher.executors.base import WORKER_MODULE, Executor, is_our_worker
+from ckpt_watcher.executors.base import CRASH_FILE, WORKER_MODULE, Executor, is_our_worker
 from ckpt_watcher.executors.local import kill_group
 from ckpt_watcher.ledger import LedgerIndex, result_line
 from ckpt_watcher.mirror import LedgerMirror
@@ -317,6 +317,15 @@ class JobRunner:
                 log.error("eval.outcome_unreadable", job_id=job.id, path=str(p), error=str(e))
         return out
 
+    def _crash(self, job: Job) -> dict[str, Any] | None:
+        """What the worker said stopped it as a whole (worker.CRASH_FILE), if it said."""
+        path = job_dir(self.cfg.state_dir, job.id, job.attempt) / CRASH_FILE
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
     def _harvest(self, job: Job) -> None:
         """(3) Append an ok ledger line for every finished task of the job's current attempt."""
         for o in self._outcomes(job):
@@ -352,6 +361,11 @@ class JobRunner:
         """Carry out `settle.settle`'s verdict on a worker's exit."""
         outcomes = {(o["task"], o["num_fewshot"]): o for o in self._outcomes(job)}
         remaining = self._due(job)
+        crash = self._crash(job)
+        failed = [outcomes.get((t["task"], t["num_fewshot"])) for t in remaining]
+        permanent = (crash is not None and crash.get("heals") is False) or bool(
+            failed and all(o is not None and o.get("heals") is False for o in failed)
+        )
         timed_out = job.id in self.timed_out
         self.timed_out.discard(job.id)
         killed_for_stop = job.id in self.killed_for_stop
@@ -372,6 +386,8 @@ class JobRunner:
                     for t in remaining
                     if (t["task"], t["num_fewshot"]) in outcomes
                 ],
+                crash_error=crash.get("error") if crash else None,
+                heals=not permanent,
                 log_tail=self._log_tail(job),
             )
         )

@@ -7,6 +7,7 @@
 | every task has its ok line             | ok       | -             | -                           |
 | killed by our own shutdown             | requeue  | no            | next start                  |
 | checkpoint deleted meanwhile           | missed   | -             | never                       |
+| failed in a way that cannot heal (evaluators/failures.py: unknown task, missing data file, checkpoint that cannot load, code execution not allowed, broken template) | fail | yes | `watcher requeue` |
 | failed, attempts left                  | retry    | yes           | now + backoff * 2**(n-1)    |
 | failed, no attempts left               | fail     | yes           | `watcher requeue`           |
 
@@ -45,6 +46,8 @@ class Attempt:
     timed_out_after: float | None = None  # eval.timeout_seconds, when the worker was timed out
     checkpoint_gone: bool = False
     task_errors: list[str] = field(default_factory=list)  # "task: error" from the worker
+    crash_error: str | None = None  # what stopped the whole worker, if it said (crash.json)
+    heals: bool = True  # False: the worker classified every remaining failure as permanent
     log_tail: str = ""
 
 
@@ -64,6 +67,8 @@ def failure_reason(a: Attempt) -> str:
         return f"timed out after {a.timed_out_after:g}s (eval.timeout_seconds)"
     if a.task_errors:
         return "; ".join(a.task_errors)
+    if a.crash_error:
+        return a.crash_error
     if a.rc < 0:
         try:
             name = signal.Signals(-a.rc).name
@@ -83,6 +88,9 @@ def settle(a: Attempt) -> Verdict:
     if a.checkpoint_gone:
         return Verdict("missed", "checkpoint deleted during evaluation", attempt=a.attempt)
     reason = failure_reason(a)
+    if not a.heals:
+        error = f"{reason} (not retried: it would fail the same way)"
+        return Verdict("fail", reason, attempt=a.attempt, error=error)
     if a.attempt < a.max_attempts:
         delay = a.backoff_seconds * 2 ** (a.attempt - 1)
         return Verdict("retry", reason, attempt=a.attempt, not_before=a.now + delay)

@@ -20,6 +20,7 @@ from pathlib import Path
 import structlog
 
 from ckpt_watcher.durable import write_json_atomic
+from ckpt_watcher.executors.base import CRASH_FILE
 
 EXIT_OK = 0
 EXIT_TASK_FAILED = 3
@@ -30,6 +31,14 @@ log = structlog.get_logger("ckpt_watcher.worker")
 
 def outcome_path(job_dir: Path, index: int) -> Path:
     return job_dir / f"outcome-{index}.json"
+
+
+def _record_crash(job_dir: Path, e: BaseException) -> None:
+    """What stopped the whole job (staging, loading the model), classified like a task's error."""
+    from ckpt_watcher.evaluators.failures import classify
+
+    failure = classify(e)
+    write_json_atomic(job_dir / CRASH_FILE, {"error": failure.error, "heals": failure.heals})
 
 
 def _configure_logging() -> None:
@@ -77,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                 stage.get("endpoint_url"),
                 request_timeout=stage.get("request_timeout", 30.0),
             )
-        except Exception:
+        except Exception as e:
             log.exception("worker.staging_failed", location=stage["location"])
+            _record_crash(job_dir, e)
             return EXIT_CRASH
         log.info("worker.staged", location=stage["location"], path=str(local))
         req_fields["checkpoint"] = str(local)
@@ -99,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         outcomes = run_tasks(req, record)
-    except Exception:
+    except Exception as e:
         log.exception("worker.crashed")
+        _record_crash(job_dir, e)
         return EXIT_CRASH
     return EXIT_OK if all(o.status == "ok" for o in outcomes) else EXIT_TASK_FAILED
 

@@ -22,6 +22,7 @@ from ckpt_watcher.clock import utcnow
 from ckpt_watcher.durable import write_json_atomic
 from ckpt_watcher.errors import EvalError
 from ckpt_watcher.evaluators.clamp import ClampCounts
+from ckpt_watcher.evaluators.failures import classify
 from ckpt_watcher.evaluators.lm_eval_internals import (
     clamped_backend,
     json_default,
@@ -84,6 +85,7 @@ class TaskOutcome:
     finished_at: str = ""
     results_file: str | None = None
     error: str | None = None
+    heals: bool = True  # False: failing again as is is certain (see failures.py)
     lm_eval_version: str = ""
 
 
@@ -182,7 +184,8 @@ def run_tasks(req: EvalRequest, on_outcome: Callable[[TaskOutcome], None]) -> li
             outcome.results_file = str(rfile)
         except Exception as e:  # one task's failure must not lose the others' results
             lm.clamp_counts.take()
-            outcome.error = _explain(e, t)
+            failure = classify(e)
+            outcome.error, outcome.heals = failure.error, failure.heals
         outcome.finished_at = utcnow()
         outcomes.append(outcome)
         on_outcome(outcome)
@@ -191,12 +194,3 @@ def run_tasks(req: EvalRequest, on_outcome: Callable[[TaskOutcome], None]) -> li
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)[:80]
-
-
-def _explain(e: Exception, t: TaskRun) -> str:
-    text = f"{type(e).__name__}: {e}".strip()
-    if "unsafe" in text.lower() and not t.allow_code_execution:
-        text += f" (task {t.task} executes code: set allow_code_execution: true on its entry)"
-    elif isinstance(e, KeyError | ValueError) and t.task in text and "not found" in text.lower():
-        text += " (check the task name; custom tasks need eval.include_path)"
-    return text[:2000]

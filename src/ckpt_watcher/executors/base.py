@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Protocol
 
 WORKER_MODULE = "ckpt_watcher.worker"
+# What a worker writes when something stopped it as a whole (staging, loading the model):
+# {"error": ..., "heals": bool}, read by the daemon when it settles the job.
+CRASH_FILE = "crash.json"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import structlog
 
 from ckpt_watcher.devices import Device, GpuProcess
 from ckpt_watcher.errors import BackendUnavailable
-from ckpt_watcher.executors.base import ExitCallback, WorkerHandle
+from ckpt_watcher.executors.base import CRASH_FILE, ExitCallback, WorkerHandle
 
 log = structlog.get_logger("ckpt_watcher.executors.ray")
 
@@ -50,7 +50,9 @@ def _run_on_node(spec_json: str, job_id: str) -> Iterator[Any]:
         yield {
             "rc": rc,
             "files": {
-                p.name: p.read_text() for p in folder.iterdir() if p.name.startswith("outcome-")
+                p.name: p.read_text()
+                for p in folder.iterdir()
+                if p.name.startswith("outcome-") or p.name == CRASH_FILE
             },
             "log": (folder / "worker.log").read_text(errors="replace"),
         }
