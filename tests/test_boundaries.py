@@ -3,6 +3,7 @@ per task; a failing task ends as a `failed` ledger line and `watcher once` exits
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -67,7 +68,8 @@ def test_a_task_failing_at_run_time_keeps_the_others_then_requeue_runs_only_it(
     assert lines["addition"]["status"] == "ok"  # the good task keeps its result
     bad = lines["broken"]
     assert bad["status"] == "failed" and bad["metrics"] == {}
-    assert "nope" in bad["error"] and "after 1 attempts" in bad["error"]
+    assert "UndefinedError: 'nope' is undefined (fix the task's YAML" in bad["error"]
+    assert bad["error"].endswith("(not retried: it would fail the same way)")
     st = subprocess.run([*WATCHER, "status", "-c", str(cfg)], capture_output=True, text=True)
     assert st.returncode == 3 and "failures: 1" in st.stdout
 
@@ -82,6 +84,13 @@ def test_a_task_failing_at_run_time_keeps_the_others_then_requeue_runs_only_it(
     assert r.returncode == 0, r.stderr[-2000:]
     final = [(ln["task"], ln["status"]) for ln in read_ledger(tmp_path / "ledgers", "f")]
     assert sorted(final) == [("addition", "ok"), ("broken", "failed"), ("broken", "ok")]
+    st = subprocess.run([*WATCHER, "status", "-c", str(cfg)], capture_output=True, text=True)
+    assert "failures: 0" in st.stdout  # the later ok covers it
+    js = subprocess.run(
+        [*WATCHER, "status", "-c", str(cfg), "--json"], capture_output=True, text=True
+    )
+    history = json.loads(js.stdout)["failure_history"]
+    assert [(f["label"], f["resolved"]) for f in history] == [("f_step1", True)]
     again = subprocess.run(
         [*WATCHER, "requeue", "-c", str(cfg), "f"], capture_output=True, text=True
     )

@@ -120,3 +120,28 @@ def test_plot_writes_a_png_of_metrics_by_step(tmp_path: Path) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     result = CliRunner().invoke(main, ["plot", "-c", str(cfg), "nope", "-o", str(out)])
     assert result.exit_code == 1 and "runs with results: r" in result.output
+
+
+def test_results_of_a_run_with_only_failures_shows_them(tmp_path: Path) -> None:
+    from ckpt_watcher.ledger import append
+
+    cfg = idle_config(tmp_path)
+    for step in (100, 200):
+        append(
+            tmp_path / "l",
+            {
+                "run": "bad",
+                "step": step,
+                "label": f"bad_step{step}",
+                "task": "gsm8k",
+                "num_fewshot": 8,
+                "status": "failed",
+                "metrics": {},
+                "error": "boom",
+            },
+        )
+    result = CliRunner().invoke(main, ["results", "-c", str(cfg), "bad"])
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.strip().splitlines()]
+    assert rows[0] == ["step", "gsm8k", "(8-shot)"]
+    assert rows[2:] == [["100", "FAILED"], ["200", "FAILED"]]

@@ -42,6 +42,10 @@ def metric_table(lines: list[dict[str, Any]], include_stderr: bool = False) -> T
             if col not in columns:
                 columns.append(col)
             row[col] = value
+    # a task that never succeeded has no metric columns: it gets a column of its own
+    for label in sorted({f for fs in failed.values() for f in fs}):
+        if not any(col.startswith(label + " ") for col in columns):
+            columns.append(label)
     out_rows = []
     for key in sorted(cells, key=lambda k: (k[0] if k[0] is not None else float("inf"), k[1])):
         step, label = key
@@ -50,7 +54,7 @@ def metric_table(lines: list[dict[str, Any]], include_stderr: bool = False) -> T
         for col in columns:
             if col in row:
                 values.append(row[col])
-            elif any(col.startswith(f + " ") for f in failed.get(key, ())):
+            elif any(col == f or col.startswith(f + " ") for f in failed.get(key, ())):
                 values.append("FAILED")
             else:
                 values.append(None)

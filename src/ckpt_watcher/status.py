@@ -12,6 +12,7 @@ from typing import Any
 from ckpt_watcher import ledger as ledger_mod
 from ckpt_watcher.clock import iso
 from ckpt_watcher.config import WatcherConfig
+from ckpt_watcher.ledger import LedgerIndex
 from ckpt_watcher.state import HEARTBEAT_SECONDS, State
 
 STALE_AFTER = 10 * HEARTBEAT_SECONDS
@@ -94,10 +95,23 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
             }
             for j in state.jobs("running")
         ]
-        failures = [
-            {"job_id": j.id, "run": j.run, "step": j.step, "label": j.label, "error": j.error}
-            for j in state.jobs("failed")
+        failed_jobs = state.jobs("failed")
+        ledger = LedgerIndex(cfg.ledger_dir).load() if failed_jobs else None
+        history = [
+            {
+                "job_id": j.id,
+                "run": j.run,
+                "step": j.step,
+                "label": j.label,
+                "error": j.error,
+                # a later ok for every task of the job (a requeue) resolves it
+                "resolved": bool(
+                    ledger and not ledger.due(j.run, j.step, j.label, j.tasks, j.settings_hash)
+                ),
+            }
+            for j in failed_jobs
         ]
+        failures = [f for f in history if not f["resolved"]]
         counts = state.checkpoint_counts()
         zombies = state.get_meta("suspected_zombies") or []
     finally:
@@ -109,7 +123,8 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         "checkpoints": checkpoints,
         "queue": queued,
         "running": running,
-        "failures": failures,
+        "failures": failures,  # current: not covered by a later ok
+        "failure_history": history,
         "suspected_zombies": zombies,
         "latest_results": latest_results(cfg),
     }

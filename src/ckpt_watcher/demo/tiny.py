@@ -12,7 +12,9 @@ from typing import Any
 
 CHARS = list("0123456789+= \n")
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
-TASK_TEMPLATE = Path(__file__).parent / "tasks" / "addition.yaml"
+# Not a .yaml: lm-eval would index it if `include_path` pointed here, and its data path is a
+# placeholder that `write_task` fills in.
+TASK_TEMPLATE = Path(__file__).parent / "tasks" / "addition.yaml.template"
 
 
 def build_tokenizer() -> Any:
