@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from common import WATCHER, fake_checkpoint
+from common import WATCHER, fake_checkpoint, task_folder
 
 from ckpt_watcher.config import load_config
 from ckpt_watcher.ledger import append
@@ -53,7 +53,11 @@ def main() -> None:
                 "ledger_dir": str(args.work / "ledgers"),
                 "sources": [{"kind": "local", "path": str(s), "poll_seconds": 5} for s in sources],
                 "devices": {"gpus": [], "cpu_slots": 1},
-                "eval": {"backend": "hf", "tasks": [{"task": "addition", "num_fewshot": 0}]},
+                "eval": {
+                    "backend": "hf",
+                    "tasks": [{"task": "addition", "num_fewshot": 0}],
+                    "include_path": str(task_folder(args.work)[0]),
+                },
             }
         )
     )

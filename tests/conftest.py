@@ -207,14 +207,17 @@ def base_config(tmp: Path, watch: Path, tasks_dir: Path, **eval_over: Any) -> di
 
 
 def idle_config(tmp: Path, **over: Any) -> Path:
-    """A config over an empty folder `tmp/ckpts` (created), one CPU slot: a daemon with no work."""
+    """A config over an empty folder `tmp/ckpts` (created), one CPU slot: a daemon with no work
+    (its one task, the demo's `addition`, is real: `watcher run` checks task names first)."""
+    from ckpt_watcher.demo.tiny import write_task
+
     (tmp / "ckpts").mkdir(exist_ok=True)
     data: dict[str, Any] = {
         "state_dir": str(tmp / "s"),
         "ledger_dir": str(tmp / "l"),
         "sources": [{"kind": "local", "path": str(tmp / "ckpts")}],
         "devices": {"gpus": [], "cpu_slots": 1},
-        "eval": {"tasks": [{"task": "addition"}]},
+        "eval": {"tasks": [{"task": "addition"}], "include_path": str(write_task(tmp / "tasks"))},
     }
     data.update(over)
     return write_config(tmp / "w.yaml", data)

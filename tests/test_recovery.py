@@ -209,7 +209,7 @@ def test_hung_eval_is_killed_at_timeout_retried_then_failed(
 
 
 def test_hostile_directories_are_reported_by_a_running_daemon_never_evaluated(
-    tmp_path: Path,
+    tmp_path: Path, addition_tasks: Path
 ) -> None:
     watch = tmp_path / "ckpts"
     for name in ["x; rm -rf ~_step1", "$(touch pwned)_step2", "new\nline_step3", "latest"]:
@@ -225,7 +225,7 @@ def test_hostile_directories_are_reported_by_a_running_daemon_never_evaluated(
             "ledger_dir": str(tmp_path / "l"),
             "sources": [{"kind": "local", "path": str(watch)}],
             "devices": {"gpus": [], "cpu_slots": 1},
-            "eval": {"tasks": [{"task": "addition"}]},
+            "eval": {"tasks": [{"task": "addition"}], "include_path": str(addition_tasks)},
         },
     )
     log = tmp_path / "daemon.log"
