@@ -136,7 +136,7 @@ def upload_dir(client, folder: Path, bucket: str, prefix: str, skip: tuple[str, 
             client.upload_file(str(p), bucket, prefix + p.name)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # a fresh cluster per module, as test_ray's timing checks expect
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ray = str(Path(os.sys.executable).parent / "ray")
     tmp = tmp_path_factory.mktemp("ray")
