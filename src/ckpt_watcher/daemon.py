@@ -19,7 +19,7 @@ from collections.abc import Callable
 import structlog
 import yaml
 
-from ckpt_watcher import planner
+from ckpt_watcher import planner, scheduler
 from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.devices import Inventory, ZombieWatch, build_inventory, free_devices
 from ckpt_watcher.discovery import Discovery
@@ -191,9 +191,7 @@ class Daemon:
         scan = self.discovery.next_deadline()
         if scan is not None and not self.once:
             deadlines.append(scan)
-        retry = min(
-            (j.not_before for j in self.state.jobs("queued") if j.not_before > now), default=None
-        )
+        retry = scheduler.next_retry_at(self.state.jobs("queued"), now)
         if retry is not None:
             deadlines.append(retry)
         if self.stop_deadline is not None:
