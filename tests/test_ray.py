@@ -6,8 +6,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import sqlite3
 import subprocess
-from datetime import datetime
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray not installed"),
 ]
-
-
-def ts(text: str) -> float:
-    return datetime.fromisoformat(text).timestamp()
 
 
 def test_two_checkpoints_run_concurrently_on_two_ray_gpus_and_a_killed_worker_is_retried(
@@ -89,9 +86,18 @@ def test_two_checkpoints_run_concurrently_on_two_ray_gpus_and_a_killed_worker_is
     lines = read_ledger(tmp_path / "ledgers", "ray")
     assert sorted((ln["step"], ln["status"]) for ln in lines) == [(1, "ok"), (2, "ok"), (3, "ok")]
     one, two = sorted((ln for ln in lines if ln["step"] in (1, 2)), key=lambda ln: ln["step"])
-    assert ts(one["started_at"]) < ts(two["finished_at"]) and ts(two["started_at"]) < ts(
-        one["finished_at"]
-    )
     assert {one["device"], two["device"]} == {"ray:gpu0", "ray:gpu1"}
+    # both jobs held a Ray GPU at once: the daemon dispatched the second before the first came
+    # back. (The ledger's started_at is when lm-eval began inside the worker; a Ray worker's cold
+    # start varies by seconds on 2 cores, longer than the tiny eval itself, so it cannot show this.)
+    with closing(sqlite3.connect(tmp_path / "state" / "state.sqlite")) as db:
+        held = dict(
+            (label, (started, finished))
+            for label, started, finished in db.execute(
+                "SELECT label, started_at, finished_at FROM jobs WHERE state = 'ok'"
+            )
+        )
+    (s1, f1), (s2, f2) = held["ray_step1"], held["ray_step2"]
+    assert s1 < f2 and s2 < f1, held
     third = next(ln for ln in lines if ln["step"] == 3)
     assert third["attempt"] == 2
