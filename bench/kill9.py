@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from common import WATCHER, config, task_folder, trained_checkpoint
+from common import WATCHER, config, distinct_copy, task_folder, trained_checkpoint
 
 from ckpt_watcher.errors import WatcherError
 from ckpt_watcher.state import State
@@ -85,7 +85,7 @@ def fault_run(
     shutil.rmtree(root, ignore_errors=True)
     watch = root / "ckpts"
     for step in CHECKPOINTS:
-        shutil.copytree(ckpt, watch / f"k9_step{step}")
+        distinct_copy(ckpt, watch / f"k9_step{step}")
     tasks_dir, _ = task_folder(work)
     cfg = config(
         root / "w.yaml",

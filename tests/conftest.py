@@ -42,7 +42,10 @@ def write_fake_checkpoint(folder: Path, *, naming_bug: bool = False, config: boo
     """A checkpoint-shaped folder with small synthetic weights (not loadable by a model)."""
     folder.mkdir(parents=True, exist_ok=True)
     if config:
-        (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        # named in its config: two fakes are two contents (results are reused across copies)
+        (folder / "config.json").write_text(
+            json.dumps({"model_type": "llama", "_name_or_path": folder.name})
+        )
     tensors = {"a.weight": 16, "b.weight": 8}
     write_safetensors(folder / "model.safetensors", tensors)
     if naming_bug:
@@ -63,11 +66,17 @@ def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def copy_checkpoint(tmp_path: Path, trained_checkpoint: Path):
-    """Copy the trained checkpoint into a new place under a new name (the copy is yours)."""
+    """Copy the trained checkpoint into a new place under a new name (the copy is yours). Its
+    config names the copy, so each copy is other content, as a checkpoint trained further
+    would be; `same_content=True` makes an exact copy (whose results the watcher reuses)."""
 
-    def _copy(dest: Path) -> Path:
+    def _copy(dest: Path, same_content: bool = False) -> Path:
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(trained_checkpoint, dest)
+        if not same_content:
+            config = json.loads((dest / "config.json").read_text())
+            config["_name_or_path"] = dest.name
+            (dest / "config.json").write_text(json.dumps(config))
         return dest
 
     return _copy

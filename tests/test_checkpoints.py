@@ -153,14 +153,14 @@ def test_other_formats_need_a_quiet_window(tmp_path: Path) -> None:
     (ck / "config.json").write_text("{}")
     (ck / "pytorch_model.bin").write_bytes(b"x" * 100)
     first = check(ck, now=100.0)
-    assert first.state == "incomplete" and first.fingerprint
-    same = check(ck, now=130.0, previous_fingerprint=first.fingerprint, unchanged_since=100.0)
+    assert first.state == "incomplete" and first.write_mark
+    same = check(ck, now=130.0, previous_mark=first.write_mark, unchanged_since=100.0)
     assert same.state == "incomplete" and "30s of 60s" in same.reason
-    done = check(ck, now=161.0, previous_fingerprint=first.fingerprint, unchanged_since=100.0)
+    done = check(ck, now=161.0, previous_mark=first.write_mark, unchanged_since=100.0)
     assert done.ready
     (ck / "pytorch_model.bin").write_bytes(b"x" * 200)
-    changed = check(ck, now=170.0, previous_fingerprint=first.fingerprint, unchanged_since=100.0)
-    assert changed.state == "incomplete" and changed.fingerprint != first.fingerprint
+    changed = check(ck, now=170.0, previous_mark=first.write_mark, unchanged_since=100.0)
+    assert changed.state == "incomplete" and changed.write_mark != first.write_mark
 
 
 def test_naming_fix_adds_a_hard_link_and_touches_nothing_else(tmp_path: Path) -> None:

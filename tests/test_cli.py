@@ -72,7 +72,82 @@ def test_results_formats(tmp_path: Path, fmt: str) -> None:
 def test_results_for_an_unknown_run_lists_the_known_ones(tmp_path: Path) -> None:
     cfg = _ledger(tmp_path)
     result = CliRunner().invoke(main, ["results", "-c", str(cfg), "nope"])
-    assert result.exit_code == 1 and "runs with results: r" in result.output
+    assert result.exit_code == 1 and "runs: r" in result.output
+
+
+def _two_jobs_reusing_a_run_name(tmp_path: Path) -> Path:
+    cfg = _ledger(tmp_path)
+    for job, acc in [("jobA", 0.25), ("jobB", 0.75)]:
+        append(
+            tmp_path / "l",
+            {
+                "run": "mix",
+                "run_path": f"{job}/mix",
+                "step": 100,
+                "label": "mix_step100",
+                "task": "gsm8k",
+                "num_fewshot": 8,
+                "status": "ok",
+                "metrics": {"exact_match,strict-match": acc},
+                "fingerprint": f"sampled:{job}",
+            },
+        )
+    return cfg
+
+
+def test_a_run_is_named_by_its_run_path_or_by_a_run_name_only_one_path_has(tmp_path: Path) -> None:
+    cfg = _two_jobs_reusing_a_run_name(tmp_path)
+    runner = CliRunner()
+    out = runner.invoke(main, ["results", "-c", str(cfg), "jobB/mix", "--format", "json"])
+    assert (
+        out.exit_code == 0
+        and json.loads(out.output)[0]["gsm8k (8-shot) exact_match,strict-match"] == 0.75
+    )
+    ambiguous = runner.invoke(main, ["results", "-c", str(cfg), "mix"])
+    assert ambiguous.exit_code == 2
+    assert (
+        "run name 'mix' is used by 2 runs: jobA/mix, jobB/mix; give the run path"
+        in ambiguous.output
+    )
+    assert runner.invoke(main, ["results", "-c", str(cfg), "r"]).exit_code == 0  # one path: r
+
+
+def test_results_show_the_newest_version_of_a_rewritten_step_and_all_with_all(
+    tmp_path: Path,
+) -> None:
+    cfg = _ledger(tmp_path)
+    for fp, acc in [("sampled:aaa", 0.1), ("sampled:bbb", 0.9)]:
+        append(
+            tmp_path / "l",
+            {
+                "run": "r",
+                "run_path": "r",
+                "step": 400,
+                "label": "r_step400",
+                "checkpoint": "/c/r_step400",
+                "task": "gsm8k",
+                "num_fewshot": 8,
+                "status": "ok",
+                "metrics": {"exact_match,strict-match": acc},
+                "fingerprint": fp,
+            },
+        )
+    runner = CliRunner()
+    rows = json.loads(
+        runner.invoke(main, ["results", "-c", str(cfg), "r", "--format", "json"]).output
+    )
+    assert [(r["step"], r["gsm8k (8-shot) exact_match,strict-match"]) for r in rows][-1] == (
+        400,
+        0.9,
+    )
+    assert [r["step"] for r in rows] == [100, 200, 300, 400]
+    every = json.loads(
+        runner.invoke(main, ["results", "-c", str(cfg), "r", "--all", "--format", "json"]).output
+    )
+    assert [(r["step"], r["fingerprint"]) for r in every if r["step"] == 400] == [
+        (400, "sampled:aaa"),
+        (400, "sampled:bbb"),
+    ]
 
 
 def test_status_without_state_says_so(tmp_path: Path) -> None:
@@ -119,7 +194,7 @@ def test_plot_writes_a_png_of_metrics_by_step(tmp_path: Path) -> None:
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     result = CliRunner().invoke(main, ["plot", "-c", str(cfg), "nope", "-o", str(out)])
-    assert result.exit_code == 1 and "runs with results: r" in result.output
+    assert result.exit_code == 1 and "runs: r" in result.output
 
 
 def test_results_of_a_run_with_only_failures_shows_them(tmp_path: Path) -> None:

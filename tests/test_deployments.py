@@ -5,6 +5,7 @@ going on meanwhile), S3 with Ray, and a checkpoint split over Ray GPUs."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -29,9 +30,12 @@ def ok_lines(ledgers: Path, run: str) -> list[dict]:
 
 
 def publish(src: Path, dest: Path) -> None:
-    """Make a checkpoint appear complete at once, as trainers that save then rename do."""
+    """Make a checkpoint appear complete at once, as trainers that save then rename do. Its
+    config names it, so it is other content than `src` (an exact copy would reuse results)."""
     staging = dest.parent.parent / f".{dest.name}.writing"
     shutil.copytree(src, staging)
+    config = json.loads((staging / "config.json").read_text())
+    (staging / "config.json").write_text(json.dumps({**config, "_name_or_path": dest.name}))
     dest.parent.mkdir(parents=True, exist_ok=True)
     os.rename(staging, dest)
 
@@ -61,7 +65,7 @@ def test_local_and_s3_sources_in_one_daemon_both_get_their_results(
     (ledgers / "earlier" / "ledger.jsonl").write_text('{"run": "earlier", "task": "t"}\n')
     with watcher_run(cfg, log) as daemon:
         wait_for(
-            lambda: ok_lines(ledgers, "efs") and ok_lines(ledgers, "sm"),
+            lambda: ok_lines(ledgers, "efs") and ok_lines(ledgers, "jobA/sm"),
             300,
             "both results",
             daemon,
@@ -73,11 +77,12 @@ def test_local_and_s3_sources_in_one_daemon_both_get_their_results(
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=60) == 0
     (efs,) = read_ledger(ledgers, "efs")
-    (sm,) = read_ledger(ledgers, "sm")
+    (sm,) = read_ledger(ledgers, "jobA/sm")  # its run path: the folders under the prefix too
     assert efs["checkpoint"] == str(watch / "efs_step300")
     assert sm["checkpoint"] == f"s3://{bucket}/ckpts/jobA/sm_step300/"
     assert efs["metrics"] == sm["metrics"]  # the same weights, from a folder and from S3
-    for run in ("earlier", "efs", "sm"):
+    assert "reused_from" not in efs and "reused_from" not in sm  # two contents, two evals
+    for run in ("earlier", "efs", "jobA/sm"):
         mirrored = client.get_object(Bucket=bucket, Key=f"mirror/{run}/ledger.jsonl")["Body"].read()
         assert mirrored == (ledgers / run / "ledger.jsonl").read_bytes()
 
@@ -157,7 +162,11 @@ def test_a_hanging_s3_endpoint_delays_only_itself_and_the_mirror_keeps_up(
 
             endpoint.recover()
             wait_for(
-                lambda: ok_lines(ledgers, "far"), 240, "the S3 result after recovery", daemon, log
+                lambda: ok_lines(ledgers, "jobB/far"),
+                240,
+                "the S3 result after recovery",
+                daemon,
+                log,
             )
             st = wait_for(
                 lambda: (st := status()) and not s3_source(st)["unreachable_since"] and st,
@@ -174,7 +183,7 @@ def test_a_hanging_s3_endpoint_delays_only_itself_and_the_mirror_keeps_up(
     assert dispatched_after < 15
     assert max(heartbeats) < 10, heartbeats  # stale after 20 s; the loop never blocked
     assert endpoint.connections > 1
-    far = ok_lines(ledgers, "far")
+    far = ok_lines(ledgers, "jobB/far")
     assert len(far) == 1 and far[0]["checkpoint"] == f"s3://{bucket}/ckpts/jobB/far_step300/"
 
 
@@ -203,10 +212,12 @@ def test_s3_source_with_ray_executor(
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
-        wait_for(lambda: read_ledger(tmp_path / "ledgers", "rays3"), 300, "a result", daemon, log)
+        wait_for(
+            lambda: read_ledger(tmp_path / "ledgers", "jobC/rays3"), 300, "a result", daemon, log
+        )
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=60) == 0
-    (line,) = read_ledger(tmp_path / "ledgers", "rays3")
+    (line,) = read_ledger(tmp_path / "ledgers", "jobC/rays3")
     assert line["status"] == "ok", line["error"]
     assert line["device"].startswith("ray:gpu")
     assert line["checkpoint"] == f"s3://{bucket}/sm/jobC/rays3_step300/"

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from ckpt_watcher import planner, settle
-from ckpt_watcher.planner import MarkCheckpoint, QueueJob, SkipJob
+from ckpt_watcher.ledger import TaskPlan
+from ckpt_watcher.planner import MarkCheckpoint, QueueJob, ReuseResults, SkipJob
 from ckpt_watcher.state import Job
 
 T0 = {"task": "a", "num_fewshot": 0}
@@ -15,17 +16,32 @@ T1 = {"task": "b", "num_fewshot": 5}
 
 
 def row(
-    step: int | None, state: str = "ready", final: bool = False, run: str = "r"
+    step: int | None,
+    state: str = "ready",
+    final: bool = False,
+    run: str = "r",
+    fp: str | None = None,
+    where: str = "/c",
 ) -> dict[str, Any]:
     label = f"{run}_final" if final else f"{run}_step{step}"
     return {
-        "location": f"/c/{label}",
+        "location": f"{where}/{label}",
         "run": run,
+        "run_path": run,
         "step": step,
         "label": label,
         "final": int(final),
         "state": state,
+        "fingerprint": fp,
+        "reason": "",
     }
+
+
+def Q(location: str, step: int | None, label: str, tasks: list, key: float, fp: str | None = None):
+    return QueueJob(location, "r", step, label, tasks, key, run_path="r", fingerprint=fp)
+
+
+REUSED = {"task": "a", "reused_from": "/efs/r_step100"}
 
 
 @pytest.mark.parametrize(
@@ -38,7 +54,7 @@ def row(
             set(),
             1,
             [
-                QueueJob("/c/r_step100", "r", 100, "r_step100", [T0, T1], 100.0),
+                Q("/c/r_step100", 100, "r_step100", [T0, T1], 100.0),
                 MarkCheckpoint("/c/r_step100", "planned"),
             ],
         ),
@@ -49,7 +65,7 @@ def row(
             set(),
             1,
             [
-                QueueJob("/c/r_step100", "r", 100, "r_step100", [T1], 100.0),
+                Q("/c/r_step100", 100, "r_step100", [T1], 100.0),
                 MarkCheckpoint("/c/r_step100", "planned"),
             ],
         ),
@@ -84,7 +100,7 @@ def row(
             set(),
             100,
             [
-                QueueJob("/c/r_final", "r", 150, "r_final", [T0], 150.5),
+                Q("/c/r_final", 150, "r_final", [T0], 150.5),
                 MarkCheckpoint("/c/r_final", "planned"),
             ],
         ),
@@ -95,7 +111,7 @@ def row(
             set(),
             100,
             [
-                QueueJob("/c/r_final", "r", None, "r_final", [T0], 1e18),
+                Q("/c/r_final", None, "r_final", [T0], 1e18),
                 MarkCheckpoint("/c/r_final", "planned"),
             ],
         ),
@@ -103,9 +119,53 @@ def row(
 )
 def test_plan_ready(rows, due, busy, every, expected) -> None:
     actions = planner.plan_ready(
-        rows, due=lambda r: due, has_jobs=lambda loc: loc in busy, every_n_steps=every
+        rows, plan=lambda r: TaskPlan(due), has_jobs=lambda loc: loc in busy, every_n_steps=every
     )
     assert actions == expected
+
+
+def test_content_evaluated_elsewhere_is_reused_not_run_again() -> None:
+    actions = planner.plan_ready(
+        [row(100, fp="F", where="/s3")],
+        plan=lambda r: TaskPlan(due=[], reuse=[REUSED]),
+        has_jobs=lambda loc: False,
+        every_n_steps=1,
+    )
+    assert actions == [
+        ReuseResults("/s3/r_step100", [REUSED]),
+        MarkCheckpoint(
+            "/s3/r_step100",
+            "done",
+            "all tasks in the ledger (reused from /efs/r_step100: same content)",
+        ),
+    ]
+
+
+def test_a_twin_of_content_being_evaluated_waits_for_its_results() -> None:
+    twins = [row(100, fp="F", where="/efs"), row(100, fp="F", where="/s3"), row(200, fp="G")]
+    actions = planner.plan_ready(
+        twins, plan=lambda r: TaskPlan([T0]), has_jobs=lambda loc: False, every_n_steps=1
+    )
+    wait = "same content as /efs/r_step100, which is being evaluated: its results will be reused"
+    assert actions == [
+        Q("/efs/r_step100", 100, "r_step100", [T0], 100.0, fp="F"),
+        MarkCheckpoint("/efs/r_step100", "planned"),
+        MarkCheckpoint("/s3/r_step100", "ready", wait),
+        Q("/c/r_step200", 200, "r_step200", [T0], 200.0, fp="G"),
+        MarkCheckpoint("/c/r_step200", "planned"),
+    ]
+    # on later passes, a job already in flight holds it back the same way (said once)
+    waiting = dict(row(100, fp="F", where="/s3"), reason=wait)
+    assert (
+        planner.plan_ready(
+            [waiting],
+            plan=lambda r: TaskPlan([T0]),
+            has_jobs=lambda loc: False,
+            every_n_steps=1,
+            in_flight={"F": "/efs/r_step100"},
+        )
+        == []
+    )
 
 
 def queued(jid: str, step: int, run: str = "r") -> Job:

@@ -62,19 +62,22 @@ def _load(config_path: Path, overrides: tuple[str, ...] = ()) -> WatcherConfig:
     return load_config(config_path, list(overrides))
 
 
-def _run_ledger(config_path: Path, run_name: str) -> list[dict[str, Any]]:
-    """One run's ledger lines; exit 1 naming the runs that do have results if it has none."""
+def _run_ledger(config_path: Path, run_name: str) -> tuple[str, list[dict[str, Any]]]:
+    """(run path, its ledger lines) for a run path or run name; exit 1 naming the runs that do
+    have results if it has none, 2 if the run name is ambiguous."""
     from ckpt_watcher import ledger as ledger_mod
+    from ckpt_watcher.runs import resolve_run
 
     cfg = _load(config_path)
-    path = ledger_mod.ledger_path(cfg.ledger_dir, run_name)
+    run_path = resolve_run(cfg, run_name)
+    path = ledger_mod.ledger_path(cfg.ledger_dir, run_path)
     if not path.exists():
         runs = ", ".join(ledger_mod.iter_runs(cfg.ledger_dir)) or "none"
-        _fail(1, f"no ledger for run {run_name!r} at {path}; runs with results: {runs}")
+        _fail(1, f"no ledger for run {run_path!r} at {path}; runs with results: {runs}")
     report = ledger_mod.read_lines(path)
     if report.skipped:
         click.echo(f"watcher: skipped {report.skipped} torn or unreadable ledger line(s)", err=True)
-    return report.lines
+    return run_path, report.lines
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -159,13 +162,23 @@ def status(config_path: Path, as_json: bool) -> None:
     show_default=True,
 )
 @click.option("--stderr", "with_stderr", is_flag=True, help="Include lm-eval's stderr columns.")
+@click.option(
+    "--all",
+    "all_versions",
+    is_flag=True,
+    help="Every version of a rewritten checkpoint (default: the newest per step).",
+)
 @handle_errors
-def results(config_path: Path, run_name: str, fmt: str, with_stderr: bool) -> None:
-    """The metric-by-step table of one run, from its ledger."""
+def results(
+    config_path: Path, run_name: str, fmt: str, with_stderr: bool, all_versions: bool
+) -> None:
+    """The metric-by-step table of one run (a run path, or a run name only one run has), from
+    its ledger."""
     from ckpt_watcher.report import metric_table, render
 
-    lines = _run_ledger(config_path, run_name)
-    click.echo(render(metric_table(lines, include_stderr=with_stderr), fmt))
+    _, lines = _run_ledger(config_path, run_name)
+    table = metric_table(lines, include_stderr=with_stderr, all_versions=all_versions)
+    click.echo(render(table, fmt))
 
 
 @main.command()
@@ -183,7 +196,8 @@ def plot(config_path: Path, run_name: str, output: Path) -> None:
     """Plot one run's metrics against the step, from its ledger, as a PNG."""
     from ckpt_watcher.plot import plot_run
 
-    drawn = plot_run(_run_ledger(config_path, run_name), run_name, output)
+    run_path, lines = _run_ledger(config_path, run_name)
+    drawn = plot_run(lines, run_path, output)
     if not drawn:
         _fail(1, f"run {run_name!r} has no ok results with a step yet; nothing to plot")
     click.echo(f"wrote {output} ({drawn} series)")
@@ -241,21 +255,18 @@ def requeue_cmd(config_path: Path, run_name: str, step: int | None, task: str | 
     Results already ok with the current settings are never run twice. A running daemon picks
     the checkpoints up within seconds; otherwise the next `watcher run` or `once` does.
     """
-    from ckpt_watcher.requeue import known_runs, requeue
+    from ckpt_watcher.requeue import requeue
+    from ckpt_watcher.runs import resolve_run
 
     cfg = _load(config_path)
-    runs = known_runs(cfg)
-    if run_name not in runs:
-        _fail(
-            1, f"no run {run_name!r} in the state or the ledgers; runs: {', '.join(runs) or 'none'}"
-        )
-    done, left = requeue(cfg, run_name, step, task)
+    run_path = resolve_run(cfg, run_name)
+    done, left = requeue(cfg, run_path, step, task)
     for r in done:
         click.echo(f"requeued {r.label}: {', '.join(r.due)}")
     for why in left:
         click.echo(f"left alone {why}")
     if not done:
-        where = f"run {run_name!r}" + (f" step {step}" if step is not None else "")
+        where = f"run {run_path!r}" + (f" step {step}" if step is not None else "")
         click.echo(f"nothing to requeue for {where}")
 
 

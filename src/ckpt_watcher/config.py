@@ -36,6 +36,10 @@ class LocalSource(_Model):
     """Use inotify (watchdog) to notice local writes before the next poll."""
     max_depth: int = Field(4, ge=1, le=16)
     """How deep below `path` to look for checkpoint directories."""
+    fingerprint: Literal["sampled", "full"] = "sampled"
+    """How a checkpoint's content fingerprint is taken: `sampled` (sizes, safetensors headers and
+    16 blocks of 64 KiB per weight file) or `full` (every byte). A result belongs to the
+    fingerprint it was computed on; a checkpoint whose fingerprint changes is evaluated again."""
 
     @field_validator("path")
     @classmethod
@@ -66,6 +70,10 @@ class S3Source(_Model):
     request_timeout_seconds: float = Field(30.0, gt=0)
     """An S3 request with no answer after this long fails and is retried; a source whose calls
     keep failing is shown as unreachable in `watcher status` (the others carry on)."""
+    fingerprint: Literal["sampled", "full"] = "sampled"
+    """How a checkpoint's content fingerprint is taken: `sampled` (sizes, safetensors headers and
+    16 blocks of 64 KiB per weight file) or `full` (every byte). A result belongs to the
+    fingerprint it was computed on; a checkpoint whose fingerprint changes is evaluated again."""
 
     @field_validator("uri")
     @classmethod

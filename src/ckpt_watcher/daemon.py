@@ -204,9 +204,14 @@ class Daemon:
         tasks = self.jobs.all_tasks
         actions = planner.plan_ready(
             self.state.checkpoints("ready"),
-            due=lambda r: self.ledger.due(r["run"], r["step"], r["label"], tasks, settings),
+            plan=lambda r: self.ledger.plan(planner.subject(r), tasks, settings),
             has_jobs=lambda loc: bool(self.state.jobs("queued", "running", location=loc)),
             every_n_steps=self.cfg.policy.every_n_steps,
+            in_flight={
+                j.fingerprint: j.location
+                for j in self.state.jobs("queued", "running")
+                if j.fingerprint
+            },
         )
         if self.cfg.policy.skip_superseded:
             actions += planner.superseded(
@@ -215,6 +220,8 @@ class Daemon:
         for action in actions:
             if isinstance(action, planner.QueueJob):
                 self.jobs.queue(action, now)
+            elif isinstance(action, planner.ReuseResults):
+                self._reuse(action)
             elif isinstance(action, planner.SkipJob):
                 self.state.update_job(action.job_id, state="skipped", error=action.reason)
                 log.info("job.skipped", job_id=action.job_id, reason=action.reason)
@@ -222,6 +229,18 @@ class Daemon:
                 self.state.upsert_checkpoint(
                     action.location, "", now, state=action.state, reason=action.reason
                 )
+
+    def _reuse(self, action: planner.ReuseResults) -> None:
+        """File results computed on the same content elsewhere under this checkpoint too."""
+        for line in action.lines:
+            if self.ledger.append(line) and self.mirror is not None:
+                self.mirror.request(line["run_path"])
+        log.info(
+            "eval.reused",
+            location=action.location,
+            reused_from=action.lines[0]["reused_from"],
+            tasks=[ln["task"] for ln in action.lines],
+        )
 
     def _dispatch(self, now: float) -> None:
         running = self.state.jobs("running")

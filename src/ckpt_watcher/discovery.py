@@ -11,6 +11,12 @@ source that hangs or fails delays only itself:
 
 Checkpoint life cycle handled here: seen -> incomplete | invalid | unrecognised -> ready;
 missed when a checkpoint not yet evaluated disappears.
+
+Identity: a checkpoint judged ready gets its content fingerprint (`checkpoints/fingerprint.py`)
+and its write mark (names, sizes, mtimes or ETags). Scans re-read the write mark of evaluated
+checkpoints (all of them for a local source, `recheck_per_scan` in turn for S3); one that moved
+goes back to `incomplete` and is judged again, and a new fingerprint then makes it a new
+version: `rewritten`, evaluated again.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import structlog
 
 from ckpt_watcher.checkpoints import completeness
 from ckpt_watcher.checkpoints.completeness import Completeness
+from ckpt_watcher.checkpoints.fingerprint import fingerprint
 from ckpt_watcher.clock import iso
 from ckpt_watcher.errors import NamingFixError, WatcherError
 from ckpt_watcher.lane import Lane
@@ -38,6 +45,9 @@ log = structlog.get_logger("ckpt_watcher.discovery")
 RECHECK = ("incomplete", "invalid")
 # States in which a vanished checkpoint counts as missed (it was never evaluated).
 MISSABLE = ("incomplete", "invalid", "ready", "planned")
+# Evaluated states whose files scans re-examine for a rewrite in place.
+EVALUATED = ("done", "failed")
+REWRITE_CHECK = "files changed after it was evaluated: checking the content again"
 
 
 def unanswered_after(source: Source) -> float:
@@ -53,6 +63,18 @@ class Judged:
     verdict: Completeness
     fixes: list[str] = field(default_factory=list)
     fix_failed: bool = False
+    write_mark: str = ""  # of a ready checkpoint, after the naming fix
+    fingerprint: str | None = None  # of a ready checkpoint
+
+
+@dataclass(frozen=True)
+class Remark:
+    """An evaluated checkpoint looked at again: its write mark now, whether that moved, and
+    (for one evaluated before fingerprints existed) its fingerprint."""
+
+    write_mark: str
+    changed: bool
+    fingerprint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +82,7 @@ class ScanResult:
     found: list[Found]
     judged: dict[str, Judged]
     watching: bool
+    remarks: dict[str, Remark] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +99,7 @@ class _Watched:
     scan_started: float = 0.0
     scan_started_mono: float = 0.0
     marked_unanswered: bool = False
+    rechecked: dict[str, float] = field(default_factory=dict)  # location -> last looked at
 
 
 class Discovery:
@@ -156,10 +180,11 @@ class Discovery:
         rows = self.state.checkpoints(source=name)
         settled = {r["location"] for r in rows if r["state"] not in (*RECHECK, "missed")}
         recheck = {
-            r["location"]: (r["fingerprint"], r["unchanged_since"])
+            r["location"]: (r["write_mark"], r["unchanged_since"])
             for r in rows
             if r["state"] in RECHECK
         }
+        evaluated = self._due_for_recheck(w, rows, now)
         w.woken = False
         w.next_scan = now + w.source.poll_seconds
         w.scan_started = now
@@ -167,8 +192,22 @@ class Discovery:
         w.marked_unanswered = False
         wake_source = functools.partial(self._wake_source, w)
         w.scan = w.lane.submit(
-            functools.partial(self._scan, w.source, w.watching, wake_source, settled, recheck, now)
+            functools.partial(
+                self._scan, w.source, w.watching, wake_source, settled, recheck, evaluated, now
+            )
         )
+
+    @staticmethod
+    def _due_for_recheck(w: _Watched, rows: list[Any], now: float) -> dict[str, tuple[str, bool]]:
+        """Evaluated checkpoints this scan re-reads (location -> (write mark, has fingerprint)):
+        all of them, or the source's `recheck_per_scan` looked at longest ago."""
+        rows = [r for r in rows if r["state"] in EVALUATED]
+        rows.sort(key=lambda r: w.rechecked.get(r["location"], 0.0))
+        limit = w.source.recheck_per_scan
+        chosen = rows if limit is None else rows[:limit]
+        for r in chosen:
+            w.rechecked[r["location"]] = now
+        return {r["location"]: (r["write_mark"], bool(r["fingerprint"])) for r in chosen}
 
     def _wake_source(self, w: _Watched) -> None:
         w.woken = True
@@ -191,6 +230,7 @@ class Discovery:
         wake: Callable[[], None],
         settled: set[str],
         recheck: dict[str, tuple[str | None, float | None]],
+        evaluated: dict[str, tuple[str, bool]],
         now: float,
     ) -> ScanResult:
         if not watching:
@@ -200,29 +240,58 @@ class Discovery:
         for f in found:
             if f.ident is None or f.location in settled:
                 continue
-            fp, since = recheck.get(f.location, (None, None))
-            j = self._judge(source, f.location, fp, since, now)
+            mark, since = recheck.get(f.location, (None, None))
+            j = self._judge(source, f.location, mark, since, now)
             if j is not None:
                 judged[f.location] = j
-        return ScanResult(found, judged, watching)
+        present = {f.location for f in found}
+        remarks = {}
+        for location, (mark, has_fp) in evaluated.items():
+            if location in present:
+                r = self._remark(source, location, mark, has_fp)
+                if r is not None:
+                    remarks[location] = r
+        return ScanResult(found, judged, watching, remarks)
+
+    def _remark(
+        self, source: Source, location: str, mark: str | None, has_fp: bool
+    ) -> Remark | None:
+        try:
+            view = source.view(location)
+            now_mark = view.write_mark()
+            if mark is None:  # evaluated before marks and fingerprints were kept: adopt them
+                fp = None if has_fp else fingerprint(view, source.fingerprint_mode)
+                return Remark(now_mark, False, fp)
+            return Remark(now_mark, True) if now_mark != mark else None
+        except (OSError, WatcherError) as e:  # looked at again next time
+            log.warning("checkpoint.recheck_failed", location=location, error=str(e))
+            return None
 
     def _judge(
-        self, source: Source, location: str, fp: str | None, since: float | None, now: float
+        self, source: Source, location: str, mark: str | None, since: float | None, now: float
     ) -> Judged | None:
         try:
+            view = source.view(location)
             verdict = completeness.check(
-                source.view(location),
+                view,
                 now=now,
                 stable_seconds=self.stable_seconds,
                 unchanged_since=since,
-                previous_fingerprint=fp,
+                previous_mark=mark,
             )
             if not verdict.ready:
                 return Judged(verdict)
             try:
-                return Judged(verdict, source.prepare(location))
+                fixes = source.prepare(location)
             except NamingFixError as e:
-                return Judged(Completeness("invalid", str(e), verdict.fingerprint), fix_failed=True)
+                return Judged(Completeness("invalid", str(e), verdict.write_mark), fix_failed=True)
+            # after the fix: its own links are part of the folder from now on
+            return Judged(
+                verdict,
+                fixes,
+                write_mark=view.write_mark(),
+                fingerprint=fingerprint(view, source.fingerprint_mode),
+            )
         except (OSError, WatcherError) as e:  # unreadable now (S3 down?): judged next scan
             log.warning("checkpoint.check_failed", location=location, error=str(e))
             return None
@@ -253,6 +322,10 @@ class Discovery:
             row = self.state.checkpoint(location)
             if row is not None and row["state"] in RECHECK:
                 self._apply(row, judged, now)
+        for location, remark in result.remarks.items():
+            row = self.state.checkpoint(location)
+            if row is not None and row["state"] in EVALUATED:
+                self._apply_remark(row, remark, now)
         self._record(name, now, None, sum(1 for f in result.found if f.ident))
 
     def _record(self, name: str, now: float, error: str | None, n: int | None) -> None:
@@ -275,6 +348,8 @@ class Discovery:
                 log.warning("checkpoint.unrecognised", location=f.location, reason=f.note)
             return
         if row is not None and row["state"] != "missed":
+            if not row["run_path"]:  # a row from before run paths
+                self.state.upsert_checkpoint(f.location, source, now, run_path=f.ident.run_path)
             return  # known from before a restart: its state stands
         ident = f.ident
         self.state.upsert_checkpoint(
@@ -282,6 +357,7 @@ class Discovery:
             source,
             now,
             run=ident.run,
+            run_path=ident.run_path,
             step=ident.step,
             label=ident.label,
             final=int(ident.final),
@@ -311,10 +387,11 @@ class Discovery:
         if judged.fix_failed:
             log.error("checkpoint.names_unfixable", location=row["location"], error=verdict.reason)
         fields: dict[str, Any] = {"state": verdict.state, "reason": verdict.reason}
-        if verdict.fingerprint and verdict.fingerprint != row["fingerprint"]:
-            fields |= {"fingerprint": verdict.fingerprint, "unchanged_since": now}
+        if verdict.write_mark and verdict.write_mark != row["write_mark"]:
+            fields |= {"write_mark": verdict.write_mark, "unchanged_since": now}
         if verdict.ready:
-            fields["ready_at"] = now
+            fields |= {"ready_at": now, "write_mark": judged.write_mark}
+            fields |= self._version(row, judged.fingerprint, now)
         if verdict.state != row["state"] or verdict.reason != row["reason"]:
             self.state.upsert_checkpoint(row["location"], row["source"], now, **fields)
             log.info(
@@ -324,8 +401,40 @@ class Discovery:
                 step=row["step"],
                 reason=verdict.reason,
             )
-        elif "fingerprint" in fields:
+        elif "write_mark" in fields:
             self.state.upsert_checkpoint(row["location"], row["source"], now, **fields)
+
+    @staticmethod
+    def _version(row: Any, new: str | None, now: float) -> dict[str, Any]:
+        """Fields for a checkpoint judged ready with fingerprint `new`: a new version when an
+        earlier one was fingerprinted and differs."""
+        old = row["fingerprint"]
+        fields: dict[str, Any] = {"fingerprint": new}
+        if old and new != old:
+            fields |= {"previous_fingerprint": old, "rewritten_at": now}
+            fields["reason"] = f"rewritten: content {old} -> {new}; evaluated again"
+            log.warning("checkpoint.rewritten", location=row["location"], old=old, new=new)
+        elif old and row["reason"] == REWRITE_CHECK:
+            fields["reason"] = "files changed but the content is the same: results stand"
+        return fields
+
+    def _apply_remark(self, row: Any, remark: Remark, now: float) -> None:
+        """An evaluated checkpoint looked at again: adopt its marks, or judge it again."""
+        where = (row["location"], row["source"], now)
+        if not remark.changed:
+            fp = remark.fingerprint or row["fingerprint"]
+            self.state.upsert_checkpoint(*where, write_mark=remark.write_mark, fingerprint=fp)
+            return
+        self.state.upsert_checkpoint(
+            *where,
+            state="incomplete",
+            reason=REWRITE_CHECK,
+            write_mark=remark.write_mark,
+            unchanged_since=now,
+        )
+        log.warning(
+            "checkpoint.files_changed", location=row["location"], run=row["run"], step=row["step"]
+        )
 
 
 def _logged(event: str, fn: Callable[[Any], Any], arg: Any) -> Callable[[], None]:

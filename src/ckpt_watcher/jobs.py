@@ -30,7 +30,7 @@ from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.durable import write_json_atomic
 from ckpt_watcher.executors.base import CRASH_FILE, WORKER_MODULE, Executor, is_our_worker
 from ckpt_watcher.executors.local import kill_group
-from ckpt_watcher.ledger import LedgerIndex, result_line
+from ckpt_watcher.ledger import LedgerIndex, Subject, result_line
 from ckpt_watcher.mirror import LedgerMirror
 from ckpt_watcher.state import Job, State
 
@@ -102,9 +102,8 @@ class JobRunner:
         return bool(self.state.jobs("queued", "running") or not self.exits.empty() or self.settling)
 
     def _due(self, job: Job, tasks: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-        return self.ledger.due(
-            job.run, job.step, job.label, job.tasks if tasks is None else tasks, self.settings_hash
-        )
+        subject = Subject(job.location, job.run, job.run_path, job.step, job.label, job.fingerprint)
+        return self.ledger.due(subject, job.tasks if tasks is None else tasks, self.settings_hash)
 
     # --- recovery after a crash or restart -----------------------------------------------------
     def recover(self, now: float) -> None:
@@ -194,6 +193,8 @@ class JobRunner:
             settings_hash=self.settings_hash,
             created_at=now,
             order_key=q.order_key,
+            run_path=q.run_path,
+            fingerprint=q.fingerprint,
         )
         self.state.add_job(job)
         log.info(
@@ -215,7 +216,7 @@ class JobRunner:
             "include_path": str(ev.include_path) if ev.include_path else None,
             "batch_size": ev.batch_size,
             "limit": ev.limit,
-            "results_dir": str((self.cfg.ledger_dir / job.run / folder).resolve()),
+            "results_dir": str((self.cfg.ledger_dir / job.run_path / folder).resolve()),
             "device": device.compute,
             "tensor_parallel_size": ev.tensor_parallel_size,
         }
@@ -344,7 +345,7 @@ class JobRunner:
         if not self.ledger.append(line):
             return
         if self.mirror is not None:
-            self.mirror.request(job.run)
+            self.mirror.request(job.run_path)
         log.info(
             "eval.finished" if status == "ok" else "eval.failed",
             job_id=job.id,

@@ -1,9 +1,16 @@
-"""The per-run ledger: `<ledger_dir>/<run>/ledger.jsonl`, one JSON object per result line.
+"""The per-run ledger: `<ledger_dir>/<run_path>/ledger.jsonl`, one JSON object per result line.
 
-The line schema is `result_line`'s. Lines are only ever appended (and fsynced), never rewritten. A torn last line (a crash in the
-middle of an append) is skipped with a warning; the next append starts on a fresh line. The
-daemon is the only writer. A result's identity is (run, step-or-label, task, num_fewshot,
-settings hash): after any crash each identity has at most one `ok` line.
+The line schema is `result_line`'s. Lines are only ever appended (and fsynced), never rewritten.
+A torn last line (a crash in the middle of an append) is skipped with a warning; the next append
+starts on a fresh line. The daemon is the only writer.
+
+A result's identity is (run path, step or label, task, num_fewshot, settings hash, fingerprint):
+an `ok` line is dropped only when one with the same identity is already there, so after any
+crash each identity has at most one `ok` line, and a checkpoint rewritten with other weights
+(another fingerprint) gets results of its own. For one checkpoint version, `LedgerIndex.plan`
+tells per task whether it is done, can reuse a result computed on the same content elsewhere
+(`reused_from`), or is due. Lines written before fingerprints existed count for the checkpoint
+at their `checkpoint` location, until that checkpoint is seen rewritten.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +32,49 @@ SCHEMA = 1
 LEDGER_NAME = "ledger.jsonl"
 log = structlog.get_logger("ckpt_watcher.ledger")
 
-ResultKey = tuple[str, str, str, int | None, str]
+# (run_path, step or "label:<label>", task, num_fewshot, settings hash, fingerprint)
+Identity = tuple[str, str, str, int | None, str, str | None]
+# the same content evaluated the same way: (fingerprint, task, num_fewshot, settings hash)
+ContentKey = tuple[str, str, int | None, str]
+# a pre-fingerprint ok line: (checkpoint location, task, num_fewshot, settings hash)
+LegacyKey = tuple[str, str, int | None, str]
 
 
-def result_key(
-    run: str, step: int | None, label: str, task: str, num_fewshot: int | None, settings: str
-) -> ResultKey:
-    """The identity of one result. A final checkpoint without a step is identified by label."""
-    return (run, str(step) if step is not None else f"label:{label}", task, num_fewshot, settings)
+@dataclass(frozen=True)
+class Subject:
+    """One checkpoint version, as results are filed under it."""
+
+    location: str
+    run: str
+    run_path: str
+    step: int | None
+    label: str
+    fingerprint: str | None
+    legacy_ok: bool = False  # lines without a fingerprint at `location` count (not rewritten since)
+
+    def identity(self, task: dict[str, Any], settings: str) -> Identity:
+        step = str(self.step) if self.step is not None else f"label:{self.label}"
+        return (self.run_path, step, task["task"], task["num_fewshot"], settings, self.fingerprint)
 
 
-def task_key(
-    run: str, step: int | None, label: str, task: dict[str, Any], settings: str
-) -> ResultKey:
-    """The identity of one task entry (`{"task": ..., "num_fewshot": ...}`) on a checkpoint."""
-    return result_key(run, step, label, task["task"], task["num_fewshot"], settings)
+def line_identity(line: dict[str, Any]) -> Identity:
+    step = line.get("step")
+    return (
+        line.get("run_path") or line["run"],
+        str(step) if step is not None else f"label:{line.get('label', '')}",
+        line["task"],
+        line.get("num_fewshot"),
+        line.get("settings_hash", ""),
+        line.get("fingerprint"),
+    )
+
+
+@dataclass
+class TaskPlan:
+    """Per task entry of one checkpoint version: what is due, and what can be reused."""
+
+    due: list[dict[str, Any]] = field(default_factory=list)
+    reuse: list[dict[str, Any]] = field(default_factory=list)  # ready-made ledger lines
 
 
 def result_line(
@@ -61,7 +96,7 @@ def result_line(
     rfile = outcome.get("results_file")
     if rfile:
         try:  # relative to the run's ledger folder, so the folder can move
-            rfile = str(Path(rfile).relative_to((ledger_dir / job.run).resolve()))
+            rfile = str(Path(rfile).relative_to((ledger_dir / job.run_path).resolve()))
         except ValueError:
             pass
     gen_kwargs = dict(eval_cfg.gen_kwargs)
@@ -95,18 +130,9 @@ def result_line(
         "error": error,
         "job_id": job.id,
         "settings_hash": job.settings_hash,
+        "run_path": job.run_path,
+        "fingerprint": job.fingerprint,
     }
-
-
-def line_key(line: dict[str, Any]) -> ResultKey:
-    return result_key(
-        line["run"],
-        line.get("step"),
-        line.get("label", ""),
-        line["task"],
-        line.get("num_fewshot"),
-        line.get("settings_hash", ""),
-    )
 
 
 @dataclass
@@ -115,8 +141,8 @@ class ReadReport:
     skipped: int  # torn or unparseable lines
 
 
-def ledger_path(ledger_dir: Path, run: str) -> Path:
-    return ledger_dir / run / LEDGER_NAME
+def ledger_path(ledger_dir: Path, run_path: str) -> Path:
+    return ledger_dir / run_path / LEDGER_NAME
 
 
 def read_lines(path: Path) -> ReadReport:
@@ -144,16 +170,17 @@ def read_lines(path: Path) -> ReadReport:
 
 
 def iter_runs(ledger_dir: Path) -> Iterator[str]:
+    """The run path of every ledger under `ledger_dir` (at any depth), sorted."""
     if not ledger_dir.is_dir():
         return
-    for child in sorted(ledger_dir.iterdir()):
-        if (child / LEDGER_NAME).is_file():
-            yield child.name
+    for path in sorted(ledger_dir.rglob(LEDGER_NAME)):
+        if path.is_file():
+            yield path.parent.relative_to(ledger_dir).as_posix()
 
 
 def append(ledger_dir: Path, line: dict[str, Any]) -> Path:
     """Append one line durably: write, flush, fsync (and fsync the folder on first creation)."""
-    path = ledger_path(ledger_dir, line["run"])
+    path = ledger_path(ledger_dir, line.get("run_path") or line["run"])
     created = not path.exists()
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.dumps(line, sort_keys=False, ensure_ascii=False, default=str).encode("utf-8")
@@ -178,37 +205,46 @@ def _ends_with_newline(path: Path) -> bool:
 
 
 class LedgerIndex:
-    """In-memory set of result identities already `ok`, loaded from every run's ledger."""
+    """What the ledgers already hold, loaded from every run's ledger: `ok` identities, the first
+    `ok` line per content (for reuse), and pre-fingerprint `ok` lines by location."""
 
     def __init__(self, ledger_dir: Path) -> None:
         self.ledger_dir = ledger_dir
-        self.ok: set[ResultKey] = set()
+        self.ok: set[Identity] = set()
+        self.by_content: dict[ContentKey, dict[str, Any]] = {}
+        self.legacy: set[LegacyKey] = set()
         self.failed_lines = 0
         self.durations: dict[tuple[str, int | None], list[float]] = {}
 
     def load(self) -> LedgerIndex:
-        for run in iter_runs(self.ledger_dir):
-            for line in read_lines(ledger_path(self.ledger_dir, run)).lines:
+        for run_path in iter_runs(self.ledger_dir):
+            for line in read_lines(ledger_path(self.ledger_dir, run_path)).lines:
                 self._note(line)
         return self
 
     def _note(self, line: dict[str, Any]) -> None:
-        if line.get("status") == "ok":
-            self.ok.add(line_key(line))
-            if isinstance(line.get("duration_s"), int | float):
-                key = (line["task"], line.get("num_fewshot"))
-                self.durations.setdefault(key, []).append(float(line["duration_s"]))
-        else:
+        if line.get("status") != "ok":
             self.failed_lines += 1
+            return
+        self.ok.add(line_identity(line))
+        task, shots, settings = line["task"], line.get("num_fewshot"), line.get("settings_hash", "")
+        fp = line.get("fingerprint")
+        if fp:
+            self.by_content.setdefault((fp, task, shots, settings), line)
+        else:
+            self.legacy.add((line.get("checkpoint", ""), task, shots, settings))
+        if isinstance(line.get("duration_s"), int | float):
+            self.durations.setdefault((task, shots), []).append(float(line["duration_s"]))
 
     def append(self, line: dict[str, Any]) -> bool:
         """Append unless an `ok` line with the same identity exists; True if written."""
-        if line.get("status") == "ok" and line_key(line) in self.ok:
+        if line.get("status") == "ok" and line_identity(line) in self.ok:
             log.info(
                 "ledger.duplicate_skipped",
-                run=line["run"],
+                run_path=line.get("run_path") or line["run"],
                 step=line.get("step"),
                 task=line["task"],
+                fingerprint=line.get("fingerprint"),
             )
             return False
         append(self.ledger_dir, line)
@@ -223,16 +259,48 @@ class LedgerIndex:
         recent = sorted(seen[-20:])
         return recent[len(recent) // 2]
 
-    def is_ok(self, key: ResultKey) -> bool:
-        return key in self.ok
+    def done(self, subject: Subject, task: dict[str, Any], settings: str) -> bool:
+        """Has this checkpoint version an `ok` line for the task (or a pre-fingerprint one)?"""
+        if subject.identity(task, settings) in self.ok:
+            return True
+        legacy = (subject.location, task["task"], task["num_fewshot"], settings)
+        return subject.legacy_ok and legacy in self.legacy
 
     def due(
-        self,
-        run: str,
-        step: int | None,
-        label: str,
-        tasks: list[dict[str, Any]],
-        settings: str,
+        self, subject: Subject, tasks: list[dict[str, Any]], settings: str
     ) -> list[dict[str, Any]]:
-        """The task entries of a checkpoint that have no `ok` line with these settings yet."""
-        return [t for t in tasks if not self.is_ok(task_key(run, step, label, t, settings))]
+        """The task entries of a checkpoint version that have no `ok` line yet."""
+        return [t for t in tasks if not self.done(subject, t, settings)]
+
+    def plan(self, subject: Subject, tasks: list[dict[str, Any]], settings: str) -> TaskPlan:
+        """Per task: done (left out), reusable (a line to append, copied from the same content
+        evaluated elsewhere with these settings), or due."""
+        out = TaskPlan()
+        for t in self.due(subject, tasks, settings):
+            first = None
+            if subject.fingerprint:
+                key = (subject.fingerprint, t["task"], t["num_fewshot"], settings)
+                first = self.by_content.get(key)
+            if first is None:
+                out.due.append(t)
+            else:
+                out.reuse.append(reused_line(first, subject, self.ledger_dir))
+        return out
+
+
+def reused_line(first: dict[str, Any], subject: Subject, ledger_dir: Path) -> dict[str, Any]:
+    """A copy of `first` (an `ok` line on the same content) filed under `subject`."""
+    line = dict(first)
+    line.update(
+        run=subject.run,
+        run_path=subject.run_path,
+        step=subject.step,
+        label=subject.label,
+        checkpoint=subject.location,
+        reused_from=first.get("reused_from") or first["checkpoint"],
+    )
+    rfile = first.get("results_file")
+    if rfile:  # still relative to the ledger's own folder
+        origin = ledger_dir / (first.get("run_path") or first["run"])
+        line["results_file"] = os.path.relpath(origin / rfile, ledger_dir / subject.run_path)
+    return line

@@ -1,5 +1,5 @@
 """The ledger mirror (SageMaker's local disk vanishes with the job): after every append, each
-run's whole ledger file is uploaded to `<ledger_mirror>/<run>/ledger.jsonl` as one PUT, so the
+run's whole ledger file is uploaded to `<ledger_mirror>/<run_path>/ledger.jsonl` as one PUT, so the
 mirror always holds a complete object, never a partial one.
 
 Uploads run on the mirror's own lane, never on the daemon's loop: an S3 endpoint that hangs

@@ -10,10 +10,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_watcher.ledger import Subject, TaskPlan
 from ckpt_watcher.scheduler import order_key, step_due
 from ckpt_watcher.state import Job
 
-Row = Mapping[str, Any] | sqlite3.Row  # a `checkpoints` row: location, run, step, label, final
+# a `checkpoints` row: location, run, run_path, step, label, final, fingerprint, reason
+Row = Mapping[str, Any] | sqlite3.Row
 Tasks = list[dict[str, Any]]
 
 
@@ -36,6 +38,16 @@ class QueueJob:
     label: str
     tasks: Tasks
     order_key: float
+    run_path: str = ""
+    fingerprint: str | None = None
+
+
+@dataclass(frozen=True)
+class ReuseResults:
+    """Append ledger lines copied from the same content evaluated elsewhere (`reused_from`)."""
+
+    location: str
+    lines: list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -47,47 +59,91 @@ class SkipJob:
     reason: str
 
 
-Action = MarkCheckpoint | QueueJob | SkipJob
+Action = MarkCheckpoint | QueueJob | SkipJob | ReuseResults
 
 
 def plan_ready(
     rows: Sequence[Row],
-    due: Callable[[Row], Tasks],
+    plan: Callable[[Row], TaskPlan],
     has_jobs: Callable[[str], bool],
     every_n_steps: int,
+    in_flight: Mapping[str, str] | None = None,
 ) -> list[Action]:
-    """Actions for `ready` checkpoints. `due(row)` is the row's tasks with no ok ledger line yet;
-    `has_jobs(location)` is True while a job of that checkpoint is queued or running."""
+    """Actions for `ready` checkpoints. `plan(row)` splits the row's tasks into due ones and
+    results reusable from the same content elsewhere; `has_jobs(location)` is True while a job
+    of that checkpoint is queued or running; `in_flight` maps the fingerprints of queued and
+    running jobs to their checkpoint: a twin waits for its results instead of running again."""
     actions: list[Action] = []
+    busy = dict(in_flight or {})
     for row in rows:
         loc, step, final = row["location"], row["step"], bool(row["final"])
         if not step_due(step, final, every_n_steps):
             reason = f"step {step} is not a multiple of policy.every_n_steps={every_n_steps}"
             actions.append(MarkCheckpoint(loc, "skipped", reason))
             continue
-        tasks = due(row)
-        if not tasks:
-            actions.append(MarkCheckpoint(loc, "done", "all tasks in the ledger"))
+        tasks = plan(row)
+        if tasks.reuse:
+            actions.append(ReuseResults(loc, tasks.reuse))
+        if not tasks.due:
+            reason = "all tasks in the ledger"
+            if tasks.reuse:
+                reason += f" (reused from {tasks.reuse[0]['reused_from']}: same content)"
+            actions.append(MarkCheckpoint(loc, "done", reason))
             continue
-        if not has_jobs(loc):
-            actions.append(
-                QueueJob(loc, row["run"], step, row["label"], tasks, order_key(step, final))
+        if has_jobs(loc):
+            actions.append(MarkCheckpoint(loc, "planned"))
+            continue
+        fp = row["fingerprint"]
+        twin = busy.get(fp) if fp else None
+        if twin is not None and twin != loc:
+            reason = f"same content as {twin}, which is being evaluated: its results will be reused"
+            if row["reason"] != reason:
+                actions.append(MarkCheckpoint(loc, "ready", reason))
+            continue
+        if fp:
+            busy[fp] = loc
+        actions.append(
+            QueueJob(
+                loc,
+                row["run"],
+                step,
+                row["label"],
+                tasks.due,
+                order_key(step, final),
+                run_path=row["run_path"] or row["run"],
+                fingerprint=fp,
             )
+        )
         actions.append(MarkCheckpoint(loc, "planned"))
     return actions
 
 
+def subject(row: Row) -> Subject:
+    """The checkpoint version a row stands for, as the ledger files results under it. Lines
+    from before fingerprints count for it until it is seen rewritten."""
+    return Subject(
+        location=row["location"],
+        run=row["run"],
+        run_path=row["run_path"] or row["run"],
+        step=row["step"],
+        label=row["label"],
+        fingerprint=row["fingerprint"],
+        legacy_ok=row["rewritten_at"] is None,
+    )
+
+
 def superseded(rows: Sequence[Row], queued: Sequence[Job]) -> list[Action]:
-    """policy.skip_superseded: a queued job is dropped once a newer checkpoint of its run is
-    ready, planned or done. `rows` are those checkpoints."""
+    """policy.skip_superseded: a queued job is dropped once a newer checkpoint of its run path
+    is ready, planned or done. `rows` are those checkpoints."""
     newest: dict[str, float] = {}
     for row in rows:
         key = order_key(row["step"], bool(row["final"]))
-        newest[row["run"]] = max(newest.get(row["run"], -1.0), key)
+        run_path = row["run_path"] or row["run"]
+        newest[run_path] = max(newest.get(run_path, -1.0), key)
     reason = "superseded by a newer checkpoint"
     actions: list[Action] = []
     for job in queued:
-        if job.order_key < newest.get(job.run, -1.0):
+        if job.order_key < newest.get(job.run_path, -1.0):
             actions += [
                 SkipJob(job.id, job.location, reason),
                 MarkCheckpoint(job.location, "skipped", reason),

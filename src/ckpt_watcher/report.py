@@ -20,16 +20,40 @@ def _task_label(line: dict[str, Any]) -> str:
     return f"{line['task']} ({shots if shots is not None else 'default'}-shot)"
 
 
-def metric_table(lines: list[dict[str, Any]], include_stderr: bool = False) -> Table:
+def _point(line: dict[str, Any]) -> tuple[Any, str]:
+    return (line.get("step"), line.get("label", ""))
+
+
+def _version(line: dict[str, Any]) -> str:
+    return line.get("fingerprint") or ""
+
+
+def newest_versions(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The lines of each step's newest checkpoint version (fingerprint): the one whose latest
+    line was appended last. A checkpoint rewritten in place shows its new results only."""
+    last: dict[tuple[Any, str], dict[str, int]] = {}
+    for i, line in enumerate(lines):
+        last.setdefault(_point(line), {})[_version(line)] = i
+    newest = {point: max(versions, key=versions.__getitem__) for point, versions in last.items()}
+    return [ln for ln in lines if newest[_point(ln)] == _version(ln)]
+
+
+def metric_table(
+    lines: list[dict[str, Any]], include_stderr: bool = False, all_versions: bool = False
+) -> Table:
     """One row per checkpoint (by step), one column per task/shots/metric; the latest ok line
-    wins. A task with failed lines and no ok line for a checkpoint shows `FAILED`.
+    wins. A task with failed lines and no ok line for a checkpoint shows `FAILED`. A step
+    evaluated in several versions (rewritten in place) shows its newest, or with
+    `all_versions` one row per version, with its fingerprint and checkpoint.
     """
-    Key = tuple[Any, str]  # (step, label)
+    Key = tuple[Any, str, str]  # (step, label, fingerprint)
     cells: dict[Key, dict[str, Any]] = {}
     columns: list[str] = []
     failed: dict[Key, set[str]] = {}
-    for line in lines:
-        key = (line.get("step"), line.get("label", ""))
+    where: dict[Key, str] = {}
+    for line in lines if all_versions else newest_versions(lines):
+        key = (*_point(line), _version(line))
+        where.setdefault(key, line.get("checkpoint", ""))
         cells.setdefault(key, {})
         if line.get("status") != "ok":
             failed.setdefault(key, set()).add(_task_label(line))
@@ -47,8 +71,11 @@ def metric_table(lines: list[dict[str, Any]], include_stderr: bool = False) -> T
         if not any(col.startswith(label + " ") for col in columns):
             columns.append(label)
     out_rows = []
-    for key in sorted(cells, key=lambda k: (k[0] if k[0] is not None else float("inf"), k[1])):
-        step, label = key
+    order = {key: i for i, key in enumerate(cells)}  # versions of a step: oldest first
+    for key in sorted(
+        cells, key=lambda k: (k[0] if k[0] is not None else float("inf"), k[1], order[k])
+    ):
+        step, label, version = key
         row = cells[key]
         values = []
         for col in columns:
@@ -58,8 +85,12 @@ def metric_table(lines: list[dict[str, Any]], include_stderr: bool = False) -> T
                 values.append("FAILED")
             else:
                 values.append(None)
-        out_rows.append([step if step is not None else label, *values])
-    return Table(["step", *columns], out_rows)
+        first = step if step is not None else label
+        out_rows.append(
+            [first, version or None, where[key], *values] if all_versions else [first, *values]
+        )
+    head = ["step", "fingerprint", "checkpoint"] if all_versions else ["step"]
+    return Table([*head, *columns], out_rows)
 
 
 def _fmt(v: Any) -> str:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ckpt_watcher import planner
 from ckpt_watcher.config import WatcherConfig
-from ckpt_watcher.errors import StateError
-from ckpt_watcher.ledger import LedgerIndex, iter_runs
+from ckpt_watcher.ledger import LedgerIndex
 from ckpt_watcher.state import State
 
 _REQUEUEABLE = ("done", "failed", "skipped")
@@ -26,9 +26,9 @@ class Requeued:
 
 
 def requeue(
-    cfg: WatcherConfig, run: str, step: int | None = None, task: str | None = None
+    cfg: WatcherConfig, run_path: str, step: int | None = None, task: str | None = None
 ) -> tuple[list[Requeued], list[str]]:
-    """Return (checkpoints put back as ready, checkpoints left alone with why)."""
+    """Return (checkpoints of the run path put back as ready, checkpoints left alone with why)."""
     ledger = LedgerIndex(cfg.ledger_dir).load()
     settings = cfg.eval.settings_hash()
     tasks = [t.model_dump() for t in cfg.eval.tasks if task is None or t.task == task]
@@ -39,12 +39,12 @@ def requeue(
         rows = [
             r
             for r in state.checkpoints()
-            if r["run"] == run and (step is None or r["step"] == step)
+            if (r["run_path"] or r["run"]) == run_path and (step is None or r["step"] == step)
         ]
         for row in rows:
             due = [
                 f"{t['task']} ({t['num_fewshot']}-shot)"
-                for t in ledger.due(run, row["step"], row["label"], tasks, settings)
+                for t in ledger.due(planner.subject(row), tasks, settings)
             ]
             if row["state"] not in _REQUEUEABLE:
                 left.append(
@@ -64,17 +64,3 @@ def requeue(
     finally:
         state.close()
     return done, left
-
-
-def known_runs(cfg: WatcherConfig) -> list[str]:
-    """Every run the daemon has seen (state) or has results for (ledgers), sorted."""
-    runs = set(iter_runs(cfg.ledger_dir))
-    try:
-        state = State(cfg.state_dir, readonly=True)
-    except StateError:
-        return sorted(runs)
-    try:
-        runs |= {r["run"] for r in state.checkpoints() if r["run"]}
-    finally:
-        state.close()
-    return sorted(runs)

@@ -232,6 +232,6 @@ class S3Files:
             byte_range = f"bytes={start}-{end}"
         return get_bytes(self.client, self.retry, self.bucket, self.prefix + name, byte_range)
 
-    def fingerprint(self) -> str:
+    def write_mark(self) -> str:
         sizes = self.files
         return "\n".join(f"{n}:{sizes[n]}:{self._etags.get(n, '')}" for n in sorted(sizes))

@@ -62,7 +62,22 @@ CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 _ADDED_COLUMNS = (
     ("jobs", "daemon_deaths", "INTEGER DEFAULT 0"),
     ("sources", "unreachable_since", "REAL"),
+    # identity (run path and content fingerprint); before them, `checkpoints.fingerprint` held
+    # what is now `write_mark` (names, sizes, mtimes/ETags), and is moved there on upgrade
+    ("checkpoints", "write_mark", "TEXT"),
+    ("checkpoints", "run_path", "TEXT"),
+    ("checkpoints", "previous_fingerprint", "TEXT"),
+    ("checkpoints", "rewritten_at", "REAL"),
+    ("jobs", "run_path", "TEXT"),
+    ("jobs", "fingerprint", "TEXT"),
 )
+# Run once when a column is added to a database that had none: the upgrade of its rows.
+_UPGRADES = {
+    (
+        "checkpoints",
+        "write_mark",
+    ): "UPDATE checkpoints SET write_mark = fingerprint, fingerprint = NULL",
+}
 
 
 @dataclass
@@ -87,6 +102,8 @@ class Job:
     order_key: float
     host: str | None = None  # the node running it (Ray), once known
     daemon_deaths: int = 0  # times the daemon died while this job ran
+    run_path: str = ""  # the run's path under its source root (the ledger's folder)
+    fingerprint: str | None = None  # the checkpoint's content when the job was queued
 
     @classmethod
     def new(
@@ -101,9 +118,13 @@ class Job:
         settings_hash: str,
         created_at: float,
         order_key: float,
+        run_path: str = "",
+        fingerprint: str | None = None,
     ) -> Job:
         """A freshly queued job that has never run."""
         return cls(
+            run_path=run_path or run,
+            fingerprint=fingerprint,
             id=id,
             location=location,
             run=run,
@@ -137,6 +158,8 @@ class Job:
             settings_hash=self.settings_hash,
             created_at=created_at,
             order_key=self.order_key,
+            run_path=self.run_path,
+            fingerprint=self.fingerprint,
         )
 
     @classmethod
@@ -162,6 +185,8 @@ class Job:
             order_key=row["order_key"] or 0.0,
             host=row["host"],
             daemon_deaths=row["daemon_deaths"] or 0,
+            run_path=row["run_path"] or row["run"],
+            fingerprint=row["fingerprint"],
         )
 
 
@@ -219,8 +244,16 @@ class State:
     def _add_columns(self) -> None:
         for table, column, decl in _ADDED_COLUMNS:
             have = {r["name"] for r in self.conn.execute(f"PRAGMA table_info({table})")}
-            if column not in have:
-                self.conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+            if column not in have:  # the column and its upgrade land together, or neither
+                self.conn.execute("BEGIN IMMEDIATE")
+                try:
+                    self.conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+                    if (table, column) in _UPGRADES:
+                        self.conn.execute(_UPGRADES[(table, column)])
+                except BaseException:
+                    self.conn.execute("ROLLBACK")
+                    raise
+                self.conn.execute("COMMIT")
 
     def close(self) -> None:
         self.conn.close()
@@ -338,7 +371,8 @@ class State:
         with self.conn:
             self.conn.execute(
                 "INSERT INTO jobs(id, location, run, step, label, tasks, settings_hash, state, "
-                "attempt, not_before, created_at, order_key) VALUES(?,?,?,?,?,?,?,?,?,?,?,?)",
+                "attempt, not_before, created_at, order_key, run_path, fingerprint) "
+                "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     job.id,
                     job.location,
@@ -352,6 +386,8 @@ class State:
                     job.not_before,
                     job.created_at,
                     job.order_key,
+                    job.run_path,
+                    job.fingerprint,
                 ),
             )
 

@@ -12,7 +12,8 @@ from typing import Any
 from ckpt_watcher import ledger as ledger_mod
 from ckpt_watcher.clock import iso
 from ckpt_watcher.config import WatcherConfig
-from ckpt_watcher.ledger import LedgerIndex
+from ckpt_watcher.ledger import LedgerIndex, Subject
+from ckpt_watcher.report import newest_versions
 from ckpt_watcher.state import HEARTBEAT_SECONDS, State
 
 STALE_AFTER = 10 * HEARTBEAT_SECONDS
@@ -60,12 +61,19 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
             {
                 "location": r["location"],
                 "run": r["run"],
+                "run_path": r["run_path"] or r["run"],
                 "step": r["step"],
                 "label": r["label"],
                 "state": r["state"],
                 "reason": r["reason"],
+                "fingerprint": r["fingerprint"],
+                # its content changed after it was evaluated: evaluated again as a new version
+                "rewritten": r["rewritten_at"] is not None,
+                "rewritten_at": _iso_or_none(r["rewritten_at"]),
+                "previous_fingerprint": r["previous_fingerprint"],
             }
-            for r in state.checkpoints(*_LISTED)
+            for r in state.checkpoints()
+            if r["state"] in _LISTED or r["rewritten_at"] is not None
         ]
         queued = [
             {
@@ -106,7 +114,12 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
                 "error": j.error,
                 # a later ok for every task of the job (a requeue) resolves it
                 "resolved": bool(
-                    ledger and not ledger.due(j.run, j.step, j.label, j.tasks, j.settings_hash)
+                    ledger
+                    and not ledger.due(
+                        Subject(j.location, j.run, j.run_path, j.step, j.label, j.fingerprint),
+                        j.tasks,
+                        j.settings_hash,
+                    )
                 ),
             }
             for j in failed_jobs
@@ -156,22 +169,21 @@ def _iso_or_none(ts: float | None) -> str | None:
 
 
 def latest_results(cfg: WatcherConfig, per_run: int = 3) -> list[dict[str, Any]]:
-    """The newest ok lines of each run (its highest steps)."""
+    """The newest ok lines of each run path (its highest steps, newest version of each)."""
     out = []
-    for run in ledger_mod.iter_runs(cfg.ledger_dir):
-        lines = [
-            ln
-            for ln in ledger_mod.read_lines(ledger_mod.ledger_path(cfg.ledger_dir, run)).lines
-            if ln.get("status") == "ok"
-        ]
+    for run_path in ledger_mod.iter_runs(cfg.ledger_dir):
+        every = ledger_mod.read_lines(ledger_mod.ledger_path(cfg.ledger_dir, run_path)).lines
+        lines = [ln for ln in newest_versions(every) if ln.get("status") == "ok"]
         steps = sorted({int(ln["step"]) for ln in lines if ln.get("step") is not None})[-per_run:]
         for ln in lines:
             if ln.get("step") in steps or ln.get("step") is None:
                 metrics = {k: v for k, v in ln.get("metrics", {}).items() if "_stderr" not in k}
                 out.append(
                     {
-                        "run": run,
+                        "run": ln["run"],
+                        "run_path": run_path,
                         "step": ln.get("step"),
+                        "fingerprint": ln.get("fingerprint"),
                         "label": ln.get("label"),
                         "task": ln["task"],
                         "num_fewshot": ln.get("num_fewshot"),
@@ -214,8 +226,9 @@ def render(data: dict[str, Any]) -> str:
         "checkpoints: " + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none yet")
     )
     for c in data["checkpoints"]:
-        who = c["label"] or c["location"]
-        lines.append(f"  {c['state']:<12} {who}  {c['reason'] or ''}".rstrip())
+        who = _who(c)
+        rewritten = f"  rewritten {c['rewritten_at']}" if c["rewritten"] else ""
+        lines.append(f"  {c['state']:<12} {who}{rewritten}  {c['reason'] or ''}".rstrip())
     lines.append(f"queue: {len(data['queue'])} job(s)")
     for q in data["queue"]:
         retry = f", retry in {q['retry_in_s']}s after: {q['last_error']}" if q["retry_in_s"] else ""
@@ -245,5 +258,12 @@ def render(data: dict[str, Any]) -> str:
         metrics = ", ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["metrics"].items()
         )
-        lines.append(f"  {r['run']} {r['label']}  {r['task']} ({shots}-shot)  {metrics}")
+        lines.append(f"  {_who(r)}  {r['task']} ({shots}-shot)  {metrics}")
     return "\n".join(lines)
+
+
+def _who(item: dict[str, Any]) -> str:
+    """A checkpoint as status names it: its label, under its run path where that says more."""
+    label = item["label"] or item.get("location", "")
+    run_path = item.get("run_path") or item["run"]
+    return label if label.startswith(run_path) else f"{run_path}: {label}"

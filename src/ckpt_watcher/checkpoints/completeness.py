@@ -33,7 +33,7 @@ class Completeness:
 
     state: str
     reason: str
-    fingerprint: str = ""
+    write_mark: str = ""
 
     @property
     def ready(self) -> bool:
@@ -46,11 +46,11 @@ def check(
     now: float,
     stable_seconds: float,
     unchanged_since: float | None = None,
-    previous_fingerprint: str | None = None,
+    previous_mark: str | None = None,
 ) -> Completeness:
     """Decide whether a checkpoint is complete. Time is passed in; nothing is slept.
 
-    For the stability fallback the caller keeps the previous fingerprint and since when it has
+    For the stability fallback the caller keeps the previous write mark and since when it has
     not changed, and passes both back on the next call.
     """
     names = files.files
@@ -67,8 +67,8 @@ def check(
 
     if not any(fnmatch(n, pat) for n in names for pat in _OTHER_WEIGHTS):
         return Completeness("incomplete", "no weight files yet")
-    fp = files.fingerprint()
-    if previous_fingerprint != fp or unchanged_since is None:
+    fp = files.write_mark()
+    if previous_mark != fp or unchanged_since is None:
         return Completeness(
             "incomplete", f"waiting {stable_seconds:g}s without writes (no marker)", fp
         )

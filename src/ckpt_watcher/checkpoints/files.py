@@ -8,6 +8,26 @@ from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
+# What an eval reads of a checkpoint (besides its weights): staged from S3, and fingerprinted.
+NEEDED = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "chat_template.jinja",
+        "chat_template.json",
+        "preprocessor_config.json",
+        "model.safetensors.index.json",
+    }
+)
+
 
 class CheckpointFiles(Protocol):
     @property
@@ -19,7 +39,7 @@ class CheckpointFiles(Protocol):
         """Bytes of one file (a range of it); FileNotFoundError if it is not there."""
         ...
 
-    def fingerprint(self) -> str:
+    def write_mark(self) -> str:
         """Changes whenever a write lands (names, sizes, mtimes or ETags)."""
         ...
 
@@ -59,7 +79,7 @@ class LocalFiles:
             f.seek(start)
             return f.read() if length is None else f.read(length)
 
-    def fingerprint(self) -> str:
+    def write_mark(self) -> str:
         parts = []
         for p in sorted(self.root.rglob("*")):
             try:
@@ -68,3 +88,13 @@ class LocalFiles:
                 continue
             parts.append(f"{p.relative_to(self.root)}:{st.st_size}:{st.st_mtime_ns}")
         return "\n".join(parts)
+
+
+def needed_files(files: dict[str, int]) -> list[str]:
+    """The names an eval needs, out of a checkpoint's top-level files."""
+    names = {n for n in files if n in NEEDED or n.endswith(".safetensors")}
+    if not any(n.endswith(".safetensors") for n in names):
+        names |= {
+            n for n in files if n.startswith("pytorch_model") and n.endswith((".bin", ".json"))
+        }
+    return sorted(names)

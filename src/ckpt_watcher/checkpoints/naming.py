@@ -1,10 +1,13 @@
-"""Checkpoint directory name -> (run, step, label), by the contract's rules only; never guessed."""
+"""Checkpoint directory name -> (run, run path, step, label), by the contract's rules only; never
+guessed. The run path is the run's path under its source root (`jobA/mix` for
+`jobA/mix_step100`, `out/qwen3` for `out/qwen3/checkpoint-100`): two training jobs that reuse a
+run name keep apart ledgers."""
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,16 +17,29 @@ _RUN_STEP = re.compile(rf"^(?P<run>{_RUN_RE})_step(?P<step>\d{{1,12}})$")
 _RUN_FINAL = re.compile(rf"^(?P<run>{_RUN_RE})_final$")
 _PARENT_STEP = re.compile(r"^(?:checkpoint-|global_step_|step_)(?P<step>\d{1,12})$")
 _SAFE_RUN = re.compile(rf"^{_RUN_RE}$")
+_UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
 
 @dataclass(frozen=True)
 class CheckpointId:
-    """Who a checkpoint is: its run, its step (None for a final without trainer_state), its label."""
+    """Who a checkpoint is: its run, its step (None for a final without trainer_state), its label,
+    and its run path (the run's path under the source root; the run itself when not given)."""
 
     run: str
     step: int | None
     label: str
     final: bool = False
+    run_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.run_path:
+            object.__setattr__(self, "run_path", self.run)
+
+
+def safe_component(part: str) -> str:
+    """A folder name made safe for a ledger path: odd characters become `_`, no leading dot."""
+    part = _UNSAFE_CHARS.sub("_", part)
+    return part if part and not part.startswith(".") else f"_{part}"
 
 
 def looks_like_checkpoint_name(name: str) -> bool:
@@ -32,26 +48,35 @@ def looks_like_checkpoint_name(name: str) -> bool:
 
 
 def parse_name(
-    name: str, parent: str, trainer_state: Callable[[], bytes | None]
+    name: str,
+    parent: str,
+    trainer_state: Callable[[], bytes | None],
+    between: Sequence[str] = (),
 ) -> CheckpointId | None:
     """Identify a checkpoint by its folder name (and its parent's); None if no pattern fits.
 
     `{run}_step{N}`, `{run}_final` (step from trainer_state.json, read through `trainer_state`,
     if present), or `checkpoint-{N}` / `global_step_{N}` / `step_{N}` with the parent as run.
+    `between` are the folder names from the source root down to the checkpoint's parent: the
+    run path is them plus the run (`{run}_step{N}`), or them alone (`checkpoint-{N}`).
     """
+    dirs = [safe_component(d) for d in between]
     if m := _RUN_STEP.match(name):
-        return CheckpointId(run=m["run"], step=int(m["step"]), label=name)
+        run_path = "/".join([*dirs, m["run"]])
+        return CheckpointId(m["run"], int(m["step"]), name, run_path=run_path)
     if m := _RUN_FINAL.match(name):
-        return CheckpointId(run=m["run"], step=final_step(trainer_state()), label=name, final=True)
+        step = final_step(trainer_state())
+        return CheckpointId(m["run"], step, name, final=True, run_path="/".join([*dirs, m["run"]]))
     if m := _PARENT_STEP.match(name):
         if not _SAFE_RUN.match(parent):
             return None
-        return CheckpointId(run=parent, step=int(m["step"]), label=name)
+        return CheckpointId(run=parent, step=int(m["step"]), label=name, run_path="/".join(dirs))
     return None
 
 
-def parse_checkpoint_dir(path: Path) -> CheckpointId | None:
-    """Identify a local checkpoint directory by name."""
+def parse_checkpoint_dir(path: Path, root: Path | None = None) -> CheckpointId | None:
+    """Identify a local checkpoint directory by name (its run path relative to `root`)."""
+    between = path.parent.relative_to(root).parts if root is not None else ()
 
     def trainer_state() -> bytes | None:
         try:
@@ -59,7 +84,7 @@ def parse_checkpoint_dir(path: Path) -> CheckpointId | None:
         except OSError:
             return None
 
-    return parse_name(path.name, path.parent.name, trainer_state)
+    return parse_name(path.name, path.parent.name, trainer_state, between)
 
 
 def final_step(trainer_state: bytes | None) -> int | None:

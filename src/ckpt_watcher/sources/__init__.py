@@ -17,7 +17,11 @@ def build_sources(cfg: WatcherConfig) -> list[Source]:
     out: list[Source] = []
     for s in cfg.sources:
         if isinstance(s, LocalSourceConfig):
-            out.append(LocalSource(s.path, s.poll_seconds, s.max_depth, s.inotify))
+            out.append(
+                LocalSource(
+                    s.path, s.poll_seconds, s.max_depth, s.inotify, fingerprint=s.fingerprint
+                )
+            )
         else:
             out.append(
                 S3Source(
@@ -28,6 +32,7 @@ def build_sources(cfg: WatcherConfig) -> list[Source]:
                     keep_staged=s.keep_staged,
                     cache_max_gb=s.cache_max_gb,
                     request_timeout=s.request_timeout_seconds,
+                    fingerprint=s.fingerprint,
                 )
             )
     return out

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ckpt_watcher.checkpoints.files import CheckpointFiles
+from ckpt_watcher.checkpoints.fingerprint import Mode
 from ckpt_watcher.checkpoints.naming import CheckpointId
 
 UNRECOGNISED = "name follows no pattern ({run}_step{N}, {run}_final, checkpoint-{N}, global_step_{N}, step_{N})"
@@ -32,6 +33,8 @@ class Source(Protocol):
 
     name: str
     poll_seconds: float
+    fingerprint_mode: Mode  # how checkpoints' content fingerprints are taken
+    recheck_per_scan: int | None  # evaluated checkpoints re-examined per scan (None: all)
 
     def owns(self, location: str) -> bool:
         """True if `location` is one of this source's (under its root or prefix)."""

@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from ckpt_watcher.checkpoints.files import LocalFiles
+from ckpt_watcher.checkpoints.fingerprint import Mode
 from ckpt_watcher.checkpoints.namefix import apply_fix
 from ckpt_watcher.checkpoints.naming import looks_like_checkpoint_name, parse_checkpoint_dir
 from ckpt_watcher.sources.base import UNRECOGNISED, Found
@@ -52,8 +53,11 @@ class LocalSource:
         max_depth: int = 4,
         inotify: bool = True,
         scandir: Callable[[Path], Iterable[Any]] = os.scandir,
+        fingerprint: Mode = "sampled",
     ) -> None:
         self.root = root
+        self.fingerprint_mode: Mode = fingerprint
+        self.recheck_per_scan: int | None = None  # a stat per file: every evaluated one, every scan
         self.name = f"local:{root}"
         self.poll_seconds = poll_seconds
         self.max_depth = max_depth
@@ -107,7 +111,7 @@ class LocalSource:
         if looks_like_checkpoint_name(name):
             if not _is_utf8(str(folder)):
                 return Found(printable(folder), None, None, "path is not valid UTF-8")
-            ident = parse_checkpoint_dir(folder)
+            ident = parse_checkpoint_dir(folder, self.root)
             if ident is None:
                 return Found(
                     printable(folder),

@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ckpt_watcher.checkpoints.fingerprint import Mode
 from ckpt_watcher.checkpoints.naming import looks_like_checkpoint_name, parse_name
 from ckpt_watcher.s3client import (
     DEFAULT_REQUEST_TIMEOUT,
@@ -26,6 +27,10 @@ from ckpt_watcher.s3client import (
 )
 from ckpt_watcher.sources.base import UNRECOGNISED, Found
 from ckpt_watcher.sources.staging import evict, remove_staged, staged_path
+
+# Evaluated checkpoints whose listing a scan re-reads to notice a rewrite: a poll then costs at
+# most this many extra LIST requests, and each checkpoint is looked at every n/16 polls.
+RECHECK_PER_SCAN = 16
 
 
 class S3Source:
@@ -43,8 +48,12 @@ class S3Source:
         keep_staged: bool = False,
         cache_max_gb: float = 200.0,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        fingerprint: Mode = "sampled",
     ) -> None:
         self.uri = uri
+        self.fingerprint_mode: Mode = fingerprint
+        # a listing per evaluated checkpoint: this many per scan, in turn (see Discovery)
+        self.recheck_per_scan: int | None = RECHECK_PER_SCAN
         self.name = uri
         self.poll_seconds = poll_seconds
         self.endpoint_url = endpoint_url
@@ -104,6 +113,7 @@ class S3Source:
                         path.name,
                         path.parent.name,
                         partial(self._get_or_none, sub + "trainer_state.json"),
+                        parts[:-1],
                     )
                     note = "" if ident else "its run (parent prefix) name has unsafe characters"
                     found.append(Found(f"s3://{self.bucket}/{sub}", None, ident, note))

@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 import structlog
 
-from ckpt_watcher.checkpoints.files import LocalFiles
+from ckpt_watcher.checkpoints.files import LocalFiles, needed_files
 from ckpt_watcher.checkpoints.namefix import apply_fix
 from ckpt_watcher.checkpoints.safetensors_header import HeaderUnreadable, read_header
 from ckpt_watcher.errors import StagingError
@@ -27,35 +27,7 @@ from ckpt_watcher.s3client import DEFAULT_REQUEST_TIMEOUT, Retry, S3Files, make_
 
 log = structlog.get_logger("ckpt_watcher.sources.staging")
 
-NEEDED = frozenset(
-    {
-        "config.json",
-        "generation_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "tokenizer.model",
-        "special_tokens_map.json",
-        "added_tokens.json",
-        "vocab.json",
-        "vocab.txt",
-        "merges.txt",
-        "chat_template.jinja",
-        "chat_template.json",
-        "preprocessor_config.json",
-        "model.safetensors.index.json",
-    }
-)
 LAST_USED = ".last_used"
-
-
-def needed_files(files: dict[str, int]) -> list[str]:
-    """The names an eval needs, out of a checkpoint's top-level files."""
-    names = {n for n in files if n in NEEDED or n.endswith(".safetensors")}
-    if not any(n.endswith(".safetensors") for n in names):
-        names |= {
-            n for n in files if n.startswith("pytorch_model") and n.endswith((".bin", ".json"))
-        }
-    return sorted(names)
 
 
 def _safe_part(part: str, location: str) -> str:
