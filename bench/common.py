@@ -26,8 +26,8 @@ WATCHER = [sys.executable, "-m", "ckpt_watcher"]
 def fake_checkpoint(folder: Path) -> None:
     """A complete checkpoint-shaped folder with one tiny tensor (not loadable by a model)."""
     folder.mkdir(parents=True)
-    # named in its config: two fakes are two contents (the watcher reuses results across copies)
-    (folder / "config.json").write_text(json.dumps({"_name_or_path": folder.name}))
+    # its path in its config: two fakes are two contents (the watcher reuses results across copies)
+    (folder / "config.json").write_text(json.dumps({"_name_or_path": str(folder)}))
     header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
 
@@ -37,7 +37,7 @@ def distinct_copy(src: Path, dest: Path) -> Path:
     fingerprint differs (an exact copy would get its results reused, not evaluated)."""
     shutil.copytree(src, dest)
     config = json.loads((dest / "config.json").read_text())
-    (dest / "config.json").write_text(json.dumps({**config, "_name_or_path": dest.name}))
+    (dest / "config.json").write_text(json.dumps({**config, "_name_or_path": str(dest)}))
     return dest
 
 

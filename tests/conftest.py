@@ -42,9 +42,9 @@ def write_fake_checkpoint(folder: Path, *, naming_bug: bool = False, config: boo
     """A checkpoint-shaped folder with small synthetic weights (not loadable by a model)."""
     folder.mkdir(parents=True, exist_ok=True)
     if config:
-        # named in its config: two fakes are two contents (results are reused across copies)
+        # its path in its config: two fakes are two contents (results are reused across copies)
         (folder / "config.json").write_text(
-            json.dumps({"model_type": "llama", "_name_or_path": folder.name})
+            json.dumps({"model_type": "llama", "_name_or_path": str(folder)})
         )
     tensors = {"a.weight": 16, "b.weight": 8}
     write_safetensors(folder / "model.safetensors", tensors)
@@ -75,7 +75,7 @@ def copy_checkpoint(tmp_path: Path, trained_checkpoint: Path):
         shutil.copytree(trained_checkpoint, dest)
         if not same_content:
             config = json.loads((dest / "config.json").read_text())
-            config["_name_or_path"] = dest.name
+            config["_name_or_path"] = str(dest)
             (dest / "config.json").write_text(json.dumps(config))
         return dest
 

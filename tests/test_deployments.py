@@ -35,7 +35,7 @@ def publish(src: Path, dest: Path) -> None:
     staging = dest.parent.parent / f".{dest.name}.writing"
     shutil.copytree(src, staging)
     config = json.loads((staging / "config.json").read_text())
-    (staging / "config.json").write_text(json.dumps({**config, "_name_or_path": dest.name}))
+    (staging / "config.json").write_text(json.dumps({**config, "_name_or_path": str(dest)}))
     dest.parent.mkdir(parents=True, exist_ok=True)
     os.rename(staging, dest)
 

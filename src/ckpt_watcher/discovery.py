@@ -251,6 +251,10 @@ class Discovery:
                 r = self._remark(source, location, mark, has_fp)
                 if r is not None:
                     remarks[location] = r
+                if r is not None and r.changed:  # judged now: `once` sees a rewrite in one pass
+                    j = self._judge(source, location, r.write_mark, None, now)
+                    if j is not None:
+                        judged[location] = j
         return ScanResult(found, judged, watching, remarks)
 
     def _remark(
@@ -318,14 +322,14 @@ class Discovery:
             self._register(name, f, now)
         for f in removed:
             self._forget(f, now)
-        for location, judged in result.judged.items():
-            row = self.state.checkpoint(location)
-            if row is not None and row["state"] in RECHECK:
-                self._apply(row, judged, now)
         for location, remark in result.remarks.items():
             row = self.state.checkpoint(location)
             if row is not None and row["state"] in EVALUATED:
                 self._apply_remark(row, remark, now)
+        for location, judged in result.judged.items():
+            row = self.state.checkpoint(location)
+            if row is not None and row["state"] in RECHECK:
+                self._apply(row, judged, now)
         self._record(name, now, None, sum(1 for f in result.found if f.ident))
 
     def _record(self, name: str, now: float, error: str | None, n: int | None) -> None:
