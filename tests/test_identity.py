@@ -104,34 +104,26 @@ def test_an_upgrade_from_main_runs_nothing_again_and_a_later_rewrite_is_a_new_ve
     assert line["status"] == "ok" and line["fingerprint"] == row["fingerprint"]
     assert line["run"] == "old" and line["run_path"] == "jobA/old"
     assert "rewritten" in status_text(cfg)
+    # rewritten once more, with untrained weights: `results` shows the newest version per step
+    shutil.rmtree(ckpt)
+    untrained(copy_checkpoint(tmp_path / "spare" / "old_step300"), ckpt)
+    once(cfg)
+    versions = results(cfg, "jobA/old", "--all")
+    assert [(v["step"], v["checkpoint"]) for v in versions] == [(300, str(ckpt))] * 2
+    assert versions[0]["fingerprint"] == line["fingerprint"] != versions[1]["fingerprint"]
+    metric = "addition (0-shot) exact_match,none"
+    assert versions[1][metric] == 0.0 < versions[0][metric]  # zero weights answer nothing right
+    # main's ledger still reads, under its own run path (`old`: an exact run path wins)
+    (by_main,) = [json.loads(x) for x in written_by_main.splitlines()]
+    assert results(cfg, "old")[0][metric] == by_main["metrics"][metric.split(" ", 2)[-1]]
     # a later pass finds nothing to do
     once(cfg)
-    assert len(read_ledger(tmp_path / "ledgers", "jobA/old")) == 1
+    assert len(read_ledger(tmp_path / "ledgers", "jobA/old")) == 2
 
 
 def status_text(cfg: Path) -> str:
     r = subprocess.run([*WATCHER, "status", "-c", str(cfg)], capture_output=True, text=True)
     return r.stdout
-
-
-def test_a_checkpoint_rewritten_in_place_shows_its_new_result(
-    tmp_path: Path, addition_tasks: Path, copy_checkpoint
-) -> None:
-    watch = tmp_path / "ckpts"
-    ckpt = copy_checkpoint(watch / "re_step100")
-    cfg = write_config(tmp_path / "w.yaml", base_config(tmp_path, watch, addition_tasks))
-    once(cfg)
-    (before,) = results(cfg, "re")
-    # rewritten with untrained weights: the same names, another model
-    shutil.rmtree(ckpt)
-    untrained(copy_checkpoint(tmp_path / "spare" / "re_step100"), ckpt)
-    once(cfg)
-    versions = results(cfg, "re", "--all")
-    assert [v["step"] for v in versions] == [100, 100]
-    assert versions[0]["fingerprint"] != versions[1]["fingerprint"]
-    (now,) = results(cfg, "re")
-    metric = "addition (0-shot) exact_match,none"
-    assert now[metric] == versions[1][metric] != before[metric] == versions[0][metric]
 
 
 def untrained(src: Path, dest: Path) -> None:
@@ -147,19 +139,16 @@ def untrained(src: Path, dest: Path) -> None:
         link.unlink()  # the naming fix links it again to the new file
 
 
-def test_two_training_jobs_reusing_a_run_name_keep_every_result_local_and_s3(
+def test_two_training_jobs_reusing_a_run_name_keep_every_result(
     tmp_path: Path, s3_endpoint: str, bucket: str, addition_tasks: Path, copy_checkpoint
 ) -> None:
     watch = tmp_path / "efs"
     client = make_client(s3_endpoint)
     for job in ("jobA", "jobB"):  # resubmitted under a new job name: the same run name
         copy_checkpoint(watch / job / "mix_step100")
-        upload_dir(
-            client,
-            copy_checkpoint(tmp_path / "up" / job / "mix_step100"),
-            bucket,
-            f"sm/{job}/mix_step100/",
-        )
+    # and an S3 prefix whose layout gives one of those run paths, with other content
+    upload = copy_checkpoint(tmp_path / "up" / "jobA" / "mix_step100")
+    upload_dir(client, upload, bucket, "sm/jobA/mix_step100/")
     raw = base_config(tmp_path, watch, addition_tasks)
     raw["sources"].append(
         {
@@ -169,19 +158,21 @@ def test_two_training_jobs_reusing_a_run_name_keep_every_result_local_and_s3(
             "cache_dir": str(tmp_path / "cache"),
         }
     )
+    raw["devices"]["cpu_slots"] = 2
     cfg = write_config(tmp_path / "w.yaml", raw)
     r = once(cfg)
-    assert "duplicate_skipped" not in r.stderr and jobs_run(tmp_path) == 4
-    for job in ("jobA", "jobB"):
-        # a local folder and an S3 prefix map to the same run path: told apart by fingerprint
-        lines = read_ledger(tmp_path / "ledgers", f"{job}/mix")
-        assert sorted(ln["checkpoint"] for ln in lines) == [
-            str(watch / job / "mix_step100"),
-            f"s3://{bucket}/sm/{job}/mix_step100/",
-        ]
-        assert all(ln["status"] == "ok" and ln["run"] == "mix" for ln in lines)
-        assert len({ln["fingerprint"] for ln in lines}) == 2
-        assert len(results(cfg, f"{job}/mix", "--all")) == 2
+    assert "duplicate_skipped" not in r.stderr and jobs_run(tmp_path) == 3
+    (b,) = read_ledger(tmp_path / "ledgers", "jobB/mix")
+    assert b["checkpoint"] == str(watch / "jobB" / "mix_step100") and b["status"] == "ok"
+    # a local folder and an S3 prefix map to the same run path: told apart by fingerprint
+    lines = read_ledger(tmp_path / "ledgers", "jobA/mix")
+    assert sorted(ln["checkpoint"] for ln in lines) == [
+        str(watch / "jobA" / "mix_step100"),
+        f"s3://{bucket}/sm/jobA/mix_step100/",
+    ]
+    assert all(ln["status"] == "ok" and ln["run"] == "mix" for ln in lines)
+    assert len({ln["fingerprint"] for ln in lines} | {b["fingerprint"]}) == 3
+    assert len(results(cfg, "jobA/mix", "--all")) == 2
     out = CliRunner().invoke(main, ["results", "-c", str(cfg), "mix"])
     assert out.exit_code == 2 and "jobA/mix, jobB/mix" in out.output
 

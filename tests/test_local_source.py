@@ -22,6 +22,20 @@ def test_scan_finds_checkpoints_at_depth_and_reports_the_unrecognised(tmp_path: 
     assert found["checkpoint-20"].ident is not None and found["checkpoint-20"].ident.run == "grpo"
     assert found["latest"].ident is None and "follows no pattern" in found["latest"].note
     assert "logs" not in found
+    # run paths: the run's path under the root, so two jobs reusing a run name stay apart
+    assert found["run1_step100"].ident.run_path == "run1"
+    assert found["checkpoint-20"].ident.run_path == "proj/grpo"
+
+
+def test_run_paths_keep_reused_run_names_apart_and_odd_folder_names_safe(tmp_path: Path) -> None:
+    write_fake_checkpoint(tmp_path / "jobA" / "mix_step100")
+    write_fake_checkpoint(tmp_path / "jobB" / "mix_step100")
+    write_fake_checkpoint(tmp_path / "my job" / ".hidden" / "out_final")
+    write_fake_checkpoint(tmp_path / "qwen3" / "checkpoint-7")
+    paths = sorted(f.ident.run_path for f in LocalSource(tmp_path).scan() if f.ident)
+    assert paths == ["jobA/mix", "jobB/mix", "my_job/_.hidden/out", "qwen3"]
+    root_is_run = tmp_path / "qwen3"  # a source rooted at the run's own folder
+    assert [f.ident.run_path for f in LocalSource(root_is_run).scan() if f.ident] == ["qwen3"]
 
 
 def test_symlinks_are_never_followed(tmp_path: Path) -> None:

@@ -43,6 +43,8 @@ def test_scan_lists_checkpoint_prefixes_without_a_request_per_checkpoint(
     assert len([f for f in found.values() if f.ident]) == 31
     assert found["checkpoint-5"].ident is not None and found["checkpoint-5"].ident.run == "grpo"
     assert found["latest"].ident is None and "follows no pattern" in found["latest"].note
+    assert found["checkpoint-5"].ident.run_path == "grpo"
+    assert {found[f"r_step{i}"].ident.run_path for i in range(30)} == {"job1/r"}  # type: ignore[union-attr]
     assert (
         calls == ["ListObjectsV2"] * len(calls) and len(calls) == 4
     )  # ckpts/, job1/, grpo/, latest/
