@@ -89,7 +89,11 @@ def main() -> None:
         f"checkpoint: {size / 2**30:.2f} GiB safetensors + config.json; {args.rounds} rounds each"
     )
 
+    import logging
+
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
 
     server = ThreadedMotoServer(port=0, verbose=False)
     server.start()
@@ -102,6 +106,13 @@ def main() -> None:
     for p in folder.iterdir():
         client.upload_file(str(p), "bench", f"ckpts/big_step1/{p.name}")
     retry = Retry(attempts=3, initial=0.0, maximum=0.0)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        client.get_object(
+            Bucket="bench", Key="ckpts/big_step1/model.safetensors", Range="bytes=0-0"
+        )
+    one_get = (time.perf_counter() - t0) / 5
+    print(f"moto: one 1-byte ranged GET of the 1 GiB object takes {one_get:.3f} s (its own cost)")
     places = {
         "local": lambda: LocalFiles(folder),
         "s3 (moto)": lambda: S3Files(client, retry, "bench", "ckpts/big_step1/"),

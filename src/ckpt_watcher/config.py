@@ -247,7 +247,7 @@ class WatcherConfig(_Model):
     state_dir: Path = Path("~/.local/state/watcher")
     """Daemon state (SQLite). Local disk, never NFS: SQLite locking is unreliable there."""
     ledger_dir: Path = Path("./ledgers")
-    """<ledger_dir>/<run>/ledger.jsonl and lm-eval's result files."""
+    """<ledger_dir>/<run_path>/ledger.jsonl and lm-eval's result files."""
     ledger_mirror: str | None = None
     """s3://bucket/prefix/: each run's ledger uploaded after every append."""
     shutdown_grace_seconds: float = Field(600.0, ge=0)
