@@ -215,6 +215,12 @@ def base_config(tmp: Path, watch: Path, tasks_dir: Path, **eval_over: Any) -> di
     }
 
 
+def s3_source(uri: str, cache_dir: Path, **extra: Any) -> dict[str, Any]:
+    """A `sources:` entry for an S3 prefix polled every second (the test's S3 server comes from
+    AWS_ENDPOINT_URL unless `endpoint_url` is given)."""
+    return {"kind": "s3", "uri": uri, "poll_seconds": 1, "cache_dir": str(cache_dir), **extra}
+
+
 def idle_config(tmp: Path, **over: Any) -> Path:
     """A config over an empty folder `tmp/ckpts` (created), one CPU slot: a daemon with no work
     (its one task, the demo's `addition`, is real: `watcher run` checks task names first)."""

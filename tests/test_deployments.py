@@ -16,7 +16,7 @@ import pytest
 
 from ckpt_watcher.s3client import make_client
 
-from .conftest import base_config, read_ledger, upload_dir, write_config
+from .conftest import base_config, read_ledger, s3_source, upload_dir, write_config
 from .helpers import HangingEndpoint, status_json, wait_for, watcher_run
 
 pytestmark = pytest.mark.slow
@@ -48,14 +48,7 @@ def test_local_and_s3_sources_in_one_daemon_both_get_their_results(
     watch = tmp_path / "efs"
     publish(trained_checkpoint, watch / "efs_step300")
     raw = base_config(tmp_path, watch, addition_tasks)
-    raw["sources"].append(
-        {
-            "kind": "s3",
-            "uri": f"s3://{bucket}/ckpts/",
-            "poll_seconds": 1,
-            "cache_dir": str(tmp_path / "cache"),
-        }
-    )
+    raw["sources"].append(s3_source(f"s3://{bucket}/ckpts/", tmp_path / "cache"))
     raw["ledger_mirror"] = f"s3://{bucket}/mirror/"
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"

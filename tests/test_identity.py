@@ -18,7 +18,15 @@ from ckpt_watcher.cli import main
 from ckpt_watcher.config import load_config
 from ckpt_watcher.s3client import make_client
 
-from .conftest import REPO, WATCHER, base_config, read_ledger, upload_dir, write_config
+from .conftest import (
+    REPO,
+    WATCHER,
+    base_config,
+    read_ledger,
+    s3_source,
+    upload_dir,
+    write_config,
+)
 from .helpers import status_json
 
 pytestmark = pytest.mark.slow
@@ -150,14 +158,7 @@ def test_two_training_jobs_reusing_a_run_name_keep_every_result(
     upload = copy_checkpoint(tmp_path / "up" / "jobA" / "mix_step100")
     upload_dir(client, upload, bucket, "sm/jobA/mix_step100/")
     raw = base_config(tmp_path, watch, addition_tasks)
-    raw["sources"].append(
-        {
-            "kind": "s3",
-            "uri": f"s3://{bucket}/sm/",
-            "poll_seconds": 1,
-            "cache_dir": str(tmp_path / "cache"),
-        }
-    )
+    raw["sources"].append(s3_source(f"s3://{bucket}/sm/", tmp_path / "cache"))
     raw["devices"]["cpu_slots"] = 2
     cfg = write_config(tmp_path / "w.yaml", raw)
     r = once(cfg)
@@ -184,14 +185,7 @@ def test_an_efs_folder_and_its_s3_copy_are_evaluated_once(
     shutil.copytree(trained_checkpoint, watch / "mix_step300")  # the trainer's folder
     upload_dir(make_client(s3_endpoint), trained_checkpoint, bucket, "sync/backup/mix_step300/")
     raw = base_config(tmp_path, watch, addition_tasks)
-    raw["sources"].append(
-        {
-            "kind": "s3",
-            "uri": f"s3://{bucket}/sync/",
-            "poll_seconds": 1,
-            "cache_dir": str(tmp_path / "cache"),
-        }
-    )
+    raw["sources"].append(s3_source(f"s3://{bucket}/sync/", tmp_path / "cache"))
     cfg = write_config(tmp_path / "w.yaml", raw)
     r = once(cfg)
     assert jobs_run(tmp_path) == 1 and '"event": "eval.reused"' in r.stderr

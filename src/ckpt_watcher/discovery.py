@@ -202,7 +202,8 @@ class Discovery:
         """Evaluated checkpoints this scan re-reads (location -> (write mark, has fingerprint)):
         all of them, or the source's `recheck_per_scan` looked at longest ago."""
         rows = [r for r in rows if r["state"] in EVALUATED]
-        rows.sort(key=lambda r: w.rechecked.get(r["location"], 0.0))
+        w.rechecked = {r["location"]: w.rechecked.get(r["location"], 0.0) for r in rows}
+        rows.sort(key=lambda r: w.rechecked[r["location"]])
         limit = w.source.recheck_per_scan
         chosen = rows if limit is None else rows[:limit]
         for r in chosen:
