@@ -183,15 +183,17 @@ def test_checkpoint_uploaded_shard_by_shard_is_evaluated_once_after_its_last_sha
         assert "NoSuchBucket: the bucket does not exist" in broken["error"]  # and the other goes on
         assert not st["queue"] and not st["running"]
         client.upload_file(str(shard2), bucket, f"ckpts/job/s3run_step300/{shard2.name}")
-        wait_for(lambda: read_ledger(tmp_path / "ledgers", "s3run"), 300, "a result", daemon, log)
+        wait_for(
+            lambda: read_ledger(tmp_path / "ledgers", "job/s3run"), 300, "a result", daemon, log
+        )
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=60) == 0
-    (line,) = read_ledger(tmp_path / "ledgers", "s3run")
+    (line,) = read_ledger(tmp_path / "ledgers", "job/s3run")  # the run path keeps the job folder
     assert (
         line["status"] == "ok" and line["checkpoint"] == f"s3://{bucket}/ckpts/job/s3run_step300/"
     )
-    mirrored = client.get_object(Bucket=bucket, Key="mirror/s3run/ledger.jsonl")["Body"].read()
-    assert mirrored == (tmp_path / "ledgers" / "s3run" / "ledger.jsonl").read_bytes()
+    mirrored = client.get_object(Bucket=bucket, Key="mirror/job/s3run/ledger.jsonl")["Body"].read()
+    assert mirrored == (tmp_path / "ledgers" / "job" / "s3run" / "ledger.jsonl").read_bytes()
     staged = staged_path(cache, line["checkpoint"])
     assert not (staged / "optimizer.pt").exists()
     assert (staged / shard2.name).read_bytes() == shard2.read_bytes()
