@@ -3,6 +3,7 @@ demo must leave a config that the commands it suggests accept."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -48,3 +49,20 @@ def test_watcher_demo_learns_prints_its_table_and_leaves_a_usable_config(tmp_pat
         assert out.returncode in ((0, 3) if argv[1] == "status" else (0,)), command + out.stderr
         if argv[1] == "results":
             assert f"{last:.4f}" in out.stdout
+        if argv[1] == "samples":  # the problems that flipped between the first and last step
+            assert argv[argv.index("--step") + 1] == str(max(scores))
+            assert argv[argv.index("--vs") + 1] == str(min(scores))
+            flips = subprocess.run(
+                [*WATCHER, *argv[1:], "--max", "0", "--json"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                cwd=workdir,
+            )
+            pairs = [json.loads(x) for x in flips.stdout.splitlines()]
+            learned = sum(1 for a, b in pairs if b["scores"]["exact_match,none"] == [1.0])
+            forgot = len(pairs) - learned
+            # every flip is a real one, and they account for the score's change exactly
+            assert all(a["scores"] != b["scores"] for a, b in pairs)
+            assert learned - forgot == round((last - first) * 100), (learned, forgot, scores)
+            assert learned > 0 and f"step {min(scores)}: 0/1 right -> step" in out.stdout

@@ -184,6 +184,80 @@ def results(
 @main.command()
 @config_option
 @click.argument("run_name", metavar="RUN")
+@click.option("--step", type=int, required=True, help="The step whose documents to show.")
+@click.option("--task", required=True, help="The task (as in eval.tasks).")
+@click.option("--shots", type=int, default=None, help="Its num_fewshot, if it ran with several.")
+@click.option("--vs", "vs_step", type=int, default=None, help="Compare with this step.")
+@click.option(
+    "--only",
+    type=click.Choice(["wrong", "flipped"]),
+    default=None,
+    help="wrong: documents wrong at --step (with --vs: right at --vs, wrong at --step); "
+    "flipped: right at one step and wrong at the other (the default with --vs).",
+)
+@click.option("--metric", default=None, help="Judge documents by this metric (default: the first).")
+@click.option("--max", "max_docs", type=int, default=20, show_default=True, help="0: all.")
+@click.option("--json", "as_json", is_flag=True, help="The records as JSON lines.")
+@handle_errors
+def samples(
+    config_path: Path,
+    run_name: str,
+    step: int,
+    task: str,
+    shots: int | None,
+    vs_step: int | None,
+    only: str | None,
+    metric: str | None,
+    max_docs: int,
+    as_json: bool,
+) -> None:
+    """One result's documents: prompt, target, every response, its extracted answer and score.
+    With --vs, the documents whose correctness flipped between the two steps."""
+    from ckpt_watcher import samples as sv
+
+    if only == "flipped" and vs_step is None:
+        raise ConfigError("--only flipped compares two steps: add --vs STEP")
+    run_path, lines = _run_ledger(config_path, run_name)
+    ledger_dir = _load(config_path).ledger_dir
+    at = sv.read_records(ledger_dir, run_path, sv.find_line(lines, step, task, shots))
+    key = sv.headline_metric(at, metric)
+    shown: list[Any]
+    render: Callable[[list[Any]], list[str]]
+    if vs_step is None:
+        docs = list(at.by_doc.values())
+        if only == "wrong":
+            docs = [r for r in docs if not sv.is_right(r, key)]
+        shown = docs
+
+        def render(items: list[Any]) -> list[str]:
+            return sv.render_docs(items, key)
+
+        head = f"{run_path} step {step} {task}: {len(docs)} documents, judged by {key}"
+    else:
+        before = sv.read_records(ledger_dir, run_path, sv.find_line(lines, vs_step, task, shots))
+        shown = sv.flips(before, at, key, only_wrong=only == "wrong")
+        what = "right at step {} and wrong at step {}" if only == "wrong" else "flipped ({} -> {})"
+        head = f"{run_path} {task}: {len(shown)} documents {what.format(vs_step, step)}, by {key}"
+
+        def render(items: list[Any]) -> list[str]:
+            return sv.render_flips(items, key, vs_step or 0, step)
+
+    total = len(shown)
+    if max_docs:
+        shown = shown[:max_docs]
+    if as_json:
+        for item in shown:
+            click.echo(json.dumps(item, default=str, ensure_ascii=False))
+        return
+    click.echo(head)
+    click.echo("\n".join(render(shown)))
+    if total > len(shown):
+        click.echo(f"... {total - len(shown)} more (--max 0 shows all)")
+
+
+@main.command()
+@config_option
+@click.argument("run_name", metavar="RUN")
 @click.option(
     "-o",
     "--output",

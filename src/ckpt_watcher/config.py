@@ -123,6 +123,46 @@ class TaskSpec(_Model):
     """Few-shot examples; null keeps the task's own default, as `lm_eval` does."""
     allow_code_execution: bool = False
     """Code-executing tasks (mbpp, humaneval, ...) run only when this is true."""
+    samples: int = Field(1, ge=1, le=1024)
+    """Responses per document (K). Above 1, each is scored alone; the metric becomes the
+    mean over all responses and `pass_at` adds unbiased pass@k. Each (document, response)
+    has its own seed derived from `eval.seed`."""
+    gen_kwargs: dict[str, Any] | None = None
+    """This task's generation kwargs, merged over `eval.gen_kwargs` (e.g. temperature 0.6)."""
+    pass_at: list[int] | None = None
+    """The k of each pass@k to report (each 1..samples); default where `samples` is given:
+    the powers of two up to samples, and samples. A task with either is a sampled task."""
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> TaskSpec:
+        if self.pass_at is not None:
+            bad = [k for k in self.pass_at if not 1 <= k <= self.samples]
+            if bad:
+                raise ValueError(
+                    f"task {self.task!r}: pass_at {bad} must be between 1 and "
+                    f"samples ({self.samples}); raise samples or drop them"
+                )
+            self.pass_at = sorted(set(self.pass_at))
+        elif self.samples > 1 or "samples" in self.model_fields_set:
+            self.pass_at = sorted({2**i for i in range(self.samples.bit_length())} | {self.samples})
+            self.pass_at = [k for k in self.pass_at if k <= self.samples]
+        return self
+
+
+def task_settings_hash(settings_hash: str, task: dict[str, Any]) -> str:
+    """The settings hash of one task entry (a `TaskSpec` dump): `eval`'s own hash, extended by
+    what the entry adds (samples, pass_at, its gen_kwargs). A plain entry keeps `eval`'s hash,
+    so lines written before tasks had settings of their own still count."""
+    own: dict[str, Any] = {}
+    if task.get("samples", 1) != 1 or task.get("pass_at") is not None:
+        own["samples"] = task.get("samples", 1)
+        own["pass_at"] = task.get("pass_at")
+    if task.get("gen_kwargs"):
+        own["gen_kwargs"] = task["gen_kwargs"]
+    if not own:
+        return settings_hash
+    blob = json.dumps({"eval": settings_hash, "task": own}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 DEFAULT_MODEL_ARGS: dict[str, Any] = {

@@ -38,6 +38,10 @@ class EvalError(WatcherError):
     """An evaluation failed inside the worker (bad task, backend refusal, crash)."""
 
 
+class TaskSetupError(EvalError):
+    """A task entry that cannot run as configured (e.g. samples on a multiple-choice task)."""
+
+
 class BackendUnavailable(EvalError):
     """An optional backend is not installed; the message names the pip install line."""
 

@@ -25,6 +25,7 @@ from typing import Any
 import structlog
 
 from ckpt_watcher.clock import seconds_between
+from ckpt_watcher.config import task_settings_hash
 from ckpt_watcher.durable import fsync_dir
 from ckpt_watcher.errors import LedgerError
 
@@ -53,8 +54,10 @@ class Subject:
     legacy_ok: bool = False  # lines without a fingerprint at `location` count (not rewritten since)
 
     def identity(self, task: dict[str, Any], settings: str) -> Identity:
+        """`settings` is `eval`'s hash; a task entry with settings of its own extends it."""
         step = str(self.step) if self.step is not None else f"label:{self.label}"
-        return (self.run_path, step, task["task"], task["num_fewshot"], settings, self.fingerprint)
+        own = task_settings_hash(settings, task)
+        return (self.run_path, step, task["task"], task["num_fewshot"], own, self.fingerprint)
 
 
 def line_identity(line: dict[str, Any]) -> Identity:
@@ -93,16 +96,19 @@ def result_line(
     """
     started = outcome.get("started_at") or ""
     finished = outcome.get("finished_at") or ""
-    rfile = outcome.get("results_file")
-    if rfile:
-        try:  # relative to the run's ledger folder, so the folder can move
-            rfile = str(Path(rfile).relative_to((ledger_dir / job.run_path).resolve()))
-        except ValueError:
-            pass
-    gen_kwargs = dict(eval_cfg.gen_kwargs)
+    entry: dict[str, Any] = next(
+        (
+            t
+            for t in job.tasks
+            if (t["task"], t["num_fewshot"]) == (outcome["task"], outcome["num_fewshot"])
+        ),
+        {},
+    )
+    gen_kwargs = dict(eval_cfg.gen_kwargs) | (entry.get("gen_kwargs") or {})
     if eval_cfg.max_gen_toks is not None:
         gen_kwargs["max_gen_toks"] = eval_cfg.max_gen_toks
     ok = status == "ok"
+    sampled = {"samples": entry.get("samples", 1), "pass_at": entry.get("pass_at")}
     return {
         "schema": SCHEMA,
         "run": job.run,
@@ -126,13 +132,24 @@ def result_line(
         "finished_at": finished or None,
         "duration_s": seconds_between(started, finished),
         "lm_eval_version": outcome.get("lm_eval_version"),
-        "results_file": rfile if ok else None,
+        "results_file": _run_relative(outcome.get("results_file"), ledger_dir, job) if ok else None,
+        "samples_file": _run_relative(outcome.get("samples_file"), ledger_dir, job) if ok else None,
         "error": error,
         "job_id": job.id,
-        "settings_hash": job.settings_hash,
+        "settings_hash": task_settings_hash(job.settings_hash, entry),
         "run_path": job.run_path,
         "fingerprint": job.fingerprint,
-    }
+    } | (sampled if entry.get("pass_at") is not None else {})
+
+
+def _run_relative(path: str | None, ledger_dir: Path, job: Any) -> str | None:
+    """A worker's output file, relative to the run's ledger folder, so the folder can move."""
+    if not path:
+        return None
+    try:
+        return str(Path(path).relative_to((ledger_dir / job.run_path).resolve()))
+    except ValueError:
+        return path
 
 
 @dataclass
@@ -263,7 +280,8 @@ class LedgerIndex:
         """Has this checkpoint version an `ok` line for the task (or a pre-fingerprint one)?"""
         if subject.identity(task, settings) in self.ok:
             return True
-        legacy = (subject.location, task["task"], task["num_fewshot"], settings)
+        own = task_settings_hash(settings, task)
+        legacy = (subject.location, task["task"], task["num_fewshot"], own)
         return subject.legacy_ok and legacy in self.legacy
 
     def due(
@@ -279,7 +297,8 @@ class LedgerIndex:
         for t in self.due(subject, tasks, settings):
             first = None
             if subject.fingerprint:
-                key = (subject.fingerprint, t["task"], t["num_fewshot"], settings)
+                own = task_settings_hash(settings, t)
+                key = (subject.fingerprint, t["task"], t["num_fewshot"], own)
                 first = self.by_content.get(key)
             if first is None:
                 out.due.append(t)
@@ -299,8 +318,8 @@ def reused_line(first: dict[str, Any], subject: Subject, ledger_dir: Path) -> di
         checkpoint=subject.location,
         reused_from=first.get("reused_from") or first["checkpoint"],
     )
-    rfile = first.get("results_file")
-    if rfile:  # still relative to the ledger's own folder
-        origin = ledger_dir / (first.get("run_path") or first["run"])
-        line["results_file"] = os.path.relpath(origin / rfile, ledger_dir / subject.run_path)
+    origin = ledger_dir / (first.get("run_path") or first["run"])
+    for key in ("results_file", "samples_file"):
+        if first.get(key):  # still relative to the ledger's own folder
+            line[key] = os.path.relpath(origin / first[key], ledger_dir / subject.run_path)
     return line

@@ -153,6 +153,12 @@ def run_demo(
     echo(f"  watcher status -c {config}")
     echo(f"  watcher results -c {config} {RUN} --format md")
     echo(f"  watcher plot -c {config} {RUN} -o {workdir / 'demo.png'}")
+    steps_done = sorted(ln["step"] for ln in lines if ln.get("status") == "ok")
+    if len(steps_done) >= 2:
+        echo(
+            f"  watcher samples -c {config} {RUN} --step {steps_done[-1]} --task addition "
+            f"--vs {steps_done[0]}   # the problems it learned"
+        )
     echo(f"  watcher run -c {config}   # keep watching the folder (Ctrl-C stops it)")
     failed = [ln for ln in lines if ln.get("status") != "ok"]
     if failed:

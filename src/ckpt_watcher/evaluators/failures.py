@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ckpt_watcher.errors import TaskSetupError
+
 REQUEUE = "then `watcher requeue`"
 
 
@@ -33,6 +35,11 @@ def _is(names: tuple[str, ...]) -> Callable[[BaseException], bool]:
 
 # (what it is, does the exception match, what to do). First match wins; no match heals.
 CANNOT_HEAL: list[tuple[str, Callable[[BaseException, str], bool], str]] = [
+    (
+        "task entry cannot run as configured",
+        lambda e, t: isinstance(e, TaskSetupError),
+        f"change the task's entry in eval.tasks; {REQUEUE}",
+    ),
     (
         "unknown task",
         lambda e, t: isinstance(e, KeyError) and "is not a registered task" in t,

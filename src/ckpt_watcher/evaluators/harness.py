@@ -2,6 +2,10 @@
 
 Each (task, num_fewshot) is one `simple_evaluate` call on the same loaded model with the same
 seeds as `lm_eval --seed S`, so a result equals what `lm_eval` reports for that task alone.
+Every task's per-document records (prompt, target, responses, extracted answers, scores) are
+saved beside its results file as `samples_*.jsonl.gz`. A sampled task (an entry with `samples`
+or `pass_at`) gets K responses per document; each is scored alone and the metrics come from
+those scores (`passk.py`), not from lm-eval's first-response figures.
 The backends are lm-eval's own `hf` and `vllm` classes with one change: the generation clamp
 (see `clamp.py`; lm-eval internals are all in `lm_eval_internals.py`). Imported only inside
 worker processes.
@@ -9,7 +13,9 @@ worker processes.
 
 from __future__ import annotations
 
+import gzip
 import importlib.metadata
+import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,16 +25,19 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_watcher.clock import utcnow
-from ckpt_watcher.durable import write_json_atomic
-from ckpt_watcher.errors import EvalError
+from ckpt_watcher.durable import write_atomic, write_json_atomic
+from ckpt_watcher.errors import EvalError, TaskSetupError
+from ckpt_watcher.evaluators import lm_eval_internals as lmi
 from ckpt_watcher.evaluators.clamp import ClampCounts
 from ckpt_watcher.evaluators.failures import classify
 from ckpt_watcher.evaluators.lm_eval_internals import (
+    SamplingPlan,
     clamped_backend,
     json_default,
     n_samples,
     task_metrics,
 )
+from ckpt_watcher.evaluators.passk import sampled_metrics
 
 # vLLM engine arguments the transformers backend does not take.
 _VLLM_ONLY_ARGS = frozenset(
@@ -51,6 +60,13 @@ class TaskRun:
     task: str
     num_fewshot: int | None
     allow_code_execution: bool = False
+    samples: int = 1
+    gen_kwargs: dict[str, Any] | None = None
+    pass_at: list[int] | None = None  # set: a sampled task
+
+    @property
+    def sampled(self) -> bool:
+        return self.pass_at is not None
 
 
 @dataclass
@@ -84,6 +100,7 @@ class TaskOutcome:
     started_at: str = ""
     finished_at: str = ""
     results_file: str | None = None
+    samples_file: str | None = None
     error: str | None = None
     heals: bool = True  # False: failing again as is is certain (see failures.py)
     lm_eval_version: str = ""
@@ -135,16 +152,12 @@ def _code_execution(allowed: bool) -> Iterator[None]:
 
 def run_tasks(req: EvalRequest, on_outcome: Callable[[TaskOutcome], None]) -> list[TaskOutcome]:
     """Load the model once and run every task; `on_outcome` is called as each task finishes."""
-    import lm_eval
     from lm_eval.tasks import TaskManager
 
     version = importlib.metadata.version("lm-eval")
     lm = load_model(req)
     metadata = dict(req.model_args) | {"pretrained": req.checkpoint}
     task_manager = TaskManager(include_path=req.include_path, metadata=metadata)
-    gen_kwargs = dict(req.gen_kwargs)
-    if req.max_gen_toks is not None:
-        gen_kwargs["max_gen_toks"] = req.max_gen_toks
     results_dir = Path(req.results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     outcomes = []
@@ -154,42 +167,168 @@ def run_tasks(req: EvalRequest, on_outcome: Callable[[TaskOutcome], None]) -> li
             t.task, t.num_fewshot, "failed", started_at=started, lm_eval_version=version
         )
         try:
-            with _code_execution(t.allow_code_execution):
-                results = lm_eval.simple_evaluate(
-                    model=lm,
-                    tasks=[t.task],
-                    num_fewshot=t.num_fewshot,
-                    limit=req.limit,
-                    log_samples=False,
-                    gen_kwargs=gen_kwargs or None,
-                    task_manager=task_manager,
-                    random_seed=req.seed,
-                    numpy_random_seed=req.seed,
-                    torch_random_seed=req.seed,
-                    fewshot_random_seed=req.seed,
-                    confirm_run_unsafe_code=t.allow_code_execution,
-                )
-            if results is None:
-                raise EvalError("lm-eval returned no results (not rank 0?)")
+            results, records = _evaluate(lm, req, t, task_manager)
             shots = "default" if t.num_fewshot is None else f"{t.num_fewshot}shot"
             stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H-%M-%S.%f")
-            rfile = results_dir / f"results_{_safe(t.task)}_{shots}_{stamp}.json"
+            name = f"{_safe(t.task)}_{shots}_{stamp}"
+            sfile = results_dir / f"samples_{name}.jsonl.gz"
+            write_samples(sfile, records)
+            rfile = results_dir / f"results_{name}.json"
             write_json_atomic(rfile, results, default=json_default)
             clamped, truncated = lm.clamp_counts.take()
             outcome.status = "ok"
-            outcome.metrics = task_metrics(results, t.task)
+            outcome.metrics = (
+                results["sampled_metrics"] if t.sampled else task_metrics(results, t.task)
+            )
             outcome.n_samples = n_samples(results, t.task)
             outcome.clamped_requests = clamped
             outcome.truncated_prompts = truncated
             outcome.results_file = str(rfile)
+            outcome.samples_file = str(sfile)
         except Exception as e:  # one task's failure must not lose the others' results
             lm.clamp_counts.take()
             failure = classify(e)
             outcome.error, outcome.heals = failure.error, failure.heals
+        finally:
+            lm.sampling = None
         outcome.finished_at = utcnow()
         outcomes.append(outcome)
         on_outcome(outcome)
     return outcomes
+
+
+def task_gen_kwargs(req: EvalRequest, t: TaskRun) -> dict[str, Any]:
+    """`eval.gen_kwargs` with the entry's own merged over it (and `eval.max_gen_toks`).
+
+    An entry that samples or sets its own kwargs gets `do_sample: true` when its temperature is
+    above 0: most task YAMLs say `do_sample: false`, which would silently make it greedy."""
+    gen = dict(req.gen_kwargs) | (t.gen_kwargs or {})
+    if (t.sampled or t.gen_kwargs) and float(gen.get("temperature", 0) or 0) > 0:
+        gen.setdefault("do_sample", True)
+    if req.max_gen_toks is not None:
+        gen["max_gen_toks"] = req.max_gen_toks
+    return gen
+
+
+def _evaluate(
+    lm: Any, req: EvalRequest, t: TaskRun, task_manager: Any
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One task entry: lm-eval's results (with `sampled_metrics` for a sampled entry) and the
+    per-document records."""
+    import lm_eval
+
+    top, leaves = lmi.load_task(task_manager, t.task)
+    if t.sampled:
+        plain = sorted(n for n, leaf in leaves.items() if lmi.output_type(leaf) != "generate_until")
+        if plain:
+            raise TaskSetupError(
+                f"{t.task}: samples/pass_at need generative tasks; {', '.join(plain)} "
+                "scores choices by likelihood, where more samples change nothing"
+            )
+        for leaf in leaves.values():
+            lmi.set_repeats(leaf, t.samples)
+        if t.samples > 1:
+            lm.sampling = SamplingPlan(t.samples, req.seed)
+    gen_kwargs = task_gen_kwargs(req, t)
+    with _code_execution(t.allow_code_execution):
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=top if isinstance(top, list) else [top],
+            num_fewshot=t.num_fewshot,
+            limit=req.limit,
+            log_samples=True,
+            gen_kwargs=gen_kwargs or None,
+            task_manager=task_manager,
+            random_seed=req.seed,
+            numpy_random_seed=req.seed,
+            torch_random_seed=req.seed,
+            fewshot_random_seed=req.seed,
+            confirm_run_unsafe_code=t.allow_code_execution,
+        )
+        if results is None:
+            raise EvalError("lm-eval returned no results (not rank 0?)")
+        logged = results.pop("samples", {})
+        if not t.sampled:
+            return results, logged_records(logged)
+        records = scored_records(leaves, logged)
+    prefix = len(leaves) > 1 or t.task not in leaves
+    metrics: dict[str, Any] = {}
+    for name, leaf in sorted(leaves.items()):
+        scores: dict[str, list[list[Any]]] = {}
+        for rec in (r for r in records if r["task"] == name):
+            for key, values in rec["scores"].items():
+                scores.setdefault(key, []).append(values)
+        for key, rows in scores.items():
+            metric = key.partition(",")[0]
+            aggregate = None if lmi.is_mean(leaf, metric) else lmi.aggregation(leaf, metric)
+            for k, v in sampled_metrics(key, rows, t.pass_at or [], aggregate).items():
+                metrics[f"{name}/{k}" if prefix else k] = v
+    results["sampled_metrics"] = metrics
+    return results, records
+
+
+def scored_records(leaves: dict[str, Any], logged: dict[str, list[dict]]) -> list[dict[str, Any]]:
+    """Per document of a sampled task: its K responses, each scored alone."""
+    records = []
+    for name, examples in sorted(logged.items()):
+        leaf = leaves[name]
+        seen: set[Any] = set()
+        for ex in examples:  # one example per (document, filter); the responses are the same
+            if ex["doc_id"] in seen:
+                continue
+            seen.add(ex["doc_id"])
+            responses = list(ex["resps"][0])
+            extracted: dict[str, list[Any]] = {}
+            scores: dict[str, list[Any]] = {}
+            for response in responses:
+                for filt, (answer, values) in lmi.score_response(leaf, ex["doc"], response).items():
+                    extracted.setdefault(filt, []).append(answer)
+                    for metric, value in values.items():
+                        scores.setdefault(f"{metric},{filt}", []).append(value)
+            records.append(
+                {
+                    "task": name,
+                    "doc_id": ex["doc_id"],
+                    "prompt": ex["arguments"][0][0],
+                    "target": ex["target"],
+                    "responses": responses,
+                    "extracted": extracted,
+                    "scores": scores,
+                }
+            )
+    return records
+
+
+def logged_records(logged: dict[str, list[dict]]) -> list[dict[str, Any]]:
+    """Per document of a plain task, from lm-eval's own logged samples (one per filter)."""
+    by_doc: dict[tuple[str, Any], dict[str, Any]] = {}
+    for name, examples in sorted(logged.items()):
+        for ex in examples:
+            rec = by_doc.setdefault(
+                (name, ex["doc_id"]),
+                {
+                    "task": name,
+                    "doc_id": ex["doc_id"],
+                    "prompt": ex["arguments"][0][0]
+                    if len(ex["arguments"]) == 1
+                    else ex["arguments"],
+                    "target": ex["target"],
+                    "responses": list(ex["resps"][0]) if len(ex["resps"]) == 1 else [ex["resps"]],
+                    "extracted": {},
+                    "scores": {},
+                },
+            )
+            filtered = ex["filtered_resps"]
+            rec["extracted"][ex["filter"]] = [filtered[0] if len(filtered) == 1 else filtered]
+            for metric in ex["metrics"]:
+                rec["scores"][f"{metric},{ex['filter']}"] = [ex[metric]]
+    return list(by_doc.values())
+
+
+def write_samples(path: Path, records: list[dict[str, Any]]) -> None:
+    """The records as gzipped JSON lines, written atomically (mtime 0: same records, same bytes)."""
+    lines = "".join(json.dumps(r, default=json_default, ensure_ascii=False) + "\n" for r in records)
+    write_atomic(path, gzip.compress(lines.encode("utf-8"), mtime=0))
 
 
 def _safe(name: str) -> str:

