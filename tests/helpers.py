@@ -12,7 +12,22 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .conftest import WATCHER
+from .conftest import WATCHER, read_ledger
+
+
+def watcher_once(config: Path, ledgers: Path, run: str, expect: int = 0) -> list[dict[str, Any]]:
+    """`watcher once -c config`; the run's ledger lines. Fails, quoting stderr and the lines'
+    errors, unless it exits `expect`."""
+    r = subprocess.run(
+        [*WATCHER, "--log-json", "once", "-c", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = read_ledger(ledgers, run)
+    errors = "\n".join(str(ln.get("error")) for ln in lines)
+    assert r.returncode == expect, r.stderr[-3000:] + errors
+    return lines
 
 
 def wait_for(

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from .conftest import WATCHER, base_config, read_ledger, write_config
+from .conftest import VLLM_EVAL, base_config, write_config
+from .helpers import watcher_once
 
 pytestmark = [
     pytest.mark.slow,
@@ -33,21 +33,12 @@ def test_naming_bug_checkpoint_loads_and_huge_max_gen_toks_is_clamped(
         tmp_path,
         watch,
         addition_tasks,
-        backend="vllm",
-        model_args={"dtype": "float32", "max_model_len": 64, "enforce_eager": True},
-        batch_size=None,
+        **VLLM_EVAL,
         max_attempts=1,
         tasks=[{"task": "addition", "num_fewshot": 0}, {"task": "addition_long", "num_fewshot": 0}],
     )
     cfg = write_config(tmp_path / "w.yaml", raw)
-    r = subprocess.run(
-        [*WATCHER, "--log-json", "once", "-c", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = read_ledger(tmp_path / "ledgers", "v")
-    assert r.returncode == 0, r.stderr[-3000:] + "\n".join(str(ln.get("error")) for ln in lines)
+    lines = watcher_once(cfg, tmp_path / "ledgers", "v")
     by_task = {ln["task"]: ln for ln in lines}
     assert sorted(by_task) == ["addition", "addition_long"] and len(lines) == 2
     assert all(ln["status"] == "ok" and ln["backend"] == "vllm" for ln in lines)

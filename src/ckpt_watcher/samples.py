@@ -91,7 +91,7 @@ def is_right(rec: dict[str, Any], key: str) -> bool:
 def flips(a: Records, b: Records, key: str, only_wrong: bool = False) -> list[tuple[dict, dict]]:
     """Documents right at one step and not the other (`only_wrong`: right at `a`, wrong at `b`)."""
     out = []
-    for doc, rb in sorted(b.by_doc.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+    for doc, rb in sorted(b.by_doc.items(), key=lambda kv: _doc_order(kv[0])):
         ra = a.by_doc.get(doc)
         if ra is None or is_right(ra, key) == is_right(rb, key):
             continue
@@ -99,6 +99,11 @@ def flips(a: Records, b: Records, key: str, only_wrong: bool = False) -> list[tu
             continue
         out.append((ra, rb))
     return out
+
+
+def _doc_order(doc: tuple[str, Any]) -> tuple[str, int, str]:
+    task, doc_id = doc
+    return (task, doc_id, "") if isinstance(doc_id, int) else (task, -1, str(doc_id))
 
 
 def _clip(text: Any, width: int = 160) -> str:
