@@ -8,7 +8,7 @@ import shutil
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,18 +65,32 @@ def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def copy_checkpoint(tmp_path: Path, trained_checkpoint: Path):
+def copy_checkpoint(tmp_path_factory: pytest.TempPathFactory, trained_checkpoint: Path):
     """Copy the trained checkpoint into a new place under a new name (the copy is yours). Its
     config names the copy, so each copy is other content, as a checkpoint trained further
-    would be; `same_content=True` makes an exact copy (whose results the watcher reuses)."""
+    would be; `same_content=True` makes an exact copy (whose results the watcher reuses), and
+    `edit_config` changes the config before the copy appears.
 
-    def _copy(dest: Path, same_content: bool = False) -> Path:
+    The copy appears at once (written beside, then renamed into place), as a trainer's atomic
+    save does: a watcher already running never sees it half-edited, which would be a rewrite
+    of a finished checkpoint and rightly evaluated again."""
+
+    def _copy(
+        dest: Path,
+        same_content: bool = False,
+        edit_config: Callable[[dict[str, Any]], None] | None = None,
+    ) -> Path:
+        staged = tmp_path_factory.mktemp("staging") / dest.name
+        shutil.copytree(trained_checkpoint, staged)
+        if not same_content or edit_config is not None:
+            config = json.loads((staged / "config.json").read_text())
+            if not same_content:
+                config["_name_or_path"] = str(dest)
+            if edit_config is not None:
+                edit_config(config)
+            (staged / "config.json").write_text(json.dumps(config))
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(trained_checkpoint, dest)
-        if not same_content:
-            config = json.loads((dest / "config.json").read_text())
-            config["_name_or_path"] = str(dest)
-            (dest / "config.json").write_text(json.dumps(config))
+        staged.rename(dest)
         return dest
 
     return _copy

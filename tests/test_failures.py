@@ -3,7 +3,6 @@ retried. The table (evaluators/failures.py), then the daemon acting on it end to
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 
@@ -107,10 +106,7 @@ def test_a_vanished_data_file_and_an_unloadable_checkpoint_get_one_attempt_each(
         )
         data.unlink()  # after the start-up check passed: only a job can notice now
         copy_checkpoint(watch / "gone_step1")
-        broken = copy_checkpoint(watch / "broken_step1")
-        config = json.loads((broken / "config.json").read_text())
-        del config["model_type"]
-        (broken / "config.json").write_text(json.dumps(config))
+        copy_checkpoint(watch / "broken_step1", edit_config=lambda c: c.pop("model_type"))
         wait_for(
             lambda: (
                 len(read_ledger(tmp_path / "ledgers", "gone"))
