@@ -38,6 +38,7 @@ from ckpt_watcher.evaluators.lm_eval_internals import (
     task_metrics,
 )
 from ckpt_watcher.evaluators.passk import sampled_metrics
+from ckpt_watcher.tasks import task_paths
 
 # vLLM engine arguments the transformers backend does not take.
 _VLLM_ONLY_ARGS = frozenset(
@@ -162,7 +163,7 @@ def run_tasks(req: EvalRequest, on_outcome: Callable[[TaskOutcome], None]) -> li
     version = importlib.metadata.version("lm-eval")
     lm = load_model(req)
     metadata = dict(req.model_args) | {"pretrained": req.checkpoint}
-    task_manager = TaskManager(include_path=req.include_path, metadata=metadata)
+    task_manager = TaskManager(include_path=task_paths(req.include_path), metadata=metadata)
     results_dir = Path(req.results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     outcomes = []

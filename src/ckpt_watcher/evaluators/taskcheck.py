@@ -17,6 +17,7 @@ from typing import Any
 
 from ckpt_watcher.durable import write_json_atomic
 from ckpt_watcher.evaluators.lm_eval_internals import task_yaml_config
+from ckpt_watcher.tasks import task_paths
 
 # `dataset_path` values under which `dataset_kwargs.data_files` are local files
 LOCAL_BUILDERS = frozenset({"json", "csv", "parquet", "text", "arrow"})
@@ -38,13 +39,11 @@ def local_data_files(cfg: dict[str, Any]) -> list[str]:
 def check(names: list[str], include_path: str | None) -> dict[str, Any]:
     from lm_eval.tasks import TaskManager
 
-    tm = None
-    if include_path:  # the user's own tasks only: indexed at once
-        tm = TaskManager(include_path=include_path, include_defaults=False)
-        if not set(names) <= set(tm.all_tasks):
-            tm = None
-    if tm is None:  # lm-eval's thousands of YAMLs too: seconds
-        tm = TaskManager(include_path=include_path)
+    paths = task_paths(include_path)
+    # the shipped tasks and the user's own only: indexed at once
+    tm = TaskManager(include_path=paths, include_defaults=False)
+    if not set(names) <= set(tm.all_tasks):  # lm-eval's thousands of YAMLs too: seconds
+        tm = TaskManager(include_path=paths)
     known = set(tm.all_tasks)
     unknown: dict[str, list[str]] = {}
     missing: dict[str, list[str]] = {}
