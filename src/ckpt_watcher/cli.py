@@ -168,17 +168,101 @@ def status(config_path: Path, as_json: bool) -> None:
     is_flag=True,
     help="Every version of a rewritten checkpoint (default: the newest per step).",
 )
+@click.option(
+    "--suite",
+    "suite_name",
+    default=None,
+    help="Only this suite's headline metrics, one column each (`watcher suites`).",
+)
 @handle_errors
 def results(
-    config_path: Path, run_name: str, fmt: str, with_stderr: bool, all_versions: bool
+    config_path: Path,
+    run_name: str,
+    fmt: str,
+    with_stderr: bool,
+    all_versions: bool,
+    suite_name: str | None,
 ) -> None:
     """The metric-by-step table of one run (a run path, or a run name only one run has), from
-    its ledger."""
-    from ckpt_watcher.report import metric_table, render
+    its ledger. With a `baseline` in the config: its row first and a Δ column per metric."""
+    from ckpt_watcher import ledger as ledger_mod
+    from ckpt_watcher.report import baseline_values, column, metric_table, render, stderr_column
+    from ckpt_watcher.sources.baseline import BASELINE_RUN
+    from ckpt_watcher.suites import get_suite
 
-    _, lines = _run_ledger(config_path, run_name)
-    table = metric_table(lines, include_stderr=with_stderr, all_versions=all_versions)
+    cfg = _load(config_path)
+    run_path, lines = _run_ledger(config_path, run_name)
+    only = None
+    if suite_name is not None:
+        try:
+            suite = get_suite(suite_name, cfg.eval.suite_path)
+        except ValueError as e:
+            raise ConfigError(f"--suite: {e}") from e
+        only = [column(t, shots, key) for t, shots, key in suite.headline]
+        if with_stderr:
+            only = [c for col in only for c in (col, stderr_column(col))]
+    base = None
+    if cfg.baseline is not None:
+        evaluated: list[dict[str, Any]] = []
+        if cfg.baseline.checkpoint is not None and run_path != BASELINE_RUN:
+            where = ledger_mod.ledger_path(cfg.ledger_dir, BASELINE_RUN)
+            evaluated = ledger_mod.read_lines(where).lines if where.exists() else []
+            if not any(ln.get("status") == "ok" for ln in evaluated):
+                click.echo(
+                    f"watcher: the baseline ({cfg.baseline.checkpoint}) has no results yet "
+                    f"(`watcher status` shows its progress); {where}",
+                    err=True,
+                )
+        fixed = [(e.task, e.num_fewshot, e.metrics) for e in cfg.baseline.metrics]
+        base = baseline_values(fixed, evaluated) or None
+    table = metric_table(
+        lines,
+        include_stderr=with_stderr,
+        all_versions=all_versions,
+        only=only,
+        baseline=base,
+        baseline_name=cfg.baseline.name if cfg.baseline else "baseline",
+    )
     click.echo(render(table, fmt))
+
+
+@main.command("suites")
+@click.option(
+    "-c",
+    "--config",
+    "config_path",
+    default=None,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also the suites under this config's eval.suite_path.",
+)
+@handle_errors
+def suites_cmd(config_path: Path | None) -> None:
+    """The suites `{suite: NAME}` can name, with their tasks and headline metrics."""
+    from ckpt_watcher.suites import load_suites
+
+    suite_path = _load(config_path).eval.suite_path if config_path else None
+    try:
+        found = load_suites(suite_path)
+    except ValueError as e:
+        raise ConfigError(f"eval.suite_path: {e}") from e
+    for i, suite in enumerate(found.values()):
+        click.echo(("\n" if i else "") + f"{suite.name}  ({suite.path})")
+        if suite.description:
+            click.echo(f"  {suite.description}")
+        for entry in suite.entries:
+            shots = entry.get("num_fewshot")
+            extra = [f"{shots if shots is not None else 'default'}-shot"]
+            if entry.get("samples"):
+                extra.append(f"K={entry['samples']}")
+            if entry.get("gen_kwargs"):
+                extra.append(", ".join(f"{k} {v}" for k, v in entry["gen_kwargs"].items()))
+            if entry.get("allow_code_execution"):
+                extra.append("runs code")
+            heads = [k for t, s, k in suite.headline if t == entry["task"] and s == shots]
+            click.echo(
+                f"  - {entry['task']} ({'; '.join(extra)})"
+                + (f": {', '.join(heads)}" if heads else "")
+            )
 
 
 @main.command()

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ckpt_watcher import suites
 from ckpt_watcher.errors import ConfigError
 
 
@@ -206,7 +207,10 @@ class EvalConfig(_Model):
     max_gen_toks: int | None = Field(None, ge=1)
     """If set, overrides every task's max_gen_toks (then clamped per request)."""
     include_path: Path | None = None
-    """A folder of extra lm-eval task YAMLs."""
+    """A folder of extra lm-eval task YAMLs (the shipped tasks, `math_qwen` and `passk_*`,
+    are always there)."""
+    suite_path: Path | None = None
+    """A suite YAML, or a folder of them, beside the shipped suites (`watcher suites`)."""
     batch_size: int | Literal["auto"] | None = None
     """lm-eval batch size; null keeps the backend's default (hf: 1, vllm: auto)."""
     limit: float | None = Field(None, gt=0)
@@ -218,7 +222,14 @@ class EvalConfig(_Model):
     retry_backoff_seconds: float = Field(30.0, ge=0)
     """Wait before retry k is this times 2**(k-1)."""
     tasks: list[TaskSpec] = Field(min_length=1)
-    """The tasks to run on every checkpoint."""
+    """The tasks to run on every checkpoint; `{suite: NAME}` stands for a suite's tasks."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_suites(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("tasks"), list):
+            data = dict(data) | {"tasks": suites.expand(data["tasks"], data.get("suite_path"))}
+        return data
 
     @field_validator("model_args", mode="before")
     @classmethod
@@ -228,7 +239,7 @@ class EvalConfig(_Model):
         merged = dict(DEFAULT_MODEL_ARGS) | v
         return {k: val for k, val in merged.items() if val is not None}
 
-    @field_validator("include_path")
+    @field_validator("include_path", "suite_path")
     @classmethod
     def _expand(cls, v: Path | None) -> Path | None:
         return v.expanduser() if v is not None else None
@@ -251,7 +262,8 @@ class EvalConfig(_Model):
             key = (t.task, t.num_fewshot)
             if key in seen:
                 raise ValueError(
-                    f"task {t.task!r} with num_fewshot={t.num_fewshot} is listed twice"
+                    f"task {t.task!r} with num_fewshot={t.num_fewshot} is listed twice "
+                    "(perhaps once in a suite: `watcher suites` lists their tasks)"
                 )
             seen.add(key)
         return self
@@ -276,6 +288,49 @@ class EvalConfig(_Model):
         """Short stable digest of `settings()`, part of every result's identity."""
         blob = json.dumps(self.settings(), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
+
+
+class BaselineEntry(_Model):
+    """One task's baseline numbers, with lm-eval's keys and scale (0.6861, not 68.61)."""
+
+    task: str = Field(min_length=1)
+    num_fewshot: int | None = Field(None, ge=0)
+    metrics: dict[str, float] = Field(min_length=1)
+    """e.g. {"exact_match,strict-match": 0.5944, "exact_match_stderr,strict-match": 0.0135}."""
+
+
+class BaselineConfig(_Model):
+    """What `watcher results` compares every checkpoint with: a first row and a Δ column."""
+
+    name: str = "baseline"
+    """The row's name, e.g. the base model's."""
+    checkpoint: str | None = None
+    """The base model: a folder or `s3://bucket/prefix/`, evaluated once with the same settings
+    as run `baseline` (its results in `<ledger_dir>/baseline/`)."""
+    endpoint_url: str | None = None
+    """For an S3 `checkpoint`: the endpoint (default: that of an S3 source on the same bucket,
+    else AWS_ENDPOINT_URL / boto3's default chain)."""
+    metrics: list[BaselineEntry] = Field(default_factory=list)
+    """Fixed numbers per task entry (from a paper, or an earlier run of the base model)."""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> BaselineConfig:
+        if (self.checkpoint is None) == (not self.metrics):
+            raise ValueError(
+                "give either `checkpoint` (the base model, evaluated once) or `metrics` "
+                "(fixed numbers), not both"
+                if self.checkpoint
+                else "give `checkpoint` (the base model, evaluated once) or `metrics` "
+                "(fixed numbers)"
+            )
+        return self
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _where(cls, v: str | None) -> str | None:
+        if v is None or v.startswith("s3://"):
+            return v if v is None or v.endswith("/") else v + "/"
+        return str(Path(v).expanduser().absolute())
 
 
 class PolicyConfig(_Model):
@@ -308,6 +363,7 @@ class WatcherConfig(_Model):
     executor: ExecutorConfig = Field(default_factory=lambda: ExecutorConfig())
     eval: EvalConfig
     policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig())
+    baseline: BaselineConfig | None = None
 
     @field_validator("state_dir", "ledger_dir")
     @classmethod
@@ -320,6 +376,19 @@ class WatcherConfig(_Model):
         if v is not None and not v.startswith("s3://"):
             raise ValueError("must look like s3://bucket/prefix/")
         return v
+
+    @model_validator(mode="after")
+    def _baseline_apart(self) -> WatcherConfig:
+        where = self.baseline.checkpoint if self.baseline else None
+        for src in self.sources if where else []:
+            root = str(src.path) if isinstance(src, LocalSource) else src.uri
+            if where and where.startswith(root.rstrip("/") + "/"):
+                raise ValueError(
+                    f"baseline.checkpoint {where} is inside the source {src.name}: keep the "
+                    "base model outside the watched folders and prefixes (a copy or a link "
+                    "elsewhere), so it is not found as a checkpoint of a run"
+                )
+        return self
 
     def resolved(self) -> dict[str, Any]:
         """The config with every default filled in, as plain data (saved beside results)."""

@@ -38,19 +38,54 @@ def newest_versions(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [ln for ln in lines if newest[_point(ln)] == _version(ln)]
 
 
+def column(task: str, shots: int | None, metric: str) -> str:
+    """A metric's column name: `gsm8k (4-shot) exact_match,strict-match`."""
+    return f"{_task_label({'task': task, 'num_fewshot': shots})} {metric}"
+
+
+def baseline_values(
+    fixed: list[tuple[str, int | None, dict[str, float]]], evaluated: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The baseline by column (stderr columns too): `fixed` numbers per (task, shots), then the
+    baseline run's own ledger lines (its latest ok line per task wins)."""
+    out = {column(task, shots, k): v for task, shots, metrics in fixed for k, v in metrics.items()}
+    for line in newest_versions(evaluated):
+        if line.get("status") == "ok":
+            for metric, value in line.get("metrics", {}).items():
+                out[column(line["task"], line.get("num_fewshot"), metric)] = value
+    return out
+
+
+def _stderr_of(metric: str) -> str | None:
+    """`exact_match_stderr,none` -> `exact_match,none`; None for a metric that is no stderr."""
+    name, sep, filt = metric.partition(",")
+    return f"{name[: -len('_stderr')]}{sep}{filt}" if name.endswith("_stderr") else None
+
+
 def metric_table(
-    lines: list[dict[str, Any]], include_stderr: bool = False, all_versions: bool = False
+    lines: list[dict[str, Any]],
+    include_stderr: bool = False,
+    all_versions: bool = False,
+    only: list[str] | None = None,
+    baseline: dict[str, Any] | None = None,
+    baseline_name: str = "baseline",
 ) -> Table:
     """One row per checkpoint (by step), one column per task/shots/metric; the latest ok line
     wins. A task with failed lines and no ok line for a checkpoint shows `FAILED`. A step
     evaluated in several versions (rewritten in place) shows its newest, or with
     `all_versions` one row per version, with its fingerprint and checkpoint.
+
+    `only`: exactly these columns, in this order (a suite's headline metrics). `baseline`:
+    values by column (stderr columns too, where known): a first row, and after each metric
+    a `Δ` column, the checkpoint minus the baseline, marked `*` where |Δ| exceeds twice the
+    stderr of the difference (sqrt(se² + se_baseline²); a baseline without stderr counts 0).
     """
     Key = tuple[Any, str, str]  # (step, label, fingerprint)
     cells: dict[Key, dict[str, Any]] = {}
     columns: list[str] = []
     failed: dict[Key, set[str]] = {}
     where: dict[Key, str] = {}
+    errs: dict[Key, dict[str, float]] = {}  # each metric column's stderr, shown or not
     for line in lines if all_versions else newest_versions(lines):
         key = (*_point(line), _version(line))
         where.setdefault(key, line.get("checkpoint", ""))
@@ -60,12 +95,17 @@ def metric_table(
             continue
         row = cells[key]
         for metric, value in line.get("metrics", {}).items():
-            if "_stderr" in metric and not include_stderr:
+            of = _stderr_of(metric)
+            if of is not None and isinstance(value, int | float):
+                errs.setdefault(key, {})[f"{_task_label(line)} {of}"] = float(value)
+            if of is not None and not include_stderr:
                 continue
             col = f"{_task_label(line)} {metric}"
             if col not in columns:
                 columns.append(col)
             row[col] = value
+    if only is not None:
+        columns = list(only)
     # a task that never succeeded has no metric columns: it gets a column of its own
     for label in sorted({f for fs in failed.values() for f in fs}):
         if not any(col.startswith(label + " ") for col in columns):
@@ -90,7 +130,58 @@ def metric_table(
             [first, version or None, where[key], *values] if all_versions else [first, *values]
         )
     head = ["step", "fingerprint", "checkpoint"] if all_versions else ["step"]
-    return Table([*head, *columns], out_rows)
+    table = Table([*head, *columns], out_rows)
+    if baseline is not None:
+        keys = sorted(
+            cells, key=lambda k: (k[0] if k[0] is not None else float("inf"), k[1], order[k])
+        )
+        table = _with_baseline(
+            table, len(head), baseline, baseline_name, [errs.get(k, {}) for k in keys]
+        )
+    return table
+
+
+def _delta(value: Any, base: Any, se: float | None, se_base: float | None) -> Any:
+    if not isinstance(value, int | float) or not isinstance(base, int | float):
+        return None
+    d = value - base
+    bound = 2 * ((se or 0.0) ** 2 + (se_base or 0.0) ** 2) ** 0.5
+    return f"{d:+.4f}{'*' if se is not None and abs(d) > bound else ''}"
+
+
+def _with_baseline(
+    table: Table, head: int, base: dict[str, Any], name: str, errs: list[dict[str, float]]
+) -> Table:
+    """The baseline's row first, and a `Δ` column after each metric column."""
+    metrics = [
+        c for c in table.columns[head:] if c in base and _stderr_of(c.rsplit(" ", 1)[-1]) is None
+    ]
+    columns = table.columns[:head]
+    for c in table.columns[head:]:
+        columns.append(c)
+        if c in metrics:
+            columns.append(f"Δ {c}")
+    first = [name] + [None] * (head - 1)
+    rows = [first + [base.get(c) if not c.startswith("Δ ") else None for c in columns[head:]]]
+    for row, err in zip(table.rows, errs, strict=True):
+        by_col = dict(zip(table.columns, row, strict=True))
+        out = list(row[:head])
+        for c in columns[head:]:
+            if c.startswith("Δ "):
+                m = c[2:]
+                se_base = base.get(stderr_column(m))
+                out.append(_delta(by_col.get(m), base.get(m), err.get(m), se_base))
+            else:
+                out.append(by_col.get(c))
+        rows.append(out)
+    return Table(columns, rows)
+
+
+def stderr_column(col: str) -> str:
+    """`gsm8k (4-shot) exact_match,none` -> `gsm8k (4-shot) exact_match_stderr,none`."""
+    label, _, metric = col.rpartition(" ")
+    name, sep, filt = metric.partition(",")
+    return f"{label} {name}_stderr{sep}{filt}"
 
 
 def _fmt(v: Any) -> str:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckpt_watcher.devices import Device
+from ckpt_watcher.sources.baseline import BASELINE_RUN
 from ckpt_watcher.state import Job
 
 
@@ -19,10 +20,13 @@ def eligible(jobs: Sequence[Job], now: float) -> list[Job]:
 
 
 def order_jobs(jobs: Sequence[Job], order: str) -> list[Job]:
-    """newest_first: highest order key (step) first; oldest_first: lowest first. Ties: FIFO."""
-    if order == "newest_first":
-        return sorted(jobs, key=lambda j: (-j.order_key, j.created_at, j.id))
-    return sorted(jobs, key=lambda j: (j.order_key, j.created_at, j.id))
+    """The baseline first (every result is compared with it); then newest_first: highest order
+    key (step) first; oldest_first: lowest first. Ties: FIFO."""
+    sign = -1 if order == "newest_first" else 1
+    return sorted(
+        jobs,
+        key=lambda j: (j.run_path != BASELINE_RUN, sign * j.order_key, j.created_at, j.id),
+    )
 
 
 def assign(

@@ -1,0 +1,67 @@
+"""The base model as a source of exactly one checkpoint: `baseline.checkpoint` (a folder or an
+S3 prefix), run `baseline`, step 0.
+
+It is evaluated like any checkpoint (same settings, identity, ledger, retries), once: its
+results are in `<ledger_dir>/baseline/`, and `watcher results` compares every step with them.
+Everything but the listing is the inner source's (a local or S3 source rooted at the folder's
+parent), so completeness, the naming fix, staging and fingerprints work unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ckpt_watcher.checkpoints.files import CheckpointFiles
+from ckpt_watcher.checkpoints.naming import CheckpointId
+from ckpt_watcher.sources.base import Found, Source
+
+BASELINE_RUN = "baseline"
+BASELINE_ID = CheckpointId(run=BASELINE_RUN, step=0, label="baseline", run_path=BASELINE_RUN)
+
+
+class BaselineSource:
+    def __init__(self, inner: Source, location: str, path: Path | None) -> None:
+        self.inner = inner
+        self.location = location
+        self.path = path
+        self.name = f"baseline:{location}"
+        self.poll_seconds = inner.poll_seconds
+        self.fingerprint_mode = inner.fingerprint_mode
+        self.recheck_per_scan = inner.recheck_per_scan
+
+    def owns(self, location: str) -> bool:
+        return location == self.location
+
+    def scan(self) -> list[Found]:
+        if not self.inner.exists(self.location):
+            raise FileNotFoundError(
+                f"baseline.checkpoint {self.location} does not exist (yet): fix the path, or "
+                "remove `baseline.checkpoint` from the config"
+            )
+        return [Found(self.location, self.path, BASELINE_ID)]
+
+    def view(self, location: str) -> CheckpointFiles:
+        return self.inner.view(location)
+
+    def exists(self, location: str) -> bool:
+        return self.inner.exists(location)
+
+    def prepare(self, location: str) -> list[str]:
+        return self.inner.prepare(location)
+
+    def stage_spec(self, location: str) -> dict[str, Any] | None:
+        return self.inner.stage_spec(location)
+
+    def release(self, location: str) -> None:
+        self.inner.release(location)
+
+    def make_room(self, needed: list[str]) -> None:
+        self.inner.make_room(needed)
+
+    def watch(self, wake: Callable[[], None]) -> bool:
+        return False  # one checkpoint that does not change: polling is plenty
+
+    def close(self) -> None:
+        self.inner.close()
