@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
@@ -195,6 +196,38 @@ def test_plot_writes_a_png_of_metrics_by_step(tmp_path: Path) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     result = CliRunner().invoke(main, ["plot", "-c", str(cfg), "nope", "-o", str(out)])
     assert result.exit_code == 1 and "runs: r" in result.output
+
+
+def test_plot_draws_stderr_bars_the_baseline_and_an_accuracy_axis_from_0_to_1() -> None:
+    import matplotlib.pyplot as plt
+
+    from ckpt_watcher.plot import figure
+
+    def line(step: int, task: str, metrics: dict[str, float]) -> dict[str, Any]:
+        return {"run": "r", "step": step, "label": f"r_step{step}", "task": task} | {
+            "num_fewshot": 0,
+            "status": "ok",
+            "metrics": metrics,
+        }
+
+    acc = [(100, 0.2, 0.04), (200, 0.5, 0.05)]
+    lines = [line(s, "a", {"acc,none": v, "acc_stderr,none": e}) for s, v, e in acc]
+    fig, drawn = figure(lines, "r", {"a (0-shot) acc,none": 0.3}, "base")
+    ax = fig.axes[0]
+    assert drawn == 1 and ax.get_ylim() == (0.0, 1.0)
+    (bars,) = ax.containers  # one errorbar series: its points and its stderr
+    data_line, _, (segments,) = bars.lines
+    assert list(data_line.get_xdata()) == [100, 200] and list(data_line.get_ydata()) == [0.2, 0.5]
+    spans = [tuple(seg[:, 1]) for seg in segments.get_segments()]
+    assert spans == [pytest.approx((0.16, 0.24)), pytest.approx((0.45, 0.55))]
+    (dashed,) = [ln for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+    assert list(dashed.get_ydata()) == [0.3, 0.3] and dashed.get_color() == data_line.get_color()
+    assert [t.get_text() for t in ax.get_legend().get_texts()][0].startswith("base (dashed")
+    plt.close(fig)
+    # a metric beyond [0, 1] (perplexity, say) keeps matplotlib's own limits
+    fig, _ = figure([line(100, "b", {"ppl,none": 12.0}), line(200, "b", {"ppl,none": 9.0})], "r")
+    assert fig.axes[0].get_ylim()[1] > 12
+    plt.close(fig)
 
 
 def test_results_of_a_run_with_only_failures_shows_them(tmp_path: Path) -> None:

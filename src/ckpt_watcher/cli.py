@@ -62,6 +62,29 @@ def _load(config_path: Path, overrides: tuple[str, ...] = ()) -> WatcherConfig:
     return load_config(config_path, list(overrides))
 
 
+def _baseline(cfg: WatcherConfig, run_path: str) -> dict[str, Any] | None:
+    """The config's baseline by column (report.baseline_values), None without one; says so on
+    stderr while the baseline checkpoint has no results yet."""
+    from ckpt_watcher import ledger as ledger_mod
+    from ckpt_watcher.report import baseline_values
+    from ckpt_watcher.sources.baseline import BASELINE_RUN
+
+    if cfg.baseline is None:
+        return None
+    evaluated: list[dict[str, Any]] = []
+    if cfg.baseline.checkpoint is not None and run_path != BASELINE_RUN:
+        where = ledger_mod.ledger_path(cfg.ledger_dir, BASELINE_RUN)
+        evaluated = ledger_mod.read_lines(where).lines if where.exists() else []
+        if not any(ln.get("status") == "ok" for ln in evaluated):
+            click.echo(
+                f"watcher: the baseline ({cfg.baseline.checkpoint}) has no results yet "
+                f"(`watcher status` shows its progress); {where}",
+                err=True,
+            )
+    fixed = [(e.task, e.num_fewshot, e.metrics) for e in cfg.baseline.metrics]
+    return baseline_values(fixed, evaluated) or None
+
+
 def _run_ledger(config_path: Path, run_name: str) -> tuple[str, list[dict[str, Any]]]:
     """(run path, its ledger lines) for a run path or run name; exit 1 naming the runs that do
     have results if it has none, 2 if the run name is ambiguous."""
@@ -185,9 +208,7 @@ def results(
 ) -> None:
     """The metric-by-step table of one run (a run path, or a run name only one run has), from
     its ledger. With a `baseline` in the config: its row first and a Δ column per metric."""
-    from ckpt_watcher import ledger as ledger_mod
-    from ckpt_watcher.report import baseline_values, column, metric_table, render, stderr_column
-    from ckpt_watcher.sources.baseline import BASELINE_RUN
+    from ckpt_watcher.report import column, metric_table, render, stderr_column
     from ckpt_watcher.suites import get_suite
 
     cfg = _load(config_path)
@@ -201,20 +222,7 @@ def results(
         only = [column(t, shots, key) for t, shots, key in suite.headline]
         if with_stderr:
             only = [c for col in only for c in (col, stderr_column(col))]
-    base = None
-    if cfg.baseline is not None:
-        evaluated: list[dict[str, Any]] = []
-        if cfg.baseline.checkpoint is not None and run_path != BASELINE_RUN:
-            where = ledger_mod.ledger_path(cfg.ledger_dir, BASELINE_RUN)
-            evaluated = ledger_mod.read_lines(where).lines if where.exists() else []
-            if not any(ln.get("status") == "ok" for ln in evaluated):
-                click.echo(
-                    f"watcher: the baseline ({cfg.baseline.checkpoint}) has no results yet "
-                    f"(`watcher status` shows its progress); {where}",
-                    err=True,
-                )
-        fixed = [(e.task, e.num_fewshot, e.metrics) for e in cfg.baseline.metrics]
-        base = baseline_values(fixed, evaluated) or None
+    base = _baseline(cfg, run_path)
     table = metric_table(
         lines,
         include_stderr=with_stderr,
@@ -354,8 +362,11 @@ def plot(config_path: Path, run_name: str, output: Path) -> None:
     """Plot one run's metrics against the step, from its ledger, as a PNG."""
     from ckpt_watcher.plot import plot_run
 
+    cfg = _load(config_path)
     run_path, lines = _run_ledger(config_path, run_name)
-    drawn = plot_run(lines, run_path, output)
+    base = _baseline(cfg, run_path)
+    name = cfg.baseline.name if cfg.baseline else "baseline"
+    drawn = plot_run(lines, run_path, output, baseline=base, baseline_name=name)
     if not drawn:
         _fail(1, f"run {run_name!r} has no ok results with a step yet; nothing to plot")
     click.echo(f"wrote {output} ({drawn} series)")

@@ -1,30 +1,72 @@
-"""`watcher plot`: each metric of a run against the step, from its ledger, as a PNG."""
+"""`watcher plot`: each metric of a run against the step, from its ledger, as a PNG, with its
+stderr as error bars and the baseline (when the config has one) as a dashed line."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from ckpt_watcher.report import metric_table
+from ckpt_watcher.report import metric_table, stderr_column
 
 
-def plot_run(lines: list[dict[str, Any]], run: str, out: Path) -> int:
-    """Draw one line per task/metric column (steps on x); returns how many series were drawn."""
+def plot_run(
+    lines: list[dict[str, Any]],
+    run: str,
+    out: Path,
+    baseline: dict[str, Any] | None = None,
+    baseline_name: str = "baseline",
+) -> int:
+    """Write the PNG; returns how many series were drawn."""
+    import matplotlib.pyplot as plt
+
+    fig, drawn = figure(lines, run, baseline, baseline_name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return drawn
+
+
+def figure(
+    lines: list[dict[str, Any]],
+    run: str,
+    baseline: dict[str, Any] | None = None,
+    baseline_name: str = "baseline",
+) -> tuple[Any, int]:
+    """(the figure, how many series): one per task/metric column (steps on x). The y axis spans
+    [0, 1] when every value drawn lies in it (accuracies, pass@k)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed, none touched
     import matplotlib.pyplot as plt
 
-    table = metric_table(lines)
+    table = metric_table(lines, include_stderr=True)
+    at = {c: i for i, c in enumerate(table.columns)}
     rows = [r for r in table.rows if isinstance(r[0], int)]
+    metrics = [c for c in table.columns[1:] if "_stderr," not in c]
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    drawn = 0
-    for i, column in enumerate(table.columns[1:], start=1):
-        points = [(r[0], r[i]) for r in rows if isinstance(r[i], int | float)]
-        if points:
-            xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, marker="o", label=column)
-            drawn += 1
+    drawn, values, based = 0, list[float](), False
+    for column in metrics:
+        i, e = at[column], at.get(stderr_column(column))
+        points = [
+            (r[0], r[i], r[e] if e is not None and isinstance(r[e], int | float) else 0.0)
+            for r in rows
+            if isinstance(r[i], int | float)
+        ]
+        if not points:
+            continue
+        xs, ys, errs = zip(*points, strict=True)
+        bars = ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=column)
+        values += ys
+        base = (baseline or {}).get(column)
+        if isinstance(base, int | float):
+            color = bars.lines[0].get_color()
+            label = "_nolegend_" if based else f"{baseline_name} (dashed, each metric's colour)"
+            ax.axhline(base, color=color, linestyle="--", linewidth=1, label=label)
+            based = True
+            values.append(base)
+        drawn += 1
+    if values and all(0 <= v <= 1 for v in values):
+        ax.set_ylim(0, 1)
     ax.set_xlabel("step")
     ax.set_ylabel("metric")
     ax.set_title(f"{run}: lm-eval metrics by step")
@@ -32,7 +74,4 @@ def plot_run(lines: list[dict[str, Any]], run: str, out: Path) -> int:
     if drawn:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return drawn
+    return fig, drawn
