@@ -71,6 +71,21 @@ def test_the_baseline_source_finds_exactly_its_checkpoint_as_run_baseline_step_0
     assert "config.json" in source.view(str(base)).files
 
 
+def test_doctor_says_whether_the_baseline_checkpoint_is_there(
+    tmp_path: Path, copy_checkpoint
+) -> None:
+    from ckpt_watcher.doctor import check_baseline
+
+    base = tmp_path / "models" / "base"
+    cfg = parse_config(_raw(tmp_path, {"checkpoint": str(base)}))
+    (missing,) = check_baseline(cfg)
+    assert not missing.ok and "does not exist (yet)" in missing.line()
+    copy_checkpoint(base)
+    (found,) = check_baseline(cfg)
+    assert found.ok and found.line().endswith("evaluated once as run `baseline`")
+    assert check_baseline(parse_config({**_raw(tmp_path, {}), "baseline": None})) == []
+
+
 def test_the_baseline_job_goes_first_whatever_the_order() -> None:
     def job(jid: str, run: str, step: int) -> Job:
         return Job.new(

@@ -126,6 +126,24 @@ def check_sources(cfg: WatcherConfig) -> list[Check]:
     return out
 
 
+def check_baseline(cfg: WatcherConfig) -> list[Check]:
+    """`baseline.checkpoint` is there (one listing on S3)."""
+    if cfg.baseline is None or cfg.baseline.checkpoint is None:
+        return []
+    from ckpt_watcher.sources import baseline_source
+
+    where = cfg.baseline.checkpoint
+    try:
+        found = baseline_source(cfg).exists(where)
+    except (OSError, WatcherError) as e:
+        return [Check("baseline", False, str(e))]
+    if not found:
+        return [
+            Check("baseline", False, f"{where} does not exist (yet); it is evaluated once it does")
+        ]
+    return [Check("baseline", True, f"{where} found; evaluated once as run `baseline`")]
+
+
 def _s3_check(name: str, uri: str, endpoint_url: str | None, timeout: float) -> Check:
     """Credentials and reachability: one listing request, at most one retry."""
     from ckpt_watcher.s3client import Retry
@@ -198,5 +216,6 @@ def run_checks(cfg: WatcherConfig) -> list[Check]:
     checks += check_backend(cfg)
     checks.append(check_tasks(cfg))
     checks += check_sources(cfg)
+    checks += check_baseline(cfg)
     checks += check_disk(cfg)
     return checks
