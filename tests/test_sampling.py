@@ -70,8 +70,9 @@ def test_task_entries_sampling_settings_validate_and_enter_the_settings_hash() -
     assert task_settings_hash("abc123", plain) == "abc123"  # older lines still count
     sampled = TaskSpec(task="gsm8k", num_fewshot=8, samples=4).model_dump()
     warm = TaskSpec(task="gsm8k", num_fewshot=8, gen_kwargs={"temperature": 0.6}).model_dump()
-    hashes = {task_settings_hash("abc123", t) for t in (plain, sampled, warm)}
-    assert len(hashes) == 3
+    chat = TaskSpec(task="gsm8k", num_fewshot=8, apply_chat_template=True).model_dump()
+    hashes = {task_settings_hash("abc123", t) for t in (plain, sampled, warm, chat)}
+    assert len(hashes) == 4
 
 
 def test_a_bad_pass_at_is_a_config_error_naming_the_task(tmp_path: Path) -> None:
@@ -210,3 +211,35 @@ def test_sampled_task_on_vllm_is_seeded_per_document_and_sample(
         _check_pass_at_k_from_records(line, _records(tmp, line))
         got.append((line["metrics"], _records(tmp, line)))
     assert got[0] == got[1]
+
+
+@pytest.mark.slow
+def test_a_task_entry_can_wrap_its_prompts_in_the_checkpoints_chat_template(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint
+) -> None:
+    """`apply_chat_template: true`, as lm_eval --apply_chat_template: the prompt the model saw
+    (kept in the records) is the template's, few-shot exemplars as turns; the entry gets a
+    settings hash of its own, a plain entry keeps eval's."""
+    ckpt = copy_checkpoint(tmp_path / "ckpts" / "s_step300")
+    tok_cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    tok_cfg["chat_template"] = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    entries = [
+        {"task": "addition", "num_fewshot": 0},
+        {"task": "addition", "num_fewshot": 2, "apply_chat_template": True},
+    ]
+    lines = {
+        ln["num_fewshot"]: ln
+        for ln in _once(tmp_path, tmp_path / "ckpts", addition_tasks, tasks=entries, limit=5)
+    }
+    assert {ln["status"] for ln in lines.values()} == {"ok"}
+    plain, chat = (_records(tmp_path, lines[k])[0]["prompt"] for k in (0, 2))
+    assert "<user>" not in plain
+    assert chat.startswith("<user>") and chat.endswith("</user><assistant>")
+    assert chat.count("<user>") == 3 and chat.count("<assistant>") == 3  # 2 shots as turns
+    cfg_hash = lines[0]["settings_hash"]
+    assert lines[2]["settings_hash"] != cfg_hash and lines[2]["apply_chat_template"] is True
+    assert "apply_chat_template" not in lines[0]

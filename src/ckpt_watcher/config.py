@@ -133,6 +133,9 @@ class TaskSpec(_Model):
     pass_at: list[int] | None = None
     """The k of each pass@k to report (each 1..samples); default where `samples` is given:
     the powers of two up to samples, and samples. A task with either is a sampled task."""
+    apply_chat_template: bool = False
+    """Wrap each prompt (and each few-shot exemplar, as turns) in the checkpoint's chat
+    template, as `lm_eval --apply_chat_template` does: for instruct and reasoning models."""
 
     @model_validator(mode="after")
     def _check_sampling(self) -> TaskSpec:
@@ -152,7 +155,7 @@ class TaskSpec(_Model):
 
 def task_settings_hash(settings_hash: str, task: dict[str, Any]) -> str:
     """The settings hash of one task entry (a `TaskSpec` dump): `eval`'s own hash, extended by
-    what the entry adds (samples, pass_at, its gen_kwargs). A plain entry keeps `eval`'s hash,
+    what the entry adds (samples, pass_at, its gen_kwargs, the chat template). A plain entry keeps `eval`'s hash,
     so lines written before tasks had settings of their own still count."""
     own: dict[str, Any] = {}
     if task.get("samples", 1) != 1 or task.get("pass_at") is not None:
@@ -160,6 +163,8 @@ def task_settings_hash(settings_hash: str, task: dict[str, Any]) -> str:
         own["pass_at"] = task.get("pass_at")
     if task.get("gen_kwargs"):
         own["gen_kwargs"] = task["gen_kwargs"]
+    if task.get("apply_chat_template"):
+        own["apply_chat_template"] = True
     if not own:
         return settings_hash
     blob = json.dumps({"eval": settings_hash, "task": own}, sort_keys=True, default=str)

@@ -109,37 +109,45 @@ def result_line(
         gen_kwargs["max_gen_toks"] = eval_cfg.max_gen_toks
     ok = status == "ok"
     sampled = {"samples": entry.get("samples", 1), "pass_at": entry.get("pass_at")}
-    return {
-        "schema": SCHEMA,
-        "run": job.run,
-        "step": job.step,
-        "label": job.label,
-        "checkpoint": job.location,
-        "task": outcome["task"],
-        "num_fewshot": outcome["num_fewshot"],
-        "status": status,
-        "metrics": outcome.get("metrics", {}) if ok else {},
-        "backend": eval_cfg.backend,
-        "device": job.device_label,
-        "model_args": eval_cfg.model_args,
-        "gen_kwargs": gen_kwargs,
-        "seed": eval_cfg.seed,
-        "clamped_requests": outcome.get("clamped_requests", 0),
-        "truncated_prompts": outcome.get("truncated_prompts", 0),
-        "n_samples": outcome.get("n_samples"),
-        "attempt": job.attempt,
-        "started_at": started or None,
-        "finished_at": finished or None,
-        "duration_s": seconds_between(started, finished),
-        "lm_eval_version": outcome.get("lm_eval_version"),
-        "results_file": _run_relative(outcome.get("results_file"), ledger_dir, job) if ok else None,
-        "samples_file": _run_relative(outcome.get("samples_file"), ledger_dir, job) if ok else None,
-        "error": error,
-        "job_id": job.id,
-        "settings_hash": task_settings_hash(job.settings_hash, entry),
-        "run_path": job.run_path,
-        "fingerprint": job.fingerprint,
-    } | (sampled if entry.get("pass_at") is not None else {})
+    return (
+        {
+            "schema": SCHEMA,
+            "run": job.run,
+            "step": job.step,
+            "label": job.label,
+            "checkpoint": job.location,
+            "task": outcome["task"],
+            "num_fewshot": outcome["num_fewshot"],
+            "status": status,
+            "metrics": outcome.get("metrics", {}) if ok else {},
+            "backend": eval_cfg.backend,
+            "device": job.device_label,
+            "model_args": eval_cfg.model_args,
+            "gen_kwargs": gen_kwargs,
+            "seed": eval_cfg.seed,
+            "clamped_requests": outcome.get("clamped_requests", 0),
+            "truncated_prompts": outcome.get("truncated_prompts", 0),
+            "n_samples": outcome.get("n_samples"),
+            "attempt": job.attempt,
+            "started_at": started or None,
+            "finished_at": finished or None,
+            "duration_s": seconds_between(started, finished),
+            "lm_eval_version": outcome.get("lm_eval_version"),
+            "results_file": _run_relative(outcome.get("results_file"), ledger_dir, job)
+            if ok
+            else None,
+            "samples_file": _run_relative(outcome.get("samples_file"), ledger_dir, job)
+            if ok
+            else None,
+            "error": error,
+            "job_id": job.id,
+            "settings_hash": task_settings_hash(job.settings_hash, entry),
+            "run_path": job.run_path,
+            "fingerprint": job.fingerprint,
+        }
+        | (sampled if entry.get("pass_at") is not None else {})
+        | ({"apply_chat_template": True} if entry.get("apply_chat_template") else {})
+    )
 
 
 def _run_relative(path: str | None, ledger_dir: Path, job: Any) -> str | None:

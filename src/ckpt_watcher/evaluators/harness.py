@@ -65,6 +65,7 @@ class TaskRun:
     samples: int = 1
     gen_kwargs: dict[str, Any] | None = None
     pass_at: list[int] | None = None  # set: a sampled task
+    apply_chat_template: bool = False
 
     @property
     def sampled(self) -> bool:
@@ -250,6 +251,7 @@ def _evaluate(
             torch_random_seed=req.seed,
             fewshot_random_seed=req.seed,
             confirm_run_unsafe_code=t.allow_code_execution,
+            apply_chat_template=t.apply_chat_template,
         )
         if results is None:
             raise EvalError("lm-eval returned no results (not rank 0?)")
