@@ -62,15 +62,15 @@ def _load(config_path: Path, overrides: tuple[str, ...] = ()) -> WatcherConfig:
     return load_config(config_path, list(overrides))
 
 
-def _baseline(cfg: WatcherConfig, run_path: str) -> dict[str, Any] | None:
-    """The config's baseline by column (report.baseline_values), None without one; says so on
-    stderr while the baseline checkpoint has no results yet."""
+def _baseline(cfg: WatcherConfig, run_path: str) -> tuple[dict[str, Any] | None, str]:
+    """(the config's baseline by column (report.baseline_values), None without one; its row's
+    name); says so on stderr while the baseline checkpoint has no results yet."""
     from ckpt_watcher import ledger as ledger_mod
     from ckpt_watcher.report import baseline_values
     from ckpt_watcher.sources.baseline import BASELINE_RUN
 
     if cfg.baseline is None:
-        return None
+        return None, "baseline"
     evaluated: list[dict[str, Any]] = []
     if cfg.baseline.checkpoint is not None and run_path != BASELINE_RUN:
         where = ledger_mod.ledger_path(cfg.ledger_dir, BASELINE_RUN)
@@ -82,7 +82,7 @@ def _baseline(cfg: WatcherConfig, run_path: str) -> dict[str, Any] | None:
                 err=True,
             )
     fixed = [(e.task, e.num_fewshot, e.metrics) for e in cfg.baseline.metrics]
-    return baseline_values(fixed, evaluated) or None
+    return baseline_values(fixed, evaluated) or None, cfg.baseline.name
 
 
 def _run_ledger(config_path: Path, run_name: str) -> tuple[str, list[dict[str, Any]]]:
@@ -222,14 +222,14 @@ def results(
         only = [column(t, shots, key) for t, shots, key in suite.headline]
         if with_stderr:
             only = [c for col in only for c in (col, stderr_column(col))]
-    base = _baseline(cfg, run_path)
+    base, base_name = _baseline(cfg, run_path)
     table = metric_table(
         lines,
         include_stderr=with_stderr,
         all_versions=all_versions,
         only=only,
         baseline=base,
-        baseline_name=cfg.baseline.name if cfg.baseline else "baseline",
+        baseline_name=base_name,
     )
     click.echo(render(table, fmt))
 
@@ -364,9 +364,8 @@ def plot(config_path: Path, run_name: str, output: Path) -> None:
 
     cfg = _load(config_path)
     run_path, lines = _run_ledger(config_path, run_name)
-    base = _baseline(cfg, run_path)
-    name = cfg.baseline.name if cfg.baseline else "baseline"
-    drawn = plot_run(lines, run_path, output, baseline=base, baseline_name=name)
+    base, base_name = _baseline(cfg, run_path)
+    drawn = plot_run(lines, run_path, output, baseline=base, baseline_name=base_name)
     if not drawn:
         _fail(1, f"run {run_name!r} has no ok results with a step yet; nothing to plot")
     click.echo(f"wrote {output} ({drawn} series)")

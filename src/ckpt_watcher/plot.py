@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckpt_watcher.report import metric_table, stderr_column
+from ckpt_watcher.report import is_stderr_column, metric_table, stderr_column
 
 
 def plot_run(
@@ -42,7 +42,7 @@ def figure(
     table = metric_table(lines, include_stderr=True)
     at = {c: i for i, c in enumerate(table.columns)}
     rows = [r for r in table.rows if isinstance(r[0], int)]
-    metrics = [c for c in table.columns[1:] if "_stderr," not in c]
+    metrics = [c for c in table.columns[1:] if not is_stderr_column(c)]
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     drawn, values, based = 0, list[float](), False
     for column in metrics:

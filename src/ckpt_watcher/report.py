@@ -97,10 +97,10 @@ def metric_table(
         for metric, value in line.get("metrics", {}).items():
             of = _stderr_of(metric)
             if of is not None and isinstance(value, int | float):
-                errs.setdefault(key, {})[f"{_task_label(line)} {of}"] = float(value)
+                errs.setdefault(key, {})[column(line["task"], line.get("num_fewshot"), of)] = value
             if of is not None and not include_stderr:
                 continue
-            col = f"{_task_label(line)} {metric}"
+            col = column(line["task"], line.get("num_fewshot"), metric)
             if col not in columns:
                 columns.append(col)
             row[col] = value
@@ -112,9 +112,8 @@ def metric_table(
             columns.append(label)
     out_rows = []
     order = {key: i for i, key in enumerate(cells)}  # versions of a step: oldest first
-    for key in sorted(
-        cells, key=lambda k: (k[0] if k[0] is not None else float("inf"), k[1], order[k])
-    ):
+    keys = sorted(cells, key=lambda k: (k[0] if k[0] is not None else float("inf"), k[1], order[k]))
+    for key in keys:
         step, label, version = key
         row = cells[key]
         values = []
@@ -132,9 +131,6 @@ def metric_table(
     head = ["step", "fingerprint", "checkpoint"] if all_versions else ["step"]
     table = Table([*head, *columns], out_rows)
     if baseline is not None:
-        keys = sorted(
-            cells, key=lambda k: (k[0] if k[0] is not None else float("inf"), k[1], order[k])
-        )
         table = _with_baseline(
             table, len(head), baseline, baseline_name, [errs.get(k, {}) for k in keys]
         )
@@ -153,9 +149,7 @@ def _with_baseline(
     table: Table, head: int, base: dict[str, Any], name: str, errs: list[dict[str, float]]
 ) -> Table:
     """The baseline's row first, and a `Δ` column after each metric column."""
-    metrics = [
-        c for c in table.columns[head:] if c in base and _stderr_of(c.rsplit(" ", 1)[-1]) is None
-    ]
+    metrics = [c for c in table.columns[head:] if c in base and not is_stderr_column(c)]
     columns = table.columns[:head]
     for c in table.columns[head:]:
         columns.append(c)
@@ -175,6 +169,11 @@ def _with_baseline(
                 out.append(by_col.get(c))
         rows.append(out)
     return Table(columns, rows)
+
+
+def is_stderr_column(col: str) -> bool:
+    """`gsm8k (4-shot) exact_match_stderr,none` is; `gsm8k (4-shot) exact_match,none` is not."""
+    return _stderr_of(col.rsplit(" ", 1)[-1]) is not None
 
 
 def stderr_column(col: str) -> str:
