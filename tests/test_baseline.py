@@ -23,7 +23,7 @@ from ckpt_watcher.sources.baseline import BASELINE_RUN
 from ckpt_watcher.state import Job
 
 from .conftest import base_config, read_ledger, upload_dir, write_config
-from .helpers import watcher_once
+from .helpers import status_json, watcher_once
 
 
 def _raw(tmp: Path, baseline: dict) -> dict:
@@ -192,6 +192,10 @@ def test_a_suite_on_a_local_run_beside_an_s3_baseline_evaluated_once(
     pass2 = "olympiad_fixture (0-shot) math_verify_pass@2,final-answer"
     assert float(got[pass2]) == pytest.approx(math["metrics"]["math_verify_pass@2,final-answer"])
 
+    code, status = status_json(cfg)  # the baseline is a source of its own in status
+    assert status is not None and code == 3
+    names = [src["name"] for src in status["sources"]]
+    assert names == [f"local:{tmp_path / 'ckpts'}", f"baseline:s3://{bucket}/models/base/"]
     # a second pass finds nothing to do: the baseline was evaluated once
     watcher_once(cfg, tmp_path / "ledgers", "s")
     assert len(read_ledger(tmp_path / "ledgers", BASELINE_RUN)) == 2

@@ -14,6 +14,7 @@ from ckpt_watcher.clock import iso
 from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.ledger import LedgerIndex, Subject
 from ckpt_watcher.report import newest_versions
+from ckpt_watcher.sources.baseline import source_name
 from ckpt_watcher.state import HEARTBEAT_SECONDS, State
 
 STALE_AFTER = 10 * HEARTBEAT_SECONDS
@@ -56,7 +57,10 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
             "mode": state.get_meta("mode"),
         }
         scanned = {r["name"]: r for r in state.sources()}
-        sources = [_source(scanned.get(s.name), s.name, now) for s in cfg.sources]
+        names = [s.name for s in cfg.sources]
+        if cfg.baseline is not None and cfg.baseline.checkpoint is not None:
+            names.append(source_name(cfg.baseline.checkpoint))
+        sources = [_source(scanned.get(name), name, now) for name in names]
         checkpoints = [
             {
                 "location": r["location"],

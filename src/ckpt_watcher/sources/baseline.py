@@ -21,12 +21,17 @@ BASELINE_RUN = "baseline"
 BASELINE_ID = CheckpointId(run=BASELINE_RUN, step=0, label="baseline", run_path=BASELINE_RUN)
 
 
+def source_name(location: str) -> str:
+    """How `watcher status` names the baseline's source."""
+    return f"baseline:{location}"
+
+
 class BaselineSource:
     def __init__(self, inner: Source, location: str, path: Path | None) -> None:
         self.inner = inner
         self.location = location
         self.path = path
-        self.name = f"baseline:{location}"
+        self.name = source_name(location)
         self.poll_seconds = inner.poll_seconds
         self.fingerprint_mode = inner.fingerprint_mode
         self.recheck_per_scan = inner.recheck_per_scan
