@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,9 @@ def test_completeness_over_s3_reads_headers_only_and_waits_for_the_last_shard(
     )
     assert completeness.check(src.view(loc), now=0, stable_seconds=60).ready
     assert all(r.startswith("bytes=") for r in ranges if r != "") and len(ranges) >= 4
+    # the newest object's LastModified (for the detection-latency metric), from the listing
+    last = src.view(loc).last_write()
+    assert last is not None and abs(time.time() - last) < 60
 
 
 def test_staging_fetches_only_what_an_eval_needs_and_fixes_names(

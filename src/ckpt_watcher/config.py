@@ -369,6 +369,10 @@ class WatcherConfig(_Model):
     eval: EvalConfig
     policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig())
     baseline: BaselineConfig | None = None
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve Prometheus metrics at http://<metrics_addr>:<port>/metrics (0: any free port)."""
+    metrics_addr: str = "0.0.0.0"
+    """The address /metrics listens on (127.0.0.1: this host only)."""
 
     @field_validator("state_dir", "ledger_dir")
     @classmethod

@@ -31,6 +31,7 @@ from ckpt_watcher.jobs import JobRunner
 from ckpt_watcher.ledger import LedgerIndex, iter_runs
 from ckpt_watcher.mirror import LedgerMirror
 from ckpt_watcher.notify import Notifier
+from ckpt_watcher.sinks.prometheus import DaemonMetrics
 from ckpt_watcher.sources import Source, build_sources
 from ckpt_watcher.state import HEARTBEAT_SECONDS, State
 
@@ -75,12 +76,14 @@ class Daemon:
                 "set devices.cpu_slots to 1 or more on a machine without GPUs"
             )
         self.state = State(cfg.state_dir)
-        self.ledger = LedgerIndex(cfg.ledger_dir)
+        self.metrics = DaemonMetrics()
+        self.ledger = LedgerIndex(cfg.ledger_dir, on_append=self.metrics.ledger_line)
         self.discovery = Discovery(
             sources if sources is not None else build_sources(cfg),
             self.state,
             cfg.stable_seconds,
             self.wake.set,
+            on_ready=self.metrics.checkpoint_ready,
         )
         self.mirror = (
             LedgerMirror(cfg.ledger_mirror, cfg.ledger_dir, wake=self.wake.set)
@@ -127,6 +130,7 @@ class Daemon:
                     )
                 self.mirror.close()
             self.discovery.close()
+            self.metrics.close()
             self.state.set_meta(daemon_stopped_at=self.clock(), daemon_pid=None)
             self.state.close()
 
@@ -139,6 +143,7 @@ class Daemon:
             mode="once" if self.once else "run",
             stopping=False,
             daemon_stopped_at=None,
+            metrics_url=None,
         )
         for w in self.inventory_warnings:
             log.warning("devices.warning", message=w)
@@ -147,6 +152,8 @@ class Daemon:
             for run in iter_runs(self.cfg.ledger_dir):
                 self.mirror.request(run)
         self._save_resolved_config()
+        if self.cfg.metrics_port is not None:
+            self._serve_metrics(self.cfg.metrics_port, self.cfg.metrics_addr)
         self.jobs.recover(now)
         log.info(
             "daemon.started",
@@ -179,6 +186,16 @@ class Daemon:
         if self.once and self.jobs.failures:
             return 1
         return 0
+
+    def _serve_metrics(self, port: int, addr: str) -> None:
+        try:
+            bound = self.metrics.serve(port, addr)
+        except OSError as e:
+            raise ConfigError(
+                f"config field metrics_port: cannot serve /metrics on {addr}:{port} "
+                f"({e.strerror or e}); choose a free port, or remove metrics_port"
+            ) from e
+        self.state.set_meta(metrics_url=f"http://{addr}:{bound}/metrics")
 
     def _idle(self) -> bool:
         return not self.jobs.busy() and not self.discovery.scanning()
@@ -255,6 +272,7 @@ class Daemon:
     # --- heartbeat -----------------------------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
         self.notifier.watchdog(now)
+        self._update_metrics()
         where = getattr(self.executor, "where", None)
         if where is not None:  # executors that place jobs on other nodes say where
             for job in self.state.jobs("running"):
@@ -269,6 +287,16 @@ class Daemon:
             self.state.set_meta(heartbeat=now, stopping=bool(self.stop_requests))
             self.notifier.status(self._status_line())
             self._last_heartbeat = now
+
+    def _update_metrics(self) -> None:
+        running = {j.device for j in self.state.jobs("running") if j.device}
+        devices = self.inventory.devices()
+        self.metrics.loop_pass(
+            self.state.job_counts(),
+            [d.label for d in devices],
+            {d.label for d in devices if d.id in running},
+            [(r["name"], r["last_ok_at"]) for r in self.state.sources()],
+        )
 
     def _watch_zombies(self, now: float) -> None:
         """Report processes not ours that sit on GPU memory at 0% utilisation; kill them only

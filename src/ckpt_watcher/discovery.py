@@ -65,6 +65,7 @@ class Judged:
     fix_failed: bool = False
     write_mark: str = ""  # of a ready checkpoint, after the naming fix
     fingerprint: str | None = None  # of a ready checkpoint
+    last_write: float | None = None  # of a ready checkpoint: its newest file's mtime
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,12 @@ class Discovery:
         state: State,
         stable_seconds: float,
         wake: Callable[[], None],
+        on_ready: Callable[[float], None] | None = None,
     ) -> None:
         self.state = state
         self.stable_seconds = stable_seconds
         self._wake = wake
+        self._on_ready = on_ready  # seconds from a checkpoint's last write to judging it ready
         self.watched = [_Watched(s, Lane(f"source-{i}", wake)) for i, s in enumerate(sources)]
 
     # --- which source holds a location -----------------------------------------------------
@@ -296,6 +299,7 @@ class Discovery:
                 fixes,
                 write_mark=view.write_mark(),
                 fingerprint=fingerprint(view, source.fingerprint_mode),
+                last_write=view.last_write(),
             )
         except (OSError, WatcherError) as e:  # unreadable now (S3 down?): judged next scan
             log.warning("checkpoint.check_failed", location=location, error=str(e))
@@ -399,6 +403,8 @@ class Discovery:
             fields |= self._version(row, judged.fingerprint, now)
         if verdict.state != row["state"] or verdict.reason != row["reason"]:
             self.state.upsert_checkpoint(row["location"], row["source"], now, **fields)
+            if verdict.ready and judged.last_write is not None and self._on_ready is not None:
+                self._on_ready(max(0.0, now - judged.last_write))
             log.info(
                 f"checkpoint.{verdict.state}",
                 location=row["location"],

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -233,8 +233,11 @@ class LedgerIndex:
     """What the ledgers already hold, loaded from every run's ledger: `ok` identities, the first
     `ok` line per content (for reuse), and pre-fingerprint `ok` lines by location."""
 
-    def __init__(self, ledger_dir: Path) -> None:
+    def __init__(
+        self, ledger_dir: Path, on_append: Callable[[dict[str, Any]], None] | None = None
+    ) -> None:
         self.ledger_dir = ledger_dir
+        self.on_append = on_append  # told of every line written (the metrics count them)
         self.ok: set[Identity] = set()
         self.by_content: dict[ContentKey, dict[str, Any]] = {}
         self.legacy: set[LegacyKey] = set()
@@ -274,6 +277,8 @@ class LedgerIndex:
             return False
         append(self.ledger_dir, line)
         self._note(line)
+        if self.on_append is not None:
+            self.on_append(line)
         return True
 
     def estimate(self, task: str, num_fewshot: int | None, default: float = 60.0) -> float:

@@ -209,6 +209,7 @@ class S3Files:
     def __init__(self, client: Any, retry: Retry, bucket: str, prefix: str) -> None:
         self.client, self.retry, self.bucket, self.prefix = client, retry, bucket, prefix
         self._etags: dict[str, str] = {}
+        self._modified: dict[str, float] = {}
 
     @cached_property
     def files(self) -> dict[str, int]:
@@ -219,6 +220,8 @@ class S3Files:
                 if name and "/" not in name:
                     out[name] = int(obj["Size"])
                     self._etags[name] = obj.get("ETag", "")
+                    if "LastModified" in obj:
+                        self._modified[name] = obj["LastModified"].timestamp()
         return out
 
     def read(self, name: str, start: int = 0, length: int | None = None) -> bytes:
@@ -231,6 +234,10 @@ class S3Files:
             end = "" if length is None else str(min(start + length, self.files[name]) - 1)
             byte_range = f"bytes={start}-{end}"
         return get_bytes(self.client, self.retry, self.bucket, self.prefix + name, byte_range)
+
+    def last_write(self) -> float | None:
+        self.files  # noqa: B018 (lists the prefix once)
+        return max(self._modified.values(), default=None)
 
     def write_mark(self) -> str:
         sizes = self.files

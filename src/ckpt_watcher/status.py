@@ -55,6 +55,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
             "heartbeat_age_s": round(age, 1) if age is not None else None,
             "stopping": bool(state.get_meta("stopping")) if alive else False,
             "mode": state.get_meta("mode"),
+            "metrics_url": state.get_meta("metrics_url") if alive else None,
         }
         scanned = {r["name"]: r for r in state.sources()}
         names = [s.name for s in cfg.sources]
@@ -214,6 +215,8 @@ def render(data: dict[str, Any]) -> str:
         lines.append(
             f"daemon: {word}, pid {d['pid']}, since {d['started_at']}, heartbeat {_ago(hb)}{extra}"
         )
+        if d.get("metrics_url"):
+            lines.append(f"metrics: {d['metrics_url']}")
     else:
         lines.append(f"daemon: DOWN since {d['stopped_at'] or 'unknown'}")
     lines.append("sources:")

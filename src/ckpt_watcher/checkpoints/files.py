@@ -43,6 +43,10 @@ class CheckpointFiles(Protocol):
         """Changes whenever a write lands (names, sizes, mtimes or ETags)."""
         ...
 
+    def last_write(self) -> float | None:
+        """When the newest top-level file was last modified (epoch seconds), if known."""
+        ...
+
 
 class LocalFiles:
     """A checkpoint folder on a local or network filesystem.
@@ -78,6 +82,15 @@ class LocalFiles:
         with open(self.root / name, "rb") as f:
             f.seek(start)
             return f.read() if length is None else f.read(length)
+
+    def last_write(self) -> float | None:
+        times = []
+        for name in self.files:
+            try:
+                times.append((self.root / name).stat().st_mtime)
+            except OSError:
+                continue
+        return max(times, default=None)
 
     def write_mark(self) -> str:
         parts = []

@@ -1,0 +1,1 @@
+"""Where results and the daemon's health go besides the ledger: Prometheus metrics."""
