@@ -349,6 +349,33 @@ class PolicyConfig(_Model):
     """Drop a queued checkpoint once a newer one of its run is ready (shown as skipped)."""
 
 
+class AlertsConfig(_Model):
+    """When a result counts as a regression."""
+
+    drop_stderr: float = Field(2.0, gt=0)
+    """A result this many standard errors (of the difference) below the best earlier step of
+    its run, or below the baseline, is a regression."""
+
+
+class WebhookSink(_Model):
+    """POST Slack-compatible JSON (`{"text": ...}`) on each regression and `failed` line."""
+
+    kind: Literal["webhook"]
+    url: str
+    timeout_seconds: float = Field(5.0, gt=0)
+    """Per attempt; three attempts, then the message is dropped (and logged)."""
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return v
+
+
+SINK_KINDS = ("webhook",)
+
+
 class WatcherConfig(_Model):
     """The whole config file."""
 
@@ -369,6 +396,9 @@ class WatcherConfig(_Model):
     eval: EvalConfig
     policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig())
     baseline: BaselineConfig | None = None
+    alerts: AlertsConfig = Field(default_factory=lambda: AlertsConfig())
+    sinks: list[WebhookSink] = Field(default_factory=list)
+    """Where regressions and failures are also sent: `{kind: webhook, url: ...}`."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve Prometheus metrics at http://<metrics_addr>:<port>/metrics (0: any free port)."""
     metrics_addr: str = "0.0.0.0"
@@ -378,6 +408,18 @@ class WatcherConfig(_Model):
     @classmethod
     def _expand(cls, v: Path) -> Path:
         return v.expanduser()
+
+    @field_validator("sinks", mode="before")
+    @classmethod
+    def _sink_kinds(cls, v: Any) -> Any:
+        for i, sink in enumerate(v if isinstance(v, list) else []):
+            kind = sink.get("kind") if isinstance(sink, dict) else None
+            if kind not in SINK_KINDS:
+                raise ValueError(
+                    f"entry {i}: kind {kind!r} is not a sink this version has "
+                    f"(it has: {', '.join(SINK_KINDS)})"
+                )
+        return v
 
     @field_validator("ledger_mirror")
     @classmethod

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 import yaml
@@ -28,16 +29,20 @@ from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.executors import build_executor
 from ckpt_watcher.executors.base import Executor
 from ckpt_watcher.jobs import JobRunner
-from ckpt_watcher.ledger import LedgerIndex, iter_runs
+from ckpt_watcher.ledger import LedgerIndex, iter_runs, ledger_path, read_lines
 from ckpt_watcher.mirror import LedgerMirror
 from ckpt_watcher.notify import Notifier
+from ckpt_watcher.sinks.alerts import RegressionWatch, failure_text
 from ckpt_watcher.sinks.prometheus import DaemonMetrics
+from ckpt_watcher.sinks.webhook import Webhook
 from ckpt_watcher.sources import Source, build_sources
 from ckpt_watcher.state import HEARTBEAT_SECONDS, State
 
 log = structlog.get_logger("ckpt_watcher.daemon")
 
 MIRROR_FLUSH_SECONDS = 30.0
+WEBHOOK_FLUSH_SECONDS = 5.0  # on stop, per webhook, for messages still queued
+REGRESSIONS_KEPT = 20  # the newest regressions `watcher status` shows
 
 
 class Daemon:
@@ -77,7 +82,15 @@ class Daemon:
             )
         self.state = State(cfg.state_dir)
         self.metrics = DaemonMetrics()
-        self.ledger = LedgerIndex(cfg.ledger_dir, on_append=self.metrics.ledger_line)
+        self.regressions = RegressionWatch(
+            cfg.alerts.drop_stderr,
+            [(e.task, e.num_fewshot, e.metrics) for e in cfg.baseline.metrics]
+            if cfg.baseline
+            else [],
+            cfg.baseline.name if cfg.baseline else "baseline",
+        )
+        self.webhooks = [Webhook(s.url, s.timeout_seconds) for s in cfg.sinks]
+        self.ledger = LedgerIndex(cfg.ledger_dir, on_append=self._on_ledger_line)
         self.discovery = Discovery(
             sources if sources is not None else build_sources(cfg),
             self.state,
@@ -131,6 +144,8 @@ class Daemon:
                 self.mirror.close()
             self.discovery.close()
             self.metrics.close()
+            for hook in self.webhooks:
+                hook.close(WEBHOOK_FLUSH_SECONDS)
             self.state.set_meta(daemon_stopped_at=self.clock(), daemon_pid=None)
             self.state.close()
 
@@ -148,6 +163,11 @@ class Daemon:
         for w in self.inventory_warnings:
             log.warning("devices.warning", message=w)
         self.ledger.load()
+        self.regressions.load(
+            line
+            for run in iter_runs(self.cfg.ledger_dir)
+            for line in read_lines(ledger_path(self.cfg.ledger_dir, run)).lines
+        )
         if self.mirror is not None:  # a crash may have come between an append and its upload
             for run in iter_runs(self.cfg.ledger_dir):
                 self.mirror.request(run)
@@ -186,6 +206,23 @@ class Daemon:
         if self.once and self.jobs.failures:
             return 1
         return 0
+
+    # --- each ledger line written: metrics, regressions, webhooks ------------------------------
+    def _on_ledger_line(self, line: dict[str, Any]) -> None:
+        self.metrics.ledger_line(line)
+        if line.get("status") != "ok":
+            self._notify(failure_text(line))
+        for r in self.regressions.observe(line):
+            log.warning("eval.regression", **r.as_dict())
+            recent = (self.state.get_meta("regressions") or []) + [
+                r.as_dict() | {"at": self.clock()}
+            ]
+            self.state.set_meta(regressions=recent[-REGRESSIONS_KEPT:])
+            self._notify(r.text())
+
+    def _notify(self, text: str) -> None:
+        for hook in self.webhooks:
+            hook.send(text)
 
     def _serve_metrics(self, port: int, addr: str) -> None:
         try:

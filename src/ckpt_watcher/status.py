@@ -14,6 +14,7 @@ from ckpt_watcher.clock import iso
 from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.ledger import LedgerIndex, Subject
 from ckpt_watcher.report import newest_versions
+from ckpt_watcher.sinks.alerts import Regression
 from ckpt_watcher.sources.baseline import source_name
 from ckpt_watcher.state import HEARTBEAT_SECONDS, State
 
@@ -132,6 +133,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         failures = [f for f in history if not f["resolved"]]
         counts = state.checkpoint_counts()
         zombies = state.get_meta("suspected_zombies") or []
+        regressions = state.get_meta("regressions") or []
     finally:
         state.close()
     return {
@@ -142,6 +144,10 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         "queue": queued,
         "running": running,
         "failures": failures,  # current: not covered by a later ok
+        "regressions": [
+            r | {"text": Regression(**{k: v for k, v in r.items() if k != "at"}).text()}
+            for r in regressions
+        ],
         "failure_history": history,
         "suspected_zombies": zombies,
         "latest_results": latest_results(cfg),
@@ -251,6 +257,9 @@ def render(data: dict[str, Any]) -> str:
     lines.append(f"failures: {len(data['failures'])}")
     for f in data["failures"]:
         lines.append(f"  {f['label']}: {(f['error'] or '').splitlines()[0] if f['error'] else ''}")
+    if data["regressions"]:
+        lines.append(f"regressions (the newest {len(data['regressions'])}, oldest first):")
+        lines.extend(f"  {r['text'].removeprefix('regression: ')}" for r in data["regressions"])
     if data["suspected_zombies"]:
         lines.append(
             f"suspected zombies (not ours: never killed unless devices.reap_foreign_zombies): {len(data['suspected_zombies'])}"

@@ -1,1 +1,2 @@
-"""Where results and the daemon's health go besides the ledger: Prometheus metrics."""
+"""Where results and the daemon's health go besides the ledger: Prometheus metrics,
+regression alerts, webhooks."""

@@ -1,0 +1,179 @@
+"""Regression alerts: an `ok` result more than `alerts.drop_stderr` standard errors below the
+best earlier step of its run, or below the baseline, for the same task, shots and metric.
+
+The bound is that of the results table's `*` (report.py): k·sqrt(se² + se_ref²), with the
+stderrs lm-eval reports (a metric with no stderr is never judged). "Earlier" is by training
+step, not by when the eval ran: evals may run newest first, so a result that arrives for an
+earlier step can make a later step's result a regression then. Each (run, step, task, shots,
+metric) is reported once per daemon; results already in the ledger at start-up are history,
+never reported again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt_watcher.report import baseline_values, column, stderr_column
+from ckpt_watcher.sources.baseline import BASELINE_RUN
+
+# lm-eval metrics where lower is better; every other metric is taken as higher-is-better.
+LOWER_IS_BETTER = frozenset({"perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"})
+
+Key = tuple[str, str, Any, str]  # run path, task, shots, metric
+
+
+@dataclass(frozen=True)
+class Regression:
+    run_path: str
+    step: int
+    task: str
+    num_fewshot: int | None
+    metric: str
+    value: float
+    reference: float
+    against: str  # "step 300" or "baseline Qwen3-1.7B-Base"
+    sigmas: float  # the drop in standard errors of the difference
+
+    def text(self) -> str:
+        shots = "default" if self.num_fewshot is None else self.num_fewshot
+        return (
+            f"regression: {self.run_path} step {self.step} {self.task} ({shots}-shot) "
+            f"{self.metric} = {self.value:.4f}, {self.sigmas:.1f} stderr below "
+            f"{self.against} ({self.reference:.4f})"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class _Point:
+    step: int
+    value: float
+    se: float | None
+
+
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and math.isfinite(v) else None
+
+
+def _stderr_key(metric: str) -> str:
+    name, sep, filt = metric.partition(",")
+    return f"{name}_stderr{sep}{filt}"
+
+
+def _judged_metrics(line: dict[str, Any]) -> Iterable[tuple[str, float, float | None]]:
+    metrics = line.get("metrics") or {}
+    for metric, raw in metrics.items():
+        if "_stderr" in metric.partition(",")[0]:
+            continue
+        value = _number(raw)
+        if value is not None:
+            yield metric, value, _number(metrics.get(_stderr_key(metric)))
+
+
+class RegressionWatch:
+    """Remembers every ok result by (run, task, shots, metric) and step; `observe` returns the
+    regressions a new ledger line reveals."""
+
+    def __init__(
+        self,
+        drop_stderr: float,
+        fixed_baseline: list[tuple[str, int | None, dict[str, float]]],
+        baseline_name: str,
+    ) -> None:
+        self.k = drop_stderr
+        self.fixed = fixed_baseline
+        self.baseline_name = baseline_name
+        self.points: dict[Key, list[_Point]] = {}
+        self.baseline_lines: list[dict[str, Any]] = []
+        self.reported: set[tuple[str, int, str, Any, str]] = set()
+
+    def load(self, lines: Iterable[dict[str, Any]]) -> None:
+        """Ledger lines already written: history, not news."""
+        for line in lines:
+            self._remember(line)
+        for key, points in self.points.items():
+            for p in points:
+                if self._worst(key, p) is not None:
+                    self.reported.add((key[0], p.step, key[1], key[2], key[3]))
+
+    def observe(self, line: dict[str, Any]) -> list[Regression]:
+        if not self._remember(line) or line.get("run_path") == BASELINE_RUN:
+            return []
+        found = []
+        run_path, step = line.get("run_path") or line["run"], line["step"]
+        for metric, _value, _se in _judged_metrics(line):
+            key = (run_path, line["task"], line.get("num_fewshot"), metric)
+            # this result, and every later step's (this one may be their new best earlier step)
+            for p in sorted(self.points.get(key, []), key=lambda p: p.step):
+                if p.step < step:
+                    continue
+                ident = (run_path, p.step, key[1], key[2], metric)
+                if ident in self.reported:
+                    continue
+                regression = self._worst(key, p)
+                if regression is not None:
+                    self.reported.add(ident)
+                    found.append(regression)
+        return found
+
+    def _remember(self, line: dict[str, Any]) -> bool:
+        if line.get("status") != "ok":
+            return False
+        if line.get("run_path") == BASELINE_RUN:
+            self.baseline_lines.append(line)
+            return True
+        step = line.get("step")
+        if not isinstance(step, int):
+            return False  # a labelled checkpoint (`final`) has no place on the step axis
+        run_path = line.get("run_path") or line["run"]
+        for metric, value, se in _judged_metrics(line):
+            key = (run_path, line["task"], line.get("num_fewshot"), metric)
+            points = self.points.setdefault(key, [])
+            points[:] = [p for p in points if p.step != step]  # a rewritten checkpoint: newest
+            points.append(_Point(step, value, se))
+        return True
+
+    def _worst(self, key: Key, p: _Point) -> Regression | None:
+        """The larger regression of `p` against its run's best earlier step and the baseline."""
+        if p.se is None:
+            return None
+        _, task, shots, metric = key
+        sign = -1.0 if metric.partition(",")[0] in LOWER_IS_BETTER else 1.0
+        refs: list[tuple[float, float | None, str]] = []
+        earlier = [q for q in self.points.get(key, []) if q.step < p.step]
+        if earlier:
+            best = max(earlier, key=lambda q: sign * q.value)
+            refs.append((best.value, best.se, f"step {best.step}"))
+        base = baseline_values(self.fixed, self.baseline_lines)
+        col = column(task, shots, metric)
+        if _number(base.get(col)) is not None:
+            refs.append(
+                (float(base[col]), _number(base.get(stderr_column(col))), self._baseline_label())
+            )
+        worst: Regression | None = None
+        for ref, ref_se, against in refs:
+            bound = math.sqrt(p.se**2 + (ref_se or 0.0) ** 2)
+            drop = sign * (ref - p.value)
+            if bound > 0 and drop > self.k * bound:
+                sigmas = drop / bound
+                if worst is None or sigmas > worst.sigmas:
+                    worst = Regression(
+                        key[0], p.step, task, shots, metric, p.value, ref, against, sigmas
+                    )
+        return worst
+
+    def _baseline_label(self) -> str:
+        return f"the baseline ({self.baseline_name})"
+
+
+def failure_text(line: dict[str, Any]) -> str:
+    shots = line.get("num_fewshot")
+    return (
+        f"eval failed: {line.get('run_path') or line['run']} step {line.get('step')} "
+        f"{line['task']} ({'default' if shots is None else shots}-shot): {line.get('error')}"
+    )
