@@ -177,3 +177,59 @@ def _pipe(src: Any, dst: Any) -> None:
                 s.shutdown(2)
             except OSError:
                 pass
+
+
+def wandb_rows(wandb_dir: Path, run_id: str, n: int, timeout: float = 30.0) -> list[dict[str, Any]]:
+    """`wandb_history` once it holds `n` rows (W&B's service process writes the file on its own
+    time, after `finish()` returns), or whatever it holds after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = wandb_history(wandb_dir, run_id)
+        if len(rows) >= n or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
+
+
+def wandb_history(wandb_dir: Path, run_id: str) -> list[dict[str, Any]]:
+    """Every history row W&B recorded offline for `run_id`, in order (each resumption of the
+    run is a folder of its own). A `.wandb` file is a leveldb-style log: a 7-byte header, then
+    32 KiB blocks of records, each a 7-byte header (crc32, length u16, type u8: 1 full, 2 first,
+    3 middle, 4 last) and its bytes; each whole record is a protobuf `Record`."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    block = 32768
+    rows = []
+    for path in sorted(wandb_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
+        data = path.read_bytes()
+        pos, whole, part = 7, [], b""
+        while pos + 7 <= len(data):
+            left = block - pos % block
+            if left < 7:
+                pos += left
+                continue
+            _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            if length == 0 and kind == 0:  # the rest of the block is padding
+                pos += left
+                continue
+            chunk = data[pos + 7 : pos + 7 + length]
+            pos += 7 + length
+            if kind == 1:
+                whole.append(chunk)
+            elif kind == 2:
+                part = chunk
+            elif kind == 3:
+                part += chunk
+            elif kind == 4:
+                whole.append(part + chunk)
+        for raw in whole:
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(raw)
+            if record.WhichOneof("record_type") == "history":
+                items = {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in record.history.item
+                }
+                rows.append({k: v for k, v in items.items() if not k.startswith("_")})
+    return rows

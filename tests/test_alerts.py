@@ -1,10 +1,12 @@
 """Regression alerts (`alerts.drop_stderr`) and webhooks (`sinks: [{kind: webhook}]`): the rule on
-ledger lines, a loopback HTTP server that answers, fails or hangs, and a real `watcher once`."""
+ledger lines, a loopback HTTP server that answers, fails or hangs, and a real `watcher once`
+with a webhook and W&B (offline) side by side."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,10 +16,11 @@ from typing import Any
 import pytest
 
 from ckpt_watcher.sinks.alerts import RegressionWatch
+from ckpt_watcher.sinks.wandb import own_run_id
 from ckpt_watcher.sinks.webhook import Webhook
 
 from .conftest import WATCHER, base_config, read_ledger, write_config
-from .helpers import watcher_once
+from .helpers import wandb_history, wandb_rows, watcher_once
 
 ACC = "exact_match,none"
 SE = "exact_match_stderr,none"
@@ -212,8 +215,9 @@ def test_watcher_once_reports_regressions_and_failures_to_log_status_and_webhook
         "name": "teacher",
         "metrics": [{"task": "addition", "num_fewshot": 0, "metrics": {ACC: 0.9, SE: 0.01}}],
     }
+    wandb_sink = {"kind": "wandb", "project": "p", "mode": "offline", "dir": str(tmp_path / "wb")}
     with hook_server() as h:
-        data["sinks"] = [{"kind": "webhook", "url": h.url}]
+        data["sinks"] = [{"kind": "webhook", "url": h.url}, wandb_sink]
         cfg = write_config(tmp_path / "w.yaml", data)
         lines = watcher_once(cfg, tmp_path / "ledgers", "run", expect=1)
         texts = [b["text"] for b in h.bodies]
@@ -227,6 +231,11 @@ def test_watcher_once_reports_regressions_and_failures_to_log_status_and_webhook
         value = ok[step]["metrics"][ACC]
         assert f"run step {step} addition (0-shot) exact_match,none = {value:.4f}" in t
         assert "below the baseline (teacher) (0.9000)" in t
+    # W&B (offline) got each ok result at its training step
+    rows = wandb_rows(tmp_path / "wb", own_run_id("p", "run"), 2)
+    assert sorted((r["train/step"], r["eval/addition/0shot/exact_match,none"]) for r in rows) == [
+        (step, ok[step]["metrics"][ACC]) for step in (100, 200)
+    ]
     (failure,) = [t for t in texts if t.startswith("eval failed:")]
     assert failure.startswith("eval failed: run step 300 addition (0-shot): ")
     # `watcher status` lists them, oldest first
@@ -241,10 +250,12 @@ def test_watcher_once_reports_regressions_and_failures_to_log_status_and_webhook
     assert {r["step"] for r in st_json["regressions"]} == {100, 200}
     # a second pass finds nothing new: no alert is sent twice
     with hook_server() as h:
-        data["sinks"] = [{"kind": "webhook", "url": h.url}]
+        data["sinks"] = [{"kind": "webhook", "url": h.url}, wandb_sink]
         write_config(cfg, data)
         watcher_once(cfg, tmp_path / "ledgers", "run", expect=0)
         assert h.bodies == []
+    time.sleep(2)  # W&B writes on its own time: give a second send the chance to show
+    assert len(wandb_history(tmp_path / "wb", own_run_id("p", "run"))) == 2
     assert len(read_ledger(tmp_path / "ledgers", "run")) == 3
 
 
@@ -256,8 +267,8 @@ def test_sinks_the_version_lacks_and_bad_urls_are_refused_by_name(tmp_path: Path
         "sources": [{"kind": "local", "path": str(tmp_path)}],
         "eval": {"tasks": [{"task": "gsm8k"}]},
     }
-    with pytest.raises(ConfigError, match=r"kind 'wandb' is not a sink this version has"):
-        parse_config(base | {"sinks": [{"kind": "wandb", "project": "p"}]})
+    with pytest.raises(ConfigError, match=r"kind 'mlflow' is not a sink this version has"):
+        parse_config(base | {"sinks": [{"kind": "mlflow", "uri": "p"}]})
     with pytest.raises(ConfigError, match=r"sinks\[0\]\.url: must be an http:// or https:// URL"):
         parse_config(base | {"sinks": [{"kind": "webhook", "url": "hooks.example/x"}]})
     cfg = parse_config(base | {"sinks": [{"kind": "webhook", "url": "http://127.0.0.1:9/x"}]})

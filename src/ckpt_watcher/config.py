@@ -373,7 +373,26 @@ class WebhookSink(_Model):
         return v
 
 
-SINK_KINDS = ("webhook",)
+class WandbSink(_Model):
+    """Each `ok` result logged to Weights & Biases as `eval/<task>/<shots>/<metric>` against
+    `train/step` (needs the `wandb` extra)."""
+
+    kind: Literal["wandb"]
+    project: str
+    entity: str | None = None
+    run_id: str | None = None
+    """Log into this W&B run (the training run) for every watched run."""
+    run_id_file: str = "wandb-run-id"
+    """Else: a file holding the training run's id, in the checkpoint's folder or its parent
+    (local sources). Else one W&B run per watched run, with an id derived from its run path."""
+    mode: Literal["online", "offline"] | None = None
+    """Default: W&B's own (WANDB_MODE, else online)."""
+    dir: Path | None = None
+    """W&B's local files (default: <state_dir>/wandb)."""
+
+
+Sink = Annotated[WebhookSink | WandbSink, Field(discriminator="kind")]
+SINK_KINDS = ("webhook", "wandb")
 
 
 class WatcherConfig(_Model):
@@ -397,8 +416,9 @@ class WatcherConfig(_Model):
     policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig())
     baseline: BaselineConfig | None = None
     alerts: AlertsConfig = Field(default_factory=lambda: AlertsConfig())
-    sinks: list[WebhookSink] = Field(default_factory=list)
-    """Where regressions and failures are also sent: `{kind: webhook, url: ...}`."""
+    sinks: list[Sink] = Field(default_factory=list)
+    """Where results, regressions and failures also go: `{kind: wandb, project: P}`,
+    `{kind: webhook, url: U}`."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve Prometheus metrics at http://<metrics_addr>:<port>/metrics (0: any free port)."""
     metrics_addr: str = "0.0.0.0"
@@ -509,12 +529,16 @@ def _first_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
+# the `kind` values of tagged unions (sources, sinks): pydantic puts them in an error's path
+_UNION_TAGS = ("local", "s3", *SINK_KINDS)
+
+
 def _field_path(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("local", "s3") and out.endswith("]"):
+        elif part in _UNION_TAGS and out.endswith("]"):
             # pydantic names the union member it tried; the user's field path does not have it
             continue
         else:
@@ -528,7 +552,7 @@ def _keys_at(loc: tuple[Any, ...]) -> set[str]:
     for part in loc:
         nxt: list[Any] = []
         for m in models:
-            if isinstance(part, int) or part in ("local", "s3"):
+            if isinstance(part, int) or part in _UNION_TAGS:
                 nxt.append(m)  # list items and union members: the same candidates
                 continue
             field = getattr(m, "model_fields", {}).get(part)

@@ -21,7 +21,7 @@ import structlog
 import yaml
 
 from ckpt_watcher import planner, scheduler
-from ckpt_watcher.config import WatcherConfig
+from ckpt_watcher.config import WandbSink, WatcherConfig, WebhookSink
 from ckpt_watcher.devices import Inventory, ZombieWatch, build_inventory, free_devices
 from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.durable import write_atomic
@@ -34,6 +34,7 @@ from ckpt_watcher.mirror import LedgerMirror
 from ckpt_watcher.notify import Notifier
 from ckpt_watcher.sinks.alerts import RegressionWatch, failure_text
 from ckpt_watcher.sinks.prometheus import DaemonMetrics
+from ckpt_watcher.sinks.wandb import WandbSinkWorker
 from ckpt_watcher.sinks.webhook import Webhook
 from ckpt_watcher.sources import Source, build_sources
 from ckpt_watcher.state import HEARTBEAT_SECONDS, State
@@ -42,6 +43,7 @@ log = structlog.get_logger("ckpt_watcher.daemon")
 
 MIRROR_FLUSH_SECONDS = 30.0
 WEBHOOK_FLUSH_SECONDS = 5.0  # on stop, per webhook, for messages still queued
+WANDB_FLUSH_SECONDS = 30.0  # on stop, per W&B sink, to log what is queued and finish its runs
 REGRESSIONS_KEPT = 20  # the newest regressions `watcher status` shows
 
 
@@ -89,7 +91,14 @@ class Daemon:
             else [],
             cfg.baseline.name if cfg.baseline else "baseline",
         )
-        self.webhooks = [Webhook(s.url, s.timeout_seconds) for s in cfg.sinks]
+        self.webhooks = [
+            Webhook(s.url, s.timeout_seconds) for s in cfg.sinks if isinstance(s, WebhookSink)
+        ]
+        self.wandb = [
+            WandbSinkWorker(s, cfg.ledger_dir, cfg.state_dir)
+            for s in cfg.sinks
+            if isinstance(s, WandbSink)
+        ]
         self.ledger = LedgerIndex(cfg.ledger_dir, on_append=self._on_ledger_line)
         self.discovery = Discovery(
             sources if sources is not None else build_sources(cfg),
@@ -146,6 +155,8 @@ class Daemon:
             self.metrics.close()
             for hook in self.webhooks:
                 hook.close(WEBHOOK_FLUSH_SECONDS)
+            for sink in self.wandb:
+                sink.close(WANDB_FLUSH_SECONDS)
             self.state.set_meta(daemon_stopped_at=self.clock(), daemon_pid=None)
             self.state.close()
 
@@ -163,13 +174,15 @@ class Daemon:
         for w in self.inventory_warnings:
             log.warning("devices.warning", message=w)
         self.ledger.load()
+        runs = list(iter_runs(self.cfg.ledger_dir))
         self.regressions.load(
-            line
-            for run in iter_runs(self.cfg.ledger_dir)
-            for line in read_lines(ledger_path(self.cfg.ledger_dir, run)).lines
+            line for run in runs for line in read_lines(ledger_path(self.cfg.ledger_dir, run)).lines
         )
+        for sink in self.wandb:  # lines written while the daemon was down, or W&B unreachable
+            for run in runs:
+                sink.request(run)
         if self.mirror is not None:  # a crash may have come between an append and its upload
-            for run in iter_runs(self.cfg.ledger_dir):
+            for run in runs:
                 self.mirror.request(run)
         self._save_resolved_config()
         if self.cfg.metrics_port is not None:
@@ -210,6 +223,8 @@ class Daemon:
     # --- each ledger line written: metrics, regressions, webhooks ------------------------------
     def _on_ledger_line(self, line: dict[str, Any]) -> None:
         self.metrics.ledger_line(line)
+        for sink in self.wandb:
+            sink.request(line.get("run_path") or line["run"])
         if line.get("status") != "ok":
             self._notify(failure_text(line))
         for r in self.regressions.observe(line):
