@@ -231,6 +231,9 @@ def test_watcher_once_reports_regressions_and_failures_to_log_status_and_webhook
         value = ok[step]["metrics"][ACC]
         assert f"run step {step} addition (0-shot) exact_match,none = {value:.4f}" in t
         assert "below the baseline (teacher) (0.9000)" in t
+    # the daemon rewrote the run's HTML report after the appends: both steps are on its chart
+    page = (tmp_path / "ledgers" / "run" / "report.html").read_text()
+    assert 'data-points="2"' in page and "teacher 0.9" in page
     # W&B (offline) got each ok result at its training step
     rows = wandb_rows(tmp_path / "wb", own_run_id("p", "run"), 2)
     assert sorted((r["train/step"], r["eval/addition/0shot/exact_match,none"]) for r in rows) == [

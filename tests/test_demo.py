@@ -37,7 +37,7 @@ def test_watcher_demo_learns_prints_its_table_and_leaves_a_usable_config(tmp_pat
     config = workdir / "watcher.yaml"
     assert config.is_file()
     suggested = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("watcher ")]
-    assert {c.split()[1] for c in suggested} >= {"status", "results", "plot"}, r.stdout
+    assert {c.split()[1] for c in suggested} >= {"status", "results", "plot", "report"}, r.stdout
     assert any(c.split()[1] == "run" for c in suggested)  # not run here: it watches until stopped
     for command in (c for c in suggested if c.split()[1] != "run"):
         argv = command.split("#")[0].split()
@@ -49,6 +49,9 @@ def test_watcher_demo_learns_prints_its_table_and_leaves_a_usable_config(tmp_pat
         assert out.returncode in ((0, 3) if argv[1] == "status" else (0,)), command + out.stderr
         if argv[1] == "results":
             assert f"{last:.4f}" in out.stdout
+        if argv[1] == "report":  # the page's chart has a point per checkpoint
+            page = Path(argv[argv.index("-o") + 1]).read_text()
+            assert 'data-points="4"' in page and f'data-value="{last}"' in page
         if argv[1] == "samples":  # the problems that flipped between the first and last step
             assert argv[argv.index("--step") + 1] == str(max(scores))
             assert argv[argv.index("--vs") + 1] == str(min(scores))

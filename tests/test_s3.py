@@ -198,6 +198,11 @@ def test_checkpoint_uploaded_shard_by_shard_is_evaluated_once_after_its_last_sha
     )
     mirrored = client.get_object(Bucket=bucket, Key="mirror/job/s3run/ledger.jsonl")["Body"].read()
     assert mirrored == (tmp_path / "ledgers" / "job" / "s3run" / "ledger.jsonl").read_bytes()
+    # the run's HTML report, rewritten after the append, sits beside the mirrored ledger
+    page = (tmp_path / "ledgers" / "job" / "s3run" / "report.html").read_bytes()
+    assert b'class="point" data-step="300"' in page
+    mirrored_page = client.get_object(Bucket=bucket, Key="mirror/job/s3run/report.html")
+    assert mirrored_page["Body"].read() == page and mirrored_page["ContentType"] == "text/html"
     staged = staged_path(cache, line["checkpoint"])
     assert not (staged / "optimizer.pt").exists()
     assert (staged / shard2.name).read_bytes() == shard2.read_bytes()

@@ -65,24 +65,16 @@ def _load(config_path: Path, overrides: tuple[str, ...] = ()) -> WatcherConfig:
 def _baseline(cfg: WatcherConfig, run_path: str) -> tuple[dict[str, Any] | None, str]:
     """(the config's baseline by column (report.baseline_values), None without one; its row's
     name); says so on stderr while the baseline checkpoint has no results yet."""
-    from ckpt_watcher import ledger as ledger_mod
-    from ckpt_watcher.report import baseline_values
-    from ckpt_watcher.sources.baseline import BASELINE_RUN
+    from ckpt_watcher.sources.baseline import run_baseline
 
-    if cfg.baseline is None:
-        return None, "baseline"
-    evaluated: list[dict[str, Any]] = []
-    if cfg.baseline.checkpoint is not None and run_path != BASELINE_RUN:
-        where = ledger_mod.ledger_path(cfg.ledger_dir, BASELINE_RUN)
-        evaluated = ledger_mod.read_lines(where).lines if where.exists() else []
-        if not any(ln.get("status") == "ok" for ln in evaluated):
-            click.echo(
-                f"watcher: the baseline ({cfg.baseline.checkpoint}) has no results yet "
-                f"(`watcher status` shows its progress); {where}",
-                err=True,
-            )
-    fixed = [(e.task, e.num_fewshot, e.metrics) for e in cfg.baseline.metrics]
-    return baseline_values(fixed, evaluated) or None, cfg.baseline.name
+    values, name, waiting = run_baseline(cfg, run_path)
+    if waiting is not None:
+        click.echo(
+            f"watcher: the baseline ({cfg.baseline.checkpoint if cfg.baseline else ''}) has no "
+            f"results yet (`watcher status` shows its progress); {waiting}",
+            err=True,
+        )
+    return values, name
 
 
 def _run_ledger(config_path: Path, run_name: str) -> tuple[str, list[dict[str, Any]]]:
@@ -369,6 +361,28 @@ def plot(config_path: Path, run_name: str, output: Path) -> None:
     if not drawn:
         _fail(1, f"run {run_name!r} has no ok results with a step yet; nothing to plot")
     click.echo(f"wrote {output} ({drawn} series)")
+
+
+@main.command()
+@config_option
+@click.argument("run_name", metavar="RUN")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The HTML file to write (default: report.html beside the run's ledger).",
+)
+@handle_errors
+def report(config_path: Path, run_name: str, output: Path | None) -> None:
+    """Write one run's HTML report: curves by step, results, failures, documents that flipped."""
+    from ckpt_watcher.html_report import write_report
+
+    cfg = _load(config_path)
+    run_path, _lines = _run_ledger(config_path, run_name)
+    base, base_name = _baseline(cfg, run_path)
+    out = write_report(cfg.ledger_dir, run_path, output, baseline=base, baseline_name=base_name)
+    click.echo(f"wrote {out} (one self-contained page: open it in any browser)")
 
 
 @main.command("fix-names")

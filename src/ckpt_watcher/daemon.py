@@ -28,6 +28,7 @@ from ckpt_watcher.durable import write_atomic
 from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.executors import build_executor
 from ckpt_watcher.executors.base import Executor
+from ckpt_watcher.html_report import ReportWriter
 from ckpt_watcher.jobs import JobRunner
 from ckpt_watcher.ledger import LedgerIndex, iter_runs, ledger_path, read_lines
 from ckpt_watcher.mirror import LedgerMirror
@@ -37,12 +38,14 @@ from ckpt_watcher.sinks.prometheus import DaemonMetrics
 from ckpt_watcher.sinks.wandb import WandbSinkWorker
 from ckpt_watcher.sinks.webhook import Webhook
 from ckpt_watcher.sources import Source, build_sources
+from ckpt_watcher.sources.baseline import run_baseline
 from ckpt_watcher.state import HEARTBEAT_SECONDS, State
 
 log = structlog.get_logger("ckpt_watcher.daemon")
 
 MIRROR_FLUSH_SECONDS = 30.0
 WEBHOOK_FLUSH_SECONDS = 5.0  # on stop, per webhook, for messages still queued
+REPORT_FLUSH_SECONDS = 10.0  # on stop, for HTML reports still to be written
 WANDB_FLUSH_SECONDS = 30.0  # on stop, per W&B sink, to log what is queued and finish its runs
 REGRESSIONS_KEPT = 20  # the newest regressions `watcher status` shows
 
@@ -112,6 +115,11 @@ class Daemon:
             if cfg.ledger_mirror
             else None
         )
+        self.reports = ReportWriter(
+            cfg.ledger_dir,
+            baseline=lambda run_path: run_baseline(cfg, run_path)[:2],
+            written=self.mirror.request if self.mirror is not None else None,
+        )
         self.jobs = JobRunner(
             cfg, self.state, self.ledger, executor, self.exits, self.discovery, self.mirror, clock
         )
@@ -143,6 +151,9 @@ class Daemon:
         try:
             return self._run()
         finally:
+            if not self.reports.flush(REPORT_FLUSH_SECONDS):
+                log.warning("report.behind", hint="`watcher report` writes a run's page now")
+            self.reports.close()
             if self.mirror is not None:
                 if not self.mirror.flush(MIRROR_FLUSH_SECONDS):
                     log.error(
@@ -223,6 +234,7 @@ class Daemon:
     # --- each ledger line written: metrics, regressions, webhooks ------------------------------
     def _on_ledger_line(self, line: dict[str, Any]) -> None:
         self.metrics.ledger_line(line)
+        self.reports.request(line.get("run_path") or line["run"])
         for sink in self.wandb:
             sink.request(line.get("run_path") or line["run"])
         if line.get("status") != "ok":

@@ -22,7 +22,7 @@ import structlog
 
 from ckpt_watcher.errors import WatcherError
 from ckpt_watcher.lane import Lane
-from ckpt_watcher.ledger import ledger_path
+from ckpt_watcher.ledger import REPORT_NAME, ledger_path
 from ckpt_watcher.s3client import Retry, make_client, split_uri
 
 log = structlog.get_logger("ckpt_watcher.mirror")
@@ -96,15 +96,11 @@ class LedgerMirror:
         unreachable."""
         body = ledger_path(self.ledger_dir, run).read_bytes()
         key = f"{self.prefix}{run}/ledger.jsonl"
-        put = partial(
-            self.client.put_object,
-            Bucket=self.bucket,
-            Key=key,
-            Body=body,
-            ContentType="application/x-ndjson",
-        )
         try:
-            self.retry(put, f"s3://{self.bucket}/{key}")
+            self._put(key, body, "application/x-ndjson")
+            page = self.ledger_dir / run / REPORT_NAME
+            if page.exists():  # the run's HTML report, beside its ledger
+                self._put(f"{self.prefix}{run}/{REPORT_NAME}", page.read_bytes(), "text/html")
         except (OSError, WatcherError) as e:
             log.error(
                 "ledger.mirror_failed", run=run, uri=f"s3://{self.bucket}/{key}", error=str(e)
@@ -112,6 +108,16 @@ class LedgerMirror:
             return False
         log.info("ledger.mirrored", run=run, uri=f"s3://{self.bucket}/{key}", bytes=len(body))
         return True
+
+    def _put(self, key: str, body: bytes, content_type: str) -> None:
+        put = partial(
+            self.client.put_object,
+            Bucket=self.bucket,
+            Key=key,
+            Body=body,
+            ContentType=content_type,
+        )
+        self.retry(put, f"s3://{self.bucket}/{key}")
 
     def flush(self, timeout: float) -> bool:
         """At shutdown: wait up to `timeout` seconds for uploads in flight or due; True if the

@@ -153,6 +153,9 @@ def run_demo(
     echo(f"  watcher status -c {config}")
     echo(f"  watcher results -c {config} {RUN} --format md")
     echo(f"  watcher plot -c {config} {RUN} -o {workdir / 'demo.png'}")
+    echo(
+        f"  watcher report -c {config} {RUN} -o {workdir / 'report.html'}   # open it in a browser"
+    )
     steps_done = sorted(ln["step"] for ln in lines if ln.get("status") == "ok")
     if len(steps_done) >= 2:
         echo(

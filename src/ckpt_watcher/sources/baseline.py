@@ -70,3 +70,23 @@ class BaselineSource:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def run_baseline(cfg: Any, run_path: str) -> tuple[dict[str, Any] | None, str, Path | None]:
+    """What a run is compared with: (the config's baseline by column, `report.baseline_values`,
+    None without one; its row's name; the baseline's ledger while the baseline checkpoint has
+    no results yet, else None). `cfg` is a WatcherConfig."""
+    from ckpt_watcher import ledger as ledger_mod
+    from ckpt_watcher.report import baseline_values
+
+    if cfg.baseline is None:
+        return None, "baseline", None
+    evaluated: list[dict[str, Any]] = []
+    waiting = None
+    if cfg.baseline.checkpoint is not None and run_path != BASELINE_RUN:
+        where = ledger_mod.ledger_path(cfg.ledger_dir, BASELINE_RUN)
+        evaluated = ledger_mod.read_lines(where).lines if where.exists() else []
+        if not any(ln.get("status") == "ok" for ln in evaluated):
+            waiting = where
+    fixed = [(e.task, e.num_fewshot, e.metrics) for e in cfg.baseline.metrics]
+    return baseline_values(fixed, evaluated) or None, cfg.baseline.name, waiting

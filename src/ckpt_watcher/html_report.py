@@ -1,0 +1,378 @@
+"""`watcher report`: one self-contained HTML page for a run (no script, no network: inline CSS
+and SVG), with a chart per metric by step (stderr band, baseline line), the results table, the
+failures still open, and for the latest two steps a few documents that flipped.
+
+The daemon writes the same page to `<ledger_dir>/<run_path>/report.html` after each ledger
+append (`ReportWriter`), and the ledger mirror uploads it beside the ledger.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from ckpt_watcher import samples as samples_mod
+from ckpt_watcher.durable import write_atomic
+from ckpt_watcher.errors import WatcherError
+from ckpt_watcher.lane import Lane
+from ckpt_watcher.ledger import REPORT_NAME, ledger_path, read_lines
+from ckpt_watcher.report import (
+    is_stderr_column,
+    metric_table,
+    newest_versions,
+    stderr_column,
+)
+
+log = structlog.get_logger("ckpt_watcher.html_report")
+
+FLIPS_PER_TASK = 5
+W, H = 560, 240  # one chart's size in px
+LEFT, RIGHT, TOP, BOTTOM = 48, 16, 16, 36
+
+
+def _e(v: Any) -> str:
+    return html.escape(str(v), quote=True)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4f}"
+    return "" if v is None else str(v)
+
+
+# --- charts --------------------------------------------------------------------------------------
+def chart(
+    column: str, points: list[tuple[int, float, float]], base: float | None, base_name: str
+) -> str:
+    """An SVG line chart of (step, value, stderr) points, with a ±stderr band and the baseline
+    as a dashed line. Each point is a `circle.point` with `data-step` and `data-value`."""
+    values = [v for _, v, _ in points] + ([base] if base is not None else [])
+    lows = [v - e for _, v, e in points] + values
+    highs = [v + e for _, v, e in points] + values
+    if all(0 <= v <= 1 for v in values):
+        y0, y1 = 0.0, 1.0
+    else:
+        y0, y1 = min(lows), max(highs)
+        pad = (y1 - y0) * 0.1 or abs(y1) * 0.1 or 1.0
+        y0, y1 = y0 - pad, y1 + pad
+    steps = [s for s, _, _ in points]
+    x0, x1 = min(steps), max(steps)
+    if x0 == x1:
+        x0, x1 = x0 - 1, x1 + 1
+
+    def px(step: float) -> float:
+        return LEFT + (step - x0) / (x1 - x0) * (W - LEFT - RIGHT)
+
+    def py(v: float) -> float:
+        v = min(max(v, y0), y1)
+        return TOP + (y1 - v) / (y1 - y0) * (H - TOP - BOTTOM)
+
+    parts = [
+        f'<svg class="chart" data-column="{_e(column)}" data-points="{len(points)}" '
+        f'viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" '
+        f'aria-label="{_e(column)} by step">'
+    ]
+    for i in range(5):  # y grid and ticks
+        v = y0 + (y1 - y0) * i / 4
+        y = py(v)
+        parts.append(
+            f'<line class="grid" x1="{LEFT}" x2="{W - RIGHT}" y1="{y:.1f}" y2="{y:.1f}"/>'
+            f'<text class="tick" x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{v:.3g}</text>'
+        )
+    for s in sorted(set(steps)) if len(set(steps)) <= 8 else [x0, (x0 + x1) // 2, x1]:
+        parts.append(
+            f'<text class="tick" x="{px(s):.1f}" y="{H - BOTTOM + 16}" '
+            f'text-anchor="middle">{s}</text>'
+        )
+    parts.append(
+        f'<text class="axis" x="{(LEFT + W - RIGHT) / 2}" y="{H - 4}" text-anchor="middle">step</text>'
+    )
+    if any(e for _, _, e in points):
+        upper = [f"{px(s):.1f},{py(v + e):.1f}" for s, v, e in points]
+        lower = [f"{px(s):.1f},{py(v - e):.1f}" for s, v, e in reversed(points)]
+        parts.append(f'<polygon class="band" points="{" ".join(upper + lower)}"/>')
+    if base is not None:
+        y = py(base)
+        parts.append(
+            f'<line class="baseline" x1="{LEFT}" x2="{W - RIGHT}" y1="{y:.1f}" y2="{y:.1f}"/>'
+            f'<text class="baseline-label" x="{W - RIGHT - 4}" y="{y - 5:.1f}" '
+            f'text-anchor="end">{_e(base_name)} {base:.4g}</text>'
+        )
+    line = " ".join(f"{px(s):.1f},{py(v):.1f}" for s, v, _ in points)
+    parts.append(f'<polyline class="curve" points="{line}"/>')
+    for s, v, e in points:
+        tip = f"step {s}: {v:.4f}" + (f" ± {e:.4f}" if e else "")
+        parts.append(
+            f'<circle class="point" data-step="{s}" data-value="{v}" cx="{px(s):.1f}" '
+            f'cy="{py(v):.1f}" r="4"><title>{_e(tip)}</title></circle>'
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def series(lines: list[dict[str, Any]]) -> dict[str, list[tuple[int, float, float]]]:
+    """Each metric column's (step, value, stderr) points, by step."""
+    table = metric_table(lines, include_stderr=True)
+    at = {c: i for i, c in enumerate(table.columns)}
+    rows = [r for r in table.rows if isinstance(r[0], int)]
+    out: dict[str, list[tuple[int, float, float]]] = {}
+    for column in table.columns[1:]:
+        if is_stderr_column(column) or column not in at:
+            continue
+        i, e = at[column], at.get(stderr_column(column))
+        pts = [
+            (r[0], float(r[i]), float(r[e]) if e is not None and _is_num(r[e]) else 0.0)
+            for r in rows
+            if _is_num(r[i])
+        ]
+        if pts:
+            out[column] = pts
+    return out
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+# --- the page's other parts -----------------------------------------------------------------------
+def _table(lines: list[dict[str, Any]], baseline: dict[str, Any] | None, base_name: str) -> str:
+    table = metric_table(lines, baseline=baseline, baseline_name=base_name)
+    head = "".join(f"<th>{_e(c)}</th>" for c in table.columns)
+    body = []
+    first = 1 if baseline is not None else 0  # the baseline's row stays on top
+    for row in table.rows[:first] + table.rows[first:][::-1]:  # then the newest step first
+        cells = "".join(
+            f'<td class="{"failed" if v == "FAILED" else ""}">{_e(_fmt(v))}</td>' for v in row
+        )
+        body.append(f"<tr>{cells}</tr>")
+    return f'<table class="results"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def open_failures(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Failed lines that no later `ok` line for the same checkpoint version and task covers."""
+    ok = {
+        (ln.get("step"), ln.get("label"), ln.get("fingerprint"), ln["task"], ln.get("num_fewshot"))
+        for ln in lines
+        if ln.get("status") == "ok"
+    }
+    seen: set[tuple[Any, ...]] = set()
+    out = []
+    for ln in reversed(lines):
+        key = (
+            ln.get("step"),
+            ln.get("label"),
+            ln.get("fingerprint"),
+            ln["task"],
+            ln.get("num_fewshot"),
+        )
+        if ln.get("status") == "ok" or key in ok or key in seen:
+            continue
+        seen.add(key)
+        out.append(ln)
+    return out
+
+
+def _failures(lines: list[dict[str, Any]]) -> str:
+    failed = open_failures(lines)
+    if not failed:
+        return '<p class="none">No open failures.</p>'
+    items = []
+    for ln in failed:
+        error = (ln.get("error") or "").strip().splitlines()
+        items.append(
+            f'<li class="failure"><b>step {_e(ln.get("step") if ln.get("step") is not None else ln.get("label"))}'
+            f"</b> {_e(ln['task'])} ({_e(ln.get('num_fewshot'))}-shot), "
+            f"{_e(ln.get('finished_at') or '')}: <code>{_e(error[0] if error else '')}</code></li>"
+        )
+    return f'<ul class="failures">{"".join(items)}</ul>'
+
+
+def _flips(ledger_dir: Path, run_path: str, lines: list[dict[str, Any]]) -> str:
+    ok = [ln for ln in newest_versions(lines) if ln.get("status") == "ok"]
+    steps = sorted({ln["step"] for ln in ok if isinstance(ln.get("step"), int)})
+    if len(steps) < 2:
+        return '<p class="none">Flips need two evaluated steps.</p>'
+    a_step, b_step = steps[-2], steps[-1]
+    sections = []
+    for b in (ln for ln in ok if ln["step"] == b_step and ln.get("samples_file")):
+        try:
+            a = samples_mod.find_line(lines, a_step, b["task"], b.get("num_fewshot"))
+            ra = samples_mod.read_records(ledger_dir, run_path, a)
+            rb = samples_mod.read_records(ledger_dir, run_path, b)
+            key = samples_mod.headline_metric(rb, None)
+        except WatcherError:
+            continue
+        pairs = samples_mod.flips(ra, rb, key)
+        learned = sum(1 for _, r in pairs if samples_mod.is_right(r, key))
+        rows = []
+        for before, after in pairs[:FLIPS_PER_TASK]:
+            now_right = samples_mod.is_right(after, key)
+            rows.append(
+                f'<tr class="flip {"learned" if now_right else "forgot"}">'
+                f"<td>{_e(after['doc_id'])}</td><td><pre>{_e(_clip(after['prompt']))}</pre></td>"
+                f"<td>{_e(_clip(after['target']))}</td>"
+                f"<td>{_e(_clip(_first(before)))}</td><td>{_e(_clip(_first(after)))}</td>"
+                f"<td>{'learned' if now_right else 'forgot'}</td></tr>"
+            )
+        sections.append(
+            f"<h3>{_e(b['task'])} ({_e(b.get('num_fewshot'))}-shot), {_e(key)}: "
+            f"{learned} learned, {len(pairs) - learned} forgot</h3>"
+            + (
+                '<table class="flips"><thead><tr><th>doc</th><th>prompt</th><th>target</th>'
+                f"<th>step {a_step}</th><th>step {b_step}</th><th></th></tr></thead>"
+                f"<tbody>{''.join(rows)}</tbody></table>"
+                if rows
+                else '<p class="none">No document flipped.</p>'
+            )
+        )
+    if not sections:
+        return '<p class="none">No per-document records for the latest two steps.</p>'
+    return f"<p>Step {a_step} → step {b_step}.</p>" + "".join(sections)
+
+
+def _first(rec: dict[str, Any]) -> str:
+    responses = rec.get("responses") or [""]
+    return str(responses[0])
+
+
+def _clip(text: Any, width: int = 300) -> str:
+    s = str(text)
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+STYLE = """
+body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#1d2430;background:#fff}
+h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:28px 0 8px;border-bottom:1px solid #dde}
+h3{font-size:14px;margin:16px 0 6px}.meta{color:#667}
+.charts{display:flex;flex-wrap:wrap;gap:16px}.card{border:1px solid #e3e6ee;border-radius:6px;padding:8px}
+.card h3{margin:0 0 4px;font-weight:600}
+svg .grid{stroke:#eef0f4}svg .tick,svg .axis{fill:#667;font-size:11px}
+svg .band{fill:#3b6fd4;opacity:.15}svg .curve{fill:none;stroke:#3b6fd4;stroke-width:2}
+svg .point{fill:#3b6fd4}svg .baseline{stroke:#d9822b;stroke-dasharray:6 4;stroke-width:1.5}
+svg .baseline-label{fill:#d9822b;font-size:11px}
+table{border-collapse:collapse;font-size:13px}th,td{border:1px solid #e3e6ee;padding:3px 8px;text-align:left;vertical-align:top}
+th{background:#f5f6fa}td.failed{color:#b3261e;font-weight:600}tr.learned td:last-child{color:#1a7f37}
+tr.forgot td:last-child{color:#b3261e}pre{margin:0;white-space:pre-wrap;max-width:420px}
+.none{color:#667}code{font-size:12px}
+"""
+
+
+def render_page(
+    lines: list[dict[str, Any]],
+    run_path: str,
+    ledger_dir: Path,
+    baseline: dict[str, Any] | None = None,
+    baseline_name: str = "baseline",
+) -> str:
+    """The whole page for one run's ledger lines."""
+    curves = series(lines)
+    cards = [
+        f'<div class="card"><h3>{_e(column)}</h3>'
+        f"{chart(column, pts, _base(baseline, column), baseline_name)}</div>"
+        for column, pts in curves.items()
+    ]
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    n_ok = sum(1 for ln in lines if ln.get("status") == "ok")
+    return (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        f"<title>{_e(run_path)}: ckpt-watcher report</title><style>{STYLE}</style></head><body>"
+        f"<h1>{_e(run_path)}</h1>"
+        f'<p class="meta">{n_ok} results, {len(lines)} ledger lines; written {stamp} by '
+        "ckpt-watcher. The ledger is the source of these numbers.</p>"
+        "<h2>Metrics by step</h2>"
+        + (
+            f'<div class="charts">{"".join(cards)}</div>'
+            if cards
+            else '<p class="none">No results yet.</p>'
+        )
+        + "<h2>Results</h2>"
+        + _table(lines, baseline, baseline_name)
+        + "<h2>Failures</h2>"
+        + _failures(lines)
+        + "<h2>Documents that flipped</h2>"
+        + _flips(ledger_dir, run_path, lines)
+        + "</body></html>\n"
+    )
+
+
+def _base(baseline: dict[str, Any] | None, column: str) -> float | None:
+    v = (baseline or {}).get(column)
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def write_report(
+    ledger_dir: Path,
+    run_path: str,
+    out: Path | None = None,
+    baseline: dict[str, Any] | None = None,
+    baseline_name: str = "baseline",
+) -> Path:
+    """Write the run's page (default `<ledger_dir>/<run_path>/report.html`); returns the path."""
+    lines = read_lines(ledger_path(ledger_dir, run_path)).lines
+    out = out or ledger_dir / run_path / REPORT_NAME
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, render_page(lines, run_path, ledger_dir, baseline, baseline_name))
+    return out
+
+
+class ReportWriter:
+    """Rewrites runs' pages on a lane of its own after appends (coalesced per run), then calls
+    `written(run_path)` (the ledger mirror uploads it)."""
+
+    def __init__(
+        self,
+        ledger_dir: Path,
+        baseline: Callable[[str], tuple[dict[str, Any] | None, str]],
+        written: Callable[[str], None] | None = None,
+    ) -> None:
+        self.ledger_dir = ledger_dir
+        self.baseline = baseline
+        self.written = written
+        self.lane = Lane("html-report")
+        self._lock = threading.Lock()
+        self._dirty: set[str] = set()
+        self._draining = False
+
+    def request(self, run_path: str) -> None:
+        with self._lock:
+            self._dirty.add(run_path)
+            if self._draining:
+                return
+            self._draining = True
+        self.lane.submit(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._dirty:
+                    self._draining = False
+                    return
+                run_path = self._dirty.pop()
+            try:
+                values, name = self.baseline(run_path)
+                write_report(self.ledger_dir, run_path, baseline=values, baseline_name=name)
+            except Exception as e:  # a page is a view: never worth more than a log line
+                log.error("report.write_failed", run_path=run_path, error=str(e))
+                continue
+            if self.written is not None:
+                self.written(run_path)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for pages due; True when none is left."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._draining:
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        self.lane.close()
