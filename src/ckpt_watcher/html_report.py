@@ -9,8 +9,6 @@ append (`ReportWriter`), and the ledger mirror uploads it beside the ledger.
 from __future__ import annotations
 
 import html
-import threading
-import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,7 +19,7 @@ import structlog
 from ckpt_watcher import samples as samples_mod
 from ckpt_watcher.durable import write_atomic
 from ckpt_watcher.errors import WatcherError
-from ckpt_watcher.lane import Lane
+from ckpt_watcher.lane import Coalescing
 from ckpt_watcher.ledger import REPORT_NAME, ledger_path, read_lines
 from ckpt_watcher.report import (
     is_stderr_column,
@@ -335,44 +333,25 @@ class ReportWriter:
         self.ledger_dir = ledger_dir
         self.baseline = baseline
         self.written = written
-        self.lane = Lane("html-report")
-        self._lock = threading.Lock()
-        self._dirty: set[str] = set()
-        self._draining = False
+        self.pages = Coalescing("html-report", self._write)
 
     def request(self, run_path: str) -> None:
-        with self._lock:
-            self._dirty.add(run_path)
-            if self._draining:
-                return
-            self._draining = True
-        self.lane.submit(self._drain)
+        self.pages.request(run_path)
 
-    def _drain(self) -> None:
-        while True:
-            with self._lock:
-                if not self._dirty:
-                    self._draining = False
-                    return
-                run_path = self._dirty.pop()
-            try:
-                values, name = self.baseline(run_path)
-                write_report(self.ledger_dir, run_path, baseline=values, baseline_name=name)
-            except Exception as e:  # a page is a view: never worth more than a log line
-                log.error("report.write_failed", run_path=run_path, error=str(e))
-                continue
-            if self.written is not None:
-                self.written(run_path)
+    def _write(self, run_path: str) -> bool:
+        try:
+            values, name = self.baseline(run_path)
+            write_report(self.ledger_dir, run_path, baseline=values, baseline_name=name)
+        except Exception as e:  # a page is a view: never worth more than a log line
+            log.error("report.write_failed", run_path=run_path, error=str(e))
+            return True  # the next append tries again; nothing to retry on a timer
+        if self.written is not None:
+            self.written(run_path)
+        return True
 
     def flush(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for pages due; True when none is left."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._draining:
-                    return True
-            time.sleep(0.05)
-        return False
+        return self.pages.flush(timeout)
 
     def close(self) -> None:
-        self.lane.close()
+        self.pages.close()

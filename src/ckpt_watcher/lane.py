@@ -68,3 +68,68 @@ class Lane:
     def close(self) -> None:
         """Let the thread end after its current call (never waits for it)."""
         self._calls.put(None)
+
+
+class Coalescing:
+    """Work by key (a run path) on a lane of its own: a key asked for while its work is queued
+    or running is done once more afterwards, never twice at once and never more often than it
+    can keep up. `work(key)` returns False when it failed; failed keys wait for `retry_failed`.
+    """
+
+    def __init__(
+        self, name: str, work: Callable[[str], bool], wake: Callable[[], None] | None = None
+    ) -> None:
+        self.work = work
+        self.lane = Lane(name, wake)
+        self._lock = threading.Lock()
+        self._dirty: set[str] = set()
+        self._failed: set[str] = set()
+        self._draining = False
+
+    def request(self, key: str) -> None:
+        """Do `key`'s work soon, on the lane (returns at once)."""
+        with self._lock:
+            self._dirty.add(key)
+            if self._draining:
+                return  # the drain in flight picks it up
+            self._draining = True
+        self.lane.submit(self._drain)
+
+    def retry_failed(self) -> None:
+        with self._lock:
+            keys, self._failed = self._failed, set()
+        for key in keys:
+            self.request(key)
+
+    def has_failed(self) -> bool:
+        with self._lock:
+            return bool(self._failed)
+
+    def pending(self) -> set[str]:
+        """Keys whose latest work is not done (queued, running, or failed)."""
+        with self._lock:
+            return self._dirty | self._failed
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for work queued or running; True if none failed."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._draining:
+                    return not (self._dirty or self._failed)
+            time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        self.lane.close()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._dirty:
+                    self._draining = False
+                    return
+                key = self._dirty.pop()
+            if not self.work(key):
+                with self._lock:
+                    self._failed.add(key)

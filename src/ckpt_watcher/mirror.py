@@ -1,6 +1,7 @@
 """The ledger mirror (SageMaker's local disk vanishes with the job): after every append, each
 run's whole ledger file is uploaded to `<ledger_mirror>/<run_path>/ledger.jsonl` as one PUT, so the
-mirror always holds a complete object, never a partial one.
+mirror always holds a complete object, never a partial one; its HTML report (`report.html`, when
+written) goes beside it.
 
 Uploads run on the mirror's own lane, never on the daemon's loop: an S3 endpoint that hangs
 delays only the mirror. Appends made while an upload is in flight are coalesced into the next
@@ -11,8 +12,6 @@ start, so a crash between an append and its upload leaves the mirror behind only
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 import structlog
 
 from ckpt_watcher.errors import WatcherError
-from ckpt_watcher.lane import Lane
+from ckpt_watcher.lane import Coalescing
 from ckpt_watcher.ledger import REPORT_NAME, ledger_path
 from ckpt_watcher.s3client import Retry, make_client, split_uri
 
@@ -43,11 +42,7 @@ class LedgerMirror:
         self.ledger_dir = ledger_dir
         self._client = client
         self.retry = retry or Retry(max_seconds=120)
-        self.lane = Lane("ledger-mirror", wake)
-        self._lock = threading.Lock()
-        self._dirty: set[str] = set()
-        self._failed: set[str] = set()
-        self._draining = False
+        self.uploads = Coalescing("ledger-mirror", self.upload, wake)
         self._last_retry = 0.0
 
     @property
@@ -57,39 +52,21 @@ class LedgerMirror:
         return self._client
 
     def request(self, run: str) -> None:
-        """Upload `run`'s ledger soon, on the mirror's lane (returns at once)."""
-        with self._lock:
-            self._dirty.add(run)
-            if self._draining:
-                return  # the upload in flight picks it up
-            self._draining = True
-        self.lane.submit(self._drain)
+        """Upload `run`'s ledger soon, on the mirror's lane (returns at once); thread-safe."""
+        self.uploads.request(run)
 
     def retry_due(self, now: float, force: bool = False) -> None:
         """Re-send runs whose upload failed, at most every RETRY_FAILED_SECONDS (or now)."""
-        with self._lock:
-            if not self._failed or (not force and now - self._last_retry < RETRY_FAILED_SECONDS):
-                return
-            self._last_retry = now
-            runs, self._failed = self._failed, set()
-        for run in runs:
-            self.request(run)
+        if not self.uploads.has_failed() or (
+            not force and now - self._last_retry < RETRY_FAILED_SECONDS
+        ):
+            return
+        self._last_retry = now
+        self.uploads.retry_failed()
 
     def pending(self) -> set[str]:
         """Runs whose latest ledger is not in the mirror yet."""
-        with self._lock:
-            return self._dirty | self._failed
-
-    def _drain(self) -> None:
-        while True:
-            with self._lock:
-                if not self._dirty:
-                    self._draining = False
-                    return
-                run = self._dirty.pop()
-            if not self.upload(run):
-                with self._lock:
-                    self._failed.add(run)
+        return self.uploads.pending()
 
     def upload(self, run: str) -> bool:
         """Put the run's whole ledger now (blocking); False (logged) if S3 refused or stayed
@@ -123,13 +100,7 @@ class LedgerMirror:
         """At shutdown: wait up to `timeout` seconds for uploads in flight or due; True if the
         mirror holds every run's latest ledger."""
         self.retry_due(0.0, force=True)  # failed runs get one more try now
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._draining:
-                    return not (self._dirty or self._failed)
-            time.sleep(0.05)
-        return False
+        return self.uploads.flush(timeout)
 
     def close(self) -> None:
-        self.lane.close()
+        self.uploads.close()
