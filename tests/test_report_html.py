@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_watcher.html_report import open_failures, render_page
+from ckpt_watcher.sinks.html import open_failures, render_page
 from ckpt_watcher.ledger import append
 
 from .conftest import WATCHER, write_config

@@ -376,7 +376,7 @@ def plot(config_path: Path, run_name: str, output: Path) -> None:
 @handle_errors
 def report(config_path: Path, run_name: str, output: Path | None) -> None:
     """Write one run's HTML report: curves by step, results, failures, documents that flipped."""
-    from ckpt_watcher.html_report import write_report
+    from ckpt_watcher.sinks.html import write_report
 
     cfg = _load(config_path)
     run_path, _lines = _run_ledger(config_path, run_name)

@@ -15,39 +15,30 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import structlog
 import yaml
 
 from ckpt_watcher import planner, scheduler
-from ckpt_watcher.config import WandbSink, WatcherConfig, WebhookSink
+from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.devices import Inventory, ZombieWatch, build_inventory, free_devices
 from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.durable import write_atomic
 from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.executors import build_executor
 from ckpt_watcher.executors.base import Executor
-from ckpt_watcher.html_report import ReportWriter
 from ckpt_watcher.jobs import JobRunner
 from ckpt_watcher.ledger import LedgerIndex, iter_runs, ledger_path, read_lines
 from ckpt_watcher.mirror import LedgerMirror
 from ckpt_watcher.notify import Notifier
-from ckpt_watcher.sinks.alerts import RegressionWatch, failure_text
+from ckpt_watcher.sinks import Sinks
 from ckpt_watcher.sinks.prometheus import DaemonMetrics
-from ckpt_watcher.sinks.wandb import WandbSinkWorker
-from ckpt_watcher.sinks.webhook import Webhook
 from ckpt_watcher.sources import Source, build_sources
-from ckpt_watcher.sources.baseline import run_baseline
 from ckpt_watcher.state import HEARTBEAT_SECONDS, State
 
 log = structlog.get_logger("ckpt_watcher.daemon")
 
 MIRROR_FLUSH_SECONDS = 30.0
-WEBHOOK_FLUSH_SECONDS = 5.0  # on stop, per webhook, for messages still queued
-REPORT_FLUSH_SECONDS = 10.0  # on stop, for HTML reports still to be written
-WANDB_FLUSH_SECONDS = 30.0  # on stop, per W&B sink, to log what is queued and finish its runs
-REGRESSIONS_KEPT = 20  # the newest regressions `watcher status` shows
 
 
 class Daemon:
@@ -87,38 +78,25 @@ class Daemon:
             )
         self.state = State(cfg.state_dir)
         self.metrics = DaemonMetrics()
-        self.regressions = RegressionWatch(
-            cfg.alerts.drop_stderr,
-            [(e.task, e.num_fewshot, e.metrics) for e in cfg.baseline.metrics]
-            if cfg.baseline
-            else [],
-            cfg.baseline.name if cfg.baseline else "baseline",
+        self.mirror = (
+            LedgerMirror(cfg.ledger_mirror, cfg.ledger_dir, wake=self.wake.set)
+            if cfg.ledger_mirror
+            else None
         )
-        self.webhooks = [
-            Webhook(s.url, s.timeout_seconds) for s in cfg.sinks if isinstance(s, WebhookSink)
-        ]
-        self.wandb = [
-            WandbSinkWorker(s, cfg.ledger_dir, cfg.state_dir)
-            for s in cfg.sinks
-            if isinstance(s, WandbSink)
-        ]
-        self.ledger = LedgerIndex(cfg.ledger_dir, on_append=self._on_ledger_line)
+        self.sinks = Sinks(
+            cfg,
+            self.state,
+            self.metrics,
+            page_written=self.mirror.request if self.mirror is not None else None,
+            clock=clock,
+        )
+        self.ledger = LedgerIndex(cfg.ledger_dir, on_append=self.sinks.ledger_line)
         self.discovery = Discovery(
             sources if sources is not None else build_sources(cfg),
             self.state,
             cfg.stable_seconds,
             self.wake.set,
             on_ready=self.metrics.checkpoint_ready,
-        )
-        self.mirror = (
-            LedgerMirror(cfg.ledger_mirror, cfg.ledger_dir, wake=self.wake.set)
-            if cfg.ledger_mirror
-            else None
-        )
-        self.reports = ReportWriter(
-            cfg.ledger_dir,
-            baseline=lambda run_path: run_baseline(cfg, run_path)[:2],
-            written=self.mirror.request if self.mirror is not None else None,
         )
         self.jobs = JobRunner(
             cfg, self.state, self.ledger, executor, self.exits, self.discovery, self.mirror, clock
@@ -151,9 +129,7 @@ class Daemon:
         try:
             return self._run()
         finally:
-            if not self.reports.flush(REPORT_FLUSH_SECONDS):
-                log.warning("report.behind", hint="`watcher report` writes a run's page now")
-            self.reports.close()
+            self.sinks.flush_pages()  # before the mirror's last uploads, which carry them
             if self.mirror is not None:
                 if not self.mirror.flush(MIRROR_FLUSH_SECONDS):
                     log.error(
@@ -164,10 +140,7 @@ class Daemon:
                 self.mirror.close()
             self.discovery.close()
             self.metrics.close()
-            for hook in self.webhooks:
-                hook.close(WEBHOOK_FLUSH_SECONDS)
-            for sink in self.wandb:
-                sink.close(WANDB_FLUSH_SECONDS)
+            self.sinks.close()
             self.state.set_meta(daemon_stopped_at=self.clock(), daemon_pid=None)
             self.state.close()
 
@@ -186,12 +159,10 @@ class Daemon:
             log.warning("devices.warning", message=w)
         self.ledger.load()
         runs = list(iter_runs(self.cfg.ledger_dir))
-        self.regressions.load(
-            line for run in runs for line in read_lines(ledger_path(self.cfg.ledger_dir, run)).lines
+        self.sinks.start(
+            runs,
+            (ln for run in runs for ln in read_lines(ledger_path(self.cfg.ledger_dir, run)).lines),
         )
-        for sink in self.wandb:  # lines written while the daemon was down, or W&B unreachable
-            for run in runs:
-                sink.request(run)
         if self.mirror is not None:  # a crash may have come between an append and its upload
             for run in runs:
                 self.mirror.request(run)
@@ -230,26 +201,6 @@ class Daemon:
         if self.once and self.jobs.failures:
             return 1
         return 0
-
-    # --- each ledger line written: metrics, regressions, webhooks ------------------------------
-    def _on_ledger_line(self, line: dict[str, Any]) -> None:
-        self.metrics.ledger_line(line)
-        self.reports.request(line.get("run_path") or line["run"])
-        for sink in self.wandb:
-            sink.request(line.get("run_path") or line["run"])
-        if line.get("status") != "ok":
-            self._notify(failure_text(line))
-        for r in self.regressions.observe(line):
-            log.warning("eval.regression", **r.as_dict())
-            recent = (self.state.get_meta("regressions") or []) + [
-                r.as_dict() | {"at": self.clock()}
-            ]
-            self.state.set_meta(regressions=recent[-REGRESSIONS_KEPT:])
-            self._notify(r.text())
-
-    def _notify(self, text: str) -> None:
-        for hook in self.webhooks:
-            hook.send(text)
 
     def _serve_metrics(self, port: int, addr: str) -> None:
         try:

@@ -28,7 +28,7 @@ from ckpt_watcher.report import (
     stderr_column,
 )
 
-log = structlog.get_logger("ckpt_watcher.html_report")
+log = structlog.get_logger("ckpt_watcher.sinks.html")
 
 FLIPS_PER_TASK = 5
 W, H = 560, 240  # one chart's size in px
