@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from ckpt_watcher.sinks.html import open_failures, render_page
 from ckpt_watcher.ledger import append
+from ckpt_watcher.sinks.html import open_failures, render_page
 
 from .conftest import WATCHER, write_config
 
