@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckpt_watcher.report import is_stderr_column, metric_table, stderr_column
+from ckpt_watcher.report import metric_series
 
 
 def plot_run(
@@ -39,21 +39,9 @@ def figure(
     matplotlib.use("Agg")  # files only: no display needed, none touched
     import matplotlib.pyplot as plt
 
-    table = metric_table(lines, include_stderr=True)
-    at = {c: i for i, c in enumerate(table.columns)}
-    rows = [r for r in table.rows if isinstance(r[0], int)]
-    metrics = [c for c in table.columns[1:] if not is_stderr_column(c)]
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     drawn, values, based = 0, list[float](), False
-    for column in metrics:
-        i, e = at[column], at.get(stderr_column(column))
-        points = [
-            (r[0], r[i], r[e] if e is not None and isinstance(r[e], int | float) else 0.0)
-            for r in rows
-            if isinstance(r[i], int | float)
-        ]
-        if not points:
-            continue
+    for column, points in metric_series(lines).items():
         xs, ys, errs = zip(*points, strict=True)
         bars = ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=column)
         values += ys

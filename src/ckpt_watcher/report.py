@@ -173,14 +173,49 @@ def _with_baseline(
 
 def is_stderr_column(col: str) -> bool:
     """`gsm8k (4-shot) exact_match_stderr,none` is; `gsm8k (4-shot) exact_match,none` is not."""
-    return _stderr_of(col.rsplit(" ", 1)[-1]) is not None
+    return is_stderr_metric(col.rsplit(" ", 1)[-1])
 
 
 def stderr_column(col: str) -> str:
     """`gsm8k (4-shot) exact_match,none` -> `gsm8k (4-shot) exact_match_stderr,none`."""
     label, _, metric = col.rpartition(" ")
+    return f"{label} {stderr_metric(metric)}"
+
+
+def stderr_metric(metric: str) -> str:
+    """`exact_match,none` -> `exact_match_stderr,none`: where lm-eval puts a metric's stderr."""
     name, sep, filt = metric.partition(",")
-    return f"{label} {name}_stderr{sep}{filt}"
+    return f"{name}_stderr{sep}{filt}"
+
+
+def is_stderr_metric(metric: str) -> bool:
+    """`exact_match_stderr,none` is; `exact_match,none` is not."""
+    return _stderr_of(metric) is not None
+
+
+def metric_series(lines: list[dict[str, Any]]) -> dict[str, list[tuple[int, float, float]]]:
+    """Each metric column's (step, value, stderr; 0 where none) points, by step, from the newest
+    version of each step: what `watcher plot` and the HTML report draw."""
+    table = metric_table(lines, include_stderr=True)
+    at = {c: i for i, c in enumerate(table.columns)}
+    rows = [r for r in table.rows if isinstance(r[0], int)]
+    out: dict[str, list[tuple[int, float, float]]] = {}
+    for column in table.columns[1:]:
+        if is_stderr_column(column):
+            continue
+        i, e = at[column], at.get(stderr_column(column))
+        points = [
+            (r[0], float(r[i]), float(r[e]) if e is not None and _is_number(r[e]) else 0.0)
+            for r in rows
+            if _is_number(r[i])
+        ]
+        if points:
+            out[column] = points
+    return out
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 def _fmt(v: Any) -> str:

@@ -16,7 +16,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_watcher.report import baseline_values, column, stderr_column
+from ckpt_watcher.report import (
+    baseline_values,
+    column,
+    is_stderr_metric,
+    stderr_column,
+    stderr_metric,
+)
 from ckpt_watcher.sources.baseline import BASELINE_RUN
 
 # lm-eval metrics where lower is better; every other metric is taken as higher-is-better.
@@ -60,19 +66,14 @@ def _number(v: Any) -> float | None:
     return float(v) if isinstance(v, int | float) and math.isfinite(v) else None
 
 
-def _stderr_key(metric: str) -> str:
-    name, sep, filt = metric.partition(",")
-    return f"{name}_stderr{sep}{filt}"
-
-
 def _judged_metrics(line: dict[str, Any]) -> Iterable[tuple[str, float, float | None]]:
     metrics = line.get("metrics") or {}
     for metric, raw in metrics.items():
-        if "_stderr" in metric.partition(",")[0]:
+        if is_stderr_metric(metric):
             continue
         value = _number(raw)
         if value is not None:
-            yield metric, value, _number(metrics.get(_stderr_key(metric)))
+            yield metric, value, _number(metrics.get(stderr_metric(metric)))
 
 
 class RegressionWatch:

@@ -22,10 +22,9 @@ from ckpt_watcher.errors import WatcherError
 from ckpt_watcher.lane import Coalescing
 from ckpt_watcher.ledger import REPORT_NAME, ledger_path, read_lines
 from ckpt_watcher.report import (
-    is_stderr_column,
+    metric_series,
     metric_table,
     newest_versions,
-    stderr_column,
 )
 
 log = structlog.get_logger("ckpt_watcher.sinks.html")
@@ -113,30 +112,6 @@ def chart(
         )
     parts.append("</svg>")
     return "".join(parts)
-
-
-def series(lines: list[dict[str, Any]]) -> dict[str, list[tuple[int, float, float]]]:
-    """Each metric column's (step, value, stderr) points, by step."""
-    table = metric_table(lines, include_stderr=True)
-    at = {c: i for i, c in enumerate(table.columns)}
-    rows = [r for r in table.rows if isinstance(r[0], int)]
-    out: dict[str, list[tuple[int, float, float]]] = {}
-    for column in table.columns[1:]:
-        if is_stderr_column(column) or column not in at:
-            continue
-        i, e = at[column], at.get(stderr_column(column))
-        pts = [
-            (r[0], float(r[i]), float(r[e]) if e is not None and _is_num(r[e]) else 0.0)
-            for r in rows
-            if _is_num(r[i])
-        ]
-        if pts:
-            out[column] = pts
-    return out
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 # --- the page's other parts -----------------------------------------------------------------------
@@ -270,7 +245,7 @@ def render_page(
     baseline_name: str = "baseline",
 ) -> str:
     """The whole page for one run's ledger lines."""
-    curves = series(lines)
+    curves = metric_series(lines)
     cards = [
         f'<div class="card"><h3>{_e(column)}</h3>'
         f"{chart(column, pts, _base(baseline, column), baseline_name)}</div>"

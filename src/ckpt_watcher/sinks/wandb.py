@@ -30,6 +30,7 @@ from ckpt_watcher.config import WandbSink
 from ckpt_watcher.durable import write_json_atomic
 from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.ledger import ledger_path, read_lines
+from ckpt_watcher.report import is_stderr_metric
 from ckpt_watcher.sources.baseline import BASELINE_RUN
 
 log = structlog.get_logger("ckpt_watcher.sinks.wandb")
@@ -51,7 +52,7 @@ def logged_values(line: dict[str, Any]) -> dict[str, Any] | None:
         return None
     values: dict[str, Any] = {"train/step": step}
     for metric, value in (line.get("metrics") or {}).items():
-        if "_stderr" in metric.partition(",")[0] or not isinstance(value, int | float):
+        if is_stderr_metric(metric) or not isinstance(value, int | float):
             continue
         values[metric_key(line["task"], line.get("num_fewshot"), metric)] = value
     return values if len(values) > 1 else None
