@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 import yaml
@@ -28,7 +29,7 @@ from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.executors import build_executor
 from ckpt_watcher.executors.base import Executor
 from ckpt_watcher.jobs import JobRunner
-from ckpt_watcher.ledger import LedgerIndex, iter_runs, ledger_path, read_lines
+from ckpt_watcher.ledger import LedgerIndex, iter_runs
 from ckpt_watcher.mirror import LedgerMirror
 from ckpt_watcher.notify import Notifier
 from ckpt_watcher.sinks import Sinks
@@ -157,12 +158,10 @@ class Daemon:
         )
         for w in self.inventory_warnings:
             log.warning("devices.warning", message=w)
-        self.ledger.load()
+        history: list[dict[str, Any]] = []
+        self.ledger.load(each=history.append)
         runs = list(iter_runs(self.cfg.ledger_dir))
-        self.sinks.start(
-            runs,
-            (ln for run in runs for ln in read_lines(ledger_path(self.cfg.ledger_dir, run)).lines),
-        )
+        self.sinks.start(runs, history)
         if self.mirror is not None:  # a crash may have come between an append and its upload
             for run in runs:
                 self.mirror.request(run)
@@ -287,7 +286,6 @@ class Daemon:
     # --- heartbeat -----------------------------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
         self.notifier.watchdog(now)
-        self._update_metrics()
         where = getattr(self.executor, "where", None)
         if where is not None:  # executors that place jobs on other nodes say where
             for job in self.state.jobs("running"):
@@ -296,6 +294,7 @@ class Daemon:
                     self.state.update_job(job.id, host=host)
                     log.info("eval.placed", job_id=job.id, run=job.run, step=job.step, node=host)
         if now - self._last_heartbeat >= HEARTBEAT_SECONDS:
+            self._update_metrics()
             self._watch_zombies(now)
             if self.mirror is not None:
                 self.mirror.retry_due(now)

@@ -245,10 +245,13 @@ class LedgerIndex:
         self.failed_lines = 0
         self.durations: dict[tuple[str, int | None], list[float]] = {}
 
-    def load(self) -> LedgerIndex:
+    def load(self, each: Callable[[dict[str, Any]], None] | None = None) -> LedgerIndex:
+        """Index every ledger under ledger_dir; `each` also sees every line read (once)."""
         for run_path in iter_runs(self.ledger_dir):
             for line in read_lines(ledger_path(self.ledger_dir, run_path)).lines:
                 self._note(line)
+                if each is not None:
+                    each(line)
         return self
 
     def _note(self, line: dict[str, Any]) -> None:
