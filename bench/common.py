@@ -42,13 +42,17 @@ def distinct_copy(src: Path, dest: Path) -> Path:
 
 
 def trained_checkpoint(work: Path, steps: int = 300) -> Path:
-    """Train the demo model once per work folder (cached) and return its checkpoint."""
+    """Train the demo model once per work folder (cached) and return its checkpoint, in the
+    shape vLLM's CPU attention serves (2 heads of size 64)."""
+    from ckpt_watcher.demo.tiny import VLLM_HEADS
     from ckpt_watcher.demo.train import train
 
     path = work / "trained" / f"bench_step{steps}"
     if not (path / "model.safetensors").exists():
         shutil.rmtree(work / "trained", ignore_errors=True)
-        (path,) = train(work / "trained", run="bench", steps=steps, save_every=steps)
+        (path,) = train(
+            work / "trained", run="bench", steps=steps, save_every=steps, heads=VLLM_HEADS
+        )
     return path
 
 

@@ -56,11 +56,13 @@ def write_fake_checkpoint(folder: Path, *, naming_bug: bool = False, config: boo
 
 @pytest.fixture(scope="session")
 def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real tiny Llama trained for 300 steps (about 12 s), saved with the naming bug."""
+    """A real tiny Llama trained for 300 steps (about 15 s), saved with the naming bug. It has
+    2 attention heads of size 64, a shape vLLM's CPU attention serves (the demo's has 16 of 8)."""
+    from ckpt_watcher.demo.tiny import VLLM_HEADS
     from ckpt_watcher.demo.train import train
 
     out = tmp_path_factory.mktemp("trained")
-    (path,) = train(out, run="fixture", steps=300, save_every=300)
+    (path,) = train(out, run="fixture", steps=300, save_every=300, heads=VLLM_HEADS)
     return path
 
 

@@ -233,3 +233,27 @@ def wandb_history(wandb_dir: Path, run_id: str) -> list[dict[str, Any]]:
                 }
                 rows.append({k: v for k, v in items.items() if not k.startswith("_")})
     return rows
+
+
+def addition_accuracy(checkpoint: Path) -> float:
+    """The bundled addition task's exact match for `checkpoint`, scored here with greedy
+    decoding (as the task does): a cheap check of a trained model without lm-eval."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ckpt_watcher.demo.tiny import addition_pairs, answer
+
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    pairs = addition_pairs(100, 1234)  # write_task's test pairs
+    ids = torch.tensor([tok.encode(f"{a}+{b}=", add_special_tokens=False) for a, b in pairs])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+    said = [tok.decode(row[ids.shape[1] :]).split("\n")[0] for row in out]
+    return sum(s == answer(a, b) for s, (a, b) in zip(said, pairs, strict=True)) / len(pairs)

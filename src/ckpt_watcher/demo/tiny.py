@@ -1,5 +1,8 @@
 """A tiny character-level Llama for 2-digit addition, and its bundled lm-eval task.
 
+The task: `47+85=` is answered `132`, every sum written with 3 digits (`10+20=` -> `030`), so
+each answer digit sits at the same place in every example.
+
 Imports torch/transformers: used by the trainer process and by tests, never by the daemon.
 """
 
@@ -36,8 +39,25 @@ def build_tokenizer() -> Any:
     )
 
 
-def build_model(vocab_size: int, seed: int = 0, tie_word_embeddings: bool = False) -> Any:
-    """A ~0.5M-parameter Llama (2 layers, hidden 128, context 64)."""
+# 16 heads of size 8 learn the task on every seed tried (0-6 reach 0.98-1.0 at step 600, 1 or
+# 2 threads alike). With 2 heads (size 64), 3 seeds in 4 stalled at loss ~0.7 below 0.15, and 8
+# heads still stalled 1 seed in 6: the jump out of that plateau needs a head that happens to
+# attend to the right digits, and more heads make that near certain.
+DEMO_HEADS = 16
+# vLLM's CPU attention takes head sizes from 32 up; tests that serve the model with vLLM use 2
+# heads (size 64).
+VLLM_HEADS = 2
+
+
+def answer(a: int, b: int) -> str:
+    """The target the task scores: the sum with 3 digits."""
+    return f"{a + b:03d}"
+
+
+def build_model(
+    vocab_size: int, seed: int = 0, tie_word_embeddings: bool = False, heads: int = DEMO_HEADS
+) -> Any:
+    """A ~0.4M-parameter Llama (2 layers, hidden 128 split into `heads` heads, context 64)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -47,8 +67,8 @@ def build_model(vocab_size: int, seed: int = 0, tie_word_embeddings: bool = Fals
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=64,
         bos_token_id=SPECIALS.index("<s>"),
         eos_token_id=SPECIALS.index("</s>"),
@@ -73,7 +93,7 @@ def write_task(folder: Path, n_test: int = 100, seed: int = 1234) -> Path:
     data = folder / "addition_test.jsonl"
     with open(data, "w", encoding="utf-8") as f:
         for a, b in addition_pairs(n_test, seed):
-            f.write(json.dumps({"a": a, "b": b, "answer": str(a + b)}) + "\n")
+            f.write(json.dumps({"a": a, "b": b, "answer": answer(a, b)}) + "\n")
     text = TASK_TEMPLATE.read_text(encoding="utf-8").replace("__DATA_FILE__", str(data.resolve()))
     (folder / "addition.yaml").write_text(text, encoding="utf-8")
     return folder

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from ckpt_watcher.demo.tiny import DEMO_HEADS
+
 
 def train(
     out: Path,
@@ -22,16 +24,17 @@ def train(
     threads: int = 1,
     naming_bug: bool = True,
     final: bool = False,
+    heads: int = DEMO_HEADS,
 ) -> list[Path]:
     """Train and save checkpoints; returns their paths in the order written."""
     import torch
 
-    from ckpt_watcher.demo.tiny import build_model, build_tokenizer, save_checkpoint
+    from ckpt_watcher.demo.tiny import answer, build_model, build_tokenizer, save_checkpoint
 
     torch.set_num_threads(threads)
     tok = build_tokenizer()
-    model = build_model(len(tok), seed=seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model = build_model(len(tok), seed=seed, heads=heads)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     # One-cycle schedule: a constant 3e-3 or 1e-2 stalls near loss 1.7 on this task.
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
     rng = random.Random(seed)
@@ -43,11 +46,11 @@ def train(
         for _ in range(64):
             a, b = rng.randint(10, 99), rng.randint(10, 99)
             prompts.append(f"{a}+{b}=")
-            answers.append(f"{a + b}\n")
+            answers.append(answer(a, b) + "\n")
         ids, labels = [], []
-        for prompt, answer in zip(prompts, answers, strict=True):
+        for prompt, target in zip(prompts, answers, strict=True):
             p_ids = tok.encode(prompt, add_special_tokens=False)
-            a_ids = tok.encode(answer, add_special_tokens=False)
+            a_ids = tok.encode(target, add_special_tokens=False)
             ids.append(p_ids + a_ids)
             labels.append([-100] * len(p_ids) + a_ids)
         width = max(len(x) for x in ids)
@@ -80,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-naming-bug", action="store_true")
     ap.add_argument("--final", action="store_true", help="name the last checkpoint {run}_final")
+    ap.add_argument(
+        "--heads",
+        type=int,
+        default=DEMO_HEADS,
+        help="attention heads (default 16, size 8: hf backend only; 2 gives size 64 for vLLM)",
+    )
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     train(
@@ -91,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         naming_bug=not args.no_naming_bug,
         final=args.final,
+        heads=args.heads,
     )
     print(f"training done in {time.monotonic() - t0:.1f}s", flush=True)
     return 0

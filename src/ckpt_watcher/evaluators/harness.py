@@ -159,12 +159,11 @@ def _code_execution(allowed: bool) -> Iterator[None]:
 
 def run_tasks(req: EvalRequest, on_outcome: Callable[[TaskOutcome], None]) -> list[TaskOutcome]:
     """Load the model once and run every task; `on_outcome` is called as each task finishes."""
-    from lm_eval.tasks import TaskManager
-
     version = importlib.metadata.version("lm-eval")
     lm = load_model(req)
     metadata = dict(req.model_args) | {"pretrained": req.checkpoint}
-    task_manager = TaskManager(include_path=task_paths(req.include_path), metadata=metadata)
+    names = [t.task for t in req.tasks]
+    task_manager = lmi.task_manager(names, task_paths(req.include_path), metadata=metadata)
     results_dir = Path(req.results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     outcomes = []

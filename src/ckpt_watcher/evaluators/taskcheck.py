@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_watcher.durable import write_json_atomic
-from ckpt_watcher.evaluators.lm_eval_internals import task_yaml_config
+from ckpt_watcher.evaluators.lm_eval_internals import task_manager, task_yaml_config
 from ckpt_watcher.tasks import task_paths
 
 # `dataset_path` values under which `dataset_kwargs.data_files` are local files
@@ -37,13 +37,7 @@ def local_data_files(cfg: dict[str, Any]) -> list[str]:
 
 
 def check(names: list[str], include_path: str | None) -> dict[str, Any]:
-    from lm_eval.tasks import TaskManager
-
-    paths = task_paths(include_path)
-    # the shipped tasks and the user's own only: indexed at once
-    tm = TaskManager(include_path=paths, include_defaults=False)
-    if not set(names) <= set(tm.all_tasks):  # lm-eval's thousands of YAMLs too: seconds
-        tm = TaskManager(include_path=paths)
+    tm = task_manager(names, task_paths(include_path))
     known = set(tm.all_tasks)
     unknown: dict[str, list[str]] = {}
     missing: dict[str, list[str]] = {}
