@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ckpt_watcher.executors.base import process_alive
+
 from .conftest import WATCHER, read_ledger
 
 
@@ -257,3 +259,8 @@ def addition_accuracy(checkpoint: Path) -> float:
         )
     said = [tok.decode(row[ids.shape[1] :]).split("\n")[0] for row in out]
     return sum(s == answer(a, b) for s, (a, b) in zip(said, pairs, strict=True)) / len(pairs)
+
+
+def alive(pid: int) -> bool:
+    """True if `pid` is a process that has not exited (a zombie has)."""
+    return process_alive(pid)

@@ -22,22 +22,11 @@ from .conftest import (
     write_config,
     write_fake_checkpoint,
 )
-from .helpers import status_json, wait_for, watcher_run
+from .helpers import alive, status_json, wait_for, watcher_run
 
 pytestmark = pytest.mark.slow
 
 TASKS = [{"task": "addition", "num_fewshot": 0}, {"task": "addition", "num_fewshot": 1}]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is not alive
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def running_job(cfg: Path) -> dict | None:
