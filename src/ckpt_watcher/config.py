@@ -228,6 +228,18 @@ class EvalConfig(_Model):
     """Wait before retry k is this times 2**(k-1)."""
     tasks: list[TaskSpec] = Field(min_length=1)
     """The tasks to run on every checkpoint; `{suite: NAME}` stands for a suite's tasks."""
+    warm_engine: bool | None = None
+    """Keep one worker and its engine per device across checkpoints, swapping each new
+    checkpoint's weights in when its architecture, tokenizer and engine arguments are the same
+    (local executor). Default: true for vllm, false for hf."""
+    warm_verify_every: int = Field(20, ge=1)
+    """Prove the first swap of each architecture, then every this many, equal to a fresh load."""
+    warm_idle_seconds: float = Field(600.0, gt=0)
+    """A warm engine with no job for this long is released."""
+
+    @property
+    def warm(self) -> bool:
+        return self.backend == "vllm" if self.warm_engine is None else self.warm_engine
 
     @model_validator(mode="before")
     @classmethod

@@ -27,7 +27,7 @@ from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.durable import write_atomic
 from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.executors import build_executor
-from ckpt_watcher.executors.base import Executor
+from ckpt_watcher.executors.base import Executor, process_groups
 from ckpt_watcher.jobs import JobRunner
 from ckpt_watcher.ledger import LedgerIndex, iter_runs
 from ckpt_watcher.mirror import LedgerMirror
@@ -35,7 +35,7 @@ from ckpt_watcher.notify import Notifier
 from ckpt_watcher.sinks import Sinks
 from ckpt_watcher.sinks.prometheus import DaemonMetrics
 from ckpt_watcher.sources import Source, build_sources
-from ckpt_watcher.state import HEARTBEAT_SECONDS, State
+from ckpt_watcher.state import HEARTBEAT_SECONDS, Job, State
 
 log = structlog.get_logger("ckpt_watcher.daemon")
 
@@ -130,6 +130,9 @@ class Daemon:
         try:
             return self._run()
         finally:
+            close = getattr(self.executor, "close", None)
+            if close is not None:  # warm engines are released with the daemon
+                close()
             self.sinks.flush_pages()  # before the mirror's last uploads, which carry them
             if self.mirror is not None:
                 if not self.mirror.flush(MIRROR_FLUSH_SECONDS):
@@ -278,10 +281,18 @@ class Daemon:
         free = free_devices(
             self.inventory,
             in_use=[j.device for j in running if j.device],
-            our_pids={j.pid for j in running if j.pid},
+            our_pids=self._our_pids(running),
             idle_memory_mib=self.cfg.devices.idle_memory_mib,
         )
         self.jobs.dispatch(now, free)
+
+    def _our_pids(self, running: list[Job]) -> set[int]:
+        """Our workers, their engine processes, and the warm workers waiting for a job."""
+        warm = getattr(self.executor, "worker_pids", None)
+        leaders = {j.pid for j in running if j.pid} | (warm() if warm is not None else set())
+        if not any(d.kind == "cuda" for d in self.inventory.devices()):
+            return leaders  # no GPU processes to tell apart: spare the loop a scan of /proc
+        return process_groups(leaders)
 
     # --- heartbeat -----------------------------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
@@ -320,7 +331,7 @@ class Daemon:
         except Exception as e:  # NVML hiccup: try again next heartbeat
             log.warning("devices.query_failed", error=str(e))
             return
-        ours = {j.pid for j in self.state.jobs("running") if j.pid}
+        ours = self._our_pids(self.state.jobs("running"))
         labels = {d.id: d.label for d in self.inventory.devices()}
         suspects = self.zombies.observe(processes, ours, labels, now)
         reap = self.cfg.devices.reap_foreign_zombies

@@ -134,6 +134,8 @@ def result_line(
             "finished_at": finished or None,
             "duration_s": seconds_between(started, finished),
             "lm_eval_version": outcome.get("lm_eval_version"),
+            "engine": outcome.get("engine"),
+            "engine_seconds": outcome.get("engine_seconds"),
             "results_file": _run_relative(outcome.get("results_file"), ledger_dir, job)
             if ok
             else None,

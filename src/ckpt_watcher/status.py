@@ -6,17 +6,22 @@ stale "running") and its heartbeat (a hung daemon shows as stale).
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 from ckpt_watcher import ledger as ledger_mod
 from ckpt_watcher.clock import iso
 from ckpt_watcher.config import WatcherConfig
+from ckpt_watcher.executors.base import process_alive
+from ckpt_watcher.executors.warm import warm_root
 from ckpt_watcher.ledger import LedgerIndex, Subject
 from ckpt_watcher.report import newest_versions
 from ckpt_watcher.sinks.alerts import Regression
 from ckpt_watcher.sources.baseline import source_name
 from ckpt_watcher.state import HEARTBEAT_SECONDS, State
+from ckpt_watcher.warm_worker import ENGINE_FILE
 
 STALE_AFTER = 10 * HEARTBEAT_SECONDS
 EXIT_RUNNING = 0
@@ -150,8 +155,25 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         ],
         "failure_history": history,
         "suspected_zombies": zombies,
+        "warm_engines": warm_engines(cfg.state_dir),
         "latest_results": latest_results(cfg),
     }
+
+
+def warm_engines(state_dir: Path) -> list[dict[str, Any]]:
+    """Each device's warm worker as its `engine.json` says (`warm_worker.py`); a worker whose
+    process is gone is shown as released."""
+    out = []
+    for path in sorted(warm_root(state_dir).glob(f"*/{ENGINE_FILE}")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if data.get("state") != "released" and not process_alive(int(data.get("pid") or 0)):
+            data["state"] = "released"
+        data["since"] = _iso_or_none(data.get("since"))
+        out.append(data)
+    return out
 
 
 def _source(row: Any, name: str, now: float) -> dict[str, Any]:
@@ -268,6 +290,17 @@ def render(data: dict[str, Any]) -> str:
             lines.append(
                 f"  {z['device']}: pid {z['pid']} holds {z['used_mib']} MiB at 0% for {z['idle_s']}s"
             )
+    live = [w for w in data["warm_engines"] if w["state"] != "released"]
+    lines.append("warm engines:" if live else "warm engines: none")
+    for w in live:
+        what = w["checkpoint"] or "no model loaded"
+        lines.append(
+            f"  {w['device']}: {w['state']} since {w['since']}, holds {what} "
+            f"(pid {w['pid']}, {w['swaps']} swaps)"
+        )
+    for w in data["warm_engines"]:
+        for why in (w.get("cold_for_good") or {}).values():
+            lines.append(f"  {w['device']}: swaps off for this architecture: {why}")
     lines.append("latest results:")
     for r in data["latest_results"]:
         shots = r["num_fewshot"] if r["num_fewshot"] is not None else "default"

@@ -25,6 +25,7 @@ def train(
     naming_bug: bool = True,
     final: bool = False,
     heads: int = DEMO_HEADS,
+    tie_word_embeddings: bool = False,
 ) -> list[Path]:
     """Train and save checkpoints; returns their paths in the order written."""
     import torch
@@ -33,7 +34,7 @@ def train(
 
     torch.set_num_threads(threads)
     tok = build_tokenizer()
-    model = build_model(len(tok), seed=seed, heads=heads)
+    model = build_model(len(tok), seed=seed, heads=heads, tie_word_embeddings=tie_word_embeddings)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     # One-cycle schedule: a constant 3e-3 or 1e-2 stalls near loss 1.7 on this task.
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)

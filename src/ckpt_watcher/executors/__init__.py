@@ -15,6 +15,16 @@ def build_executor(cfg: WatcherConfig, on_exit: ExitCallback) -> tuple[Executor,
 
         ray = RayExecutor(on_exit, cfg.executor.address)
         return ray, RayInventory(ray)
+    if cfg.eval.warm:
+        from ckpt_watcher.executors.warm import WarmExecutor
+
+        warm = WarmExecutor(
+            on_exit,
+            cfg.state_dir,
+            idle_seconds=cfg.eval.warm_idle_seconds,
+            verify_every=cfg.eval.warm_verify_every,
+        )
+        return warm, None
     from ckpt_watcher.executors.local import LocalExecutor
 
     return LocalExecutor(on_exit), None

@@ -1,0 +1,302 @@
+"""Keep one loaded engine across a warm worker's jobs: swap each new checkpoint's weights into
+it when nothing else changed, and prove on a probe set that the swapped engine equals a fresh
+load.
+
+A swap is tried only when the new checkpoint has the same *signature* as the loaded one: its
+`config.json` (apart from fields that do not change the graph), its tokenizer and generation
+files, and the engine's arguments. Anything else, or any error in a swap, loads cold; the job
+loses nothing. The first swap of each signature, and then every `verify_every`-th, is verified:
+greedy tokens and their logprobs on `PROBE_TEXTS` from the swapped engine against a fresh load
+of the same checkpoint (which then serves the job). A mismatch sends that signature cold for
+good. Imported only inside worker processes.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from ckpt_watcher.checkpoints.files import LocalFiles
+from ckpt_watcher.checkpoints.namefix import read_index
+from ckpt_watcher.errors import EvalError
+from ckpt_watcher.evaluators.harness import Engine, EvalRequest, engine_args, load_model
+
+log = structlog.get_logger("ckpt_watcher.evaluators.warm")
+
+# config.json fields a trainer rewrites without changing the model's graph
+GRAPH_NEUTRAL_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
+# files beside the weights that decide the tokens and generation (never optimizer/trainer state)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+# A few prompts of prose, code and arithmetic; greedy continuation of PROBE_TOKENS tokens each.
+PROBE_TEXTS = (
+    "The capital of France is",
+    "Question: Natalia sold clips to 48 of her friends. How many clips did she sell?\nAnswer:",
+    "def fibonacci(n):\n    ",
+    "12+34=",
+    "7+8=",
+    "Once upon a time",
+    "The derivative of x^2 is",
+    "1, 2, 3, 5, 8,",
+)
+PROBE_TOKENS = 8
+
+
+class SwapError(EvalError):
+    """The weights could not be swapped in; the job loads cold instead."""
+
+
+def model_signature(checkpoint: Path, backend: str, args: dict[str, Any]) -> str:
+    """Equal for two checkpoints whose weights can be swapped into one engine."""
+    try:
+        config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise SwapError(f"{checkpoint}/config.json unreadable: {e}") from e
+    graph = {k: v for k, v in config.items() if k not in GRAPH_NEUTRAL_CONFIG_KEYS}
+    files = {}
+    for name in TOKENIZER_FILES:
+        path = checkpoint / name
+        if path.is_file():
+            files[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    blob = json.dumps(
+        {"backend": backend, "args": args, "config": graph, "files": files},
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# --- probes: greedy tokens and their logprobs ----------------------------------------------
+Probe = list[tuple[list[int], list[float]]]
+
+
+def probe(lm: Any, backend: str) -> Probe:
+    return _probe_vllm(lm) if backend == "vllm" else _probe_hf(lm)
+
+
+def _probe_ids(lm: Any) -> list[list[int]]:
+    """The probe texts as token ids, each cut to leave room for PROBE_TOKENS in the context."""
+    room = max(1, int(lm.max_length) - PROBE_TOKENS)
+    out = []
+    for text in PROBE_TEXTS:
+        ids = list(lm.tokenizer(text, add_special_tokens=False).input_ids)[:room]
+        if ids:
+            out.append(ids)
+    return out
+
+
+def _probe_vllm(lm: Any) -> Probe:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=PROBE_TOKENS, logprobs=1, seed=0)
+    prompts = [{"prompt_token_ids": ids} for ids in _probe_ids(lm)]
+    out = []
+    for request in lm.model.generate(prompts, params, use_tqdm=False):
+        gen = request.outputs[0]
+        tokens = list(gen.token_ids)
+        logprobs = [step[t].logprob for step, t in zip(gen.logprobs or [], tokens, strict=True)]
+        out.append((tokens, logprobs))
+    return out
+
+
+def _probe_hf(lm: Any) -> Probe:
+    import torch
+
+    model, tok = lm.model, lm.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    out = []
+    with torch.no_grad():
+        for prompt in _probe_ids(lm):
+            ids = torch.tensor([prompt], device=model.device)
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=PROBE_TOKENS,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=pad,
+            )
+            tokens = gen.sequences[0, ids.shape[1] :].tolist()
+            logprobs = [
+                torch.log_softmax(score[0].float(), dim=-1)[t].item()
+                for score, t in zip(gen.scores, tokens, strict=False)
+            ]
+            out.append((tokens, logprobs))
+    return out
+
+
+def tolerance(dtype: str | None) -> tuple[float, float]:
+    """(atol, rtol) for a logprob. Swapped and fresh engines hold the same weights and run the
+    same kernels on the same batch, so on CPU their numbers are equal to the bit; on GPU the
+    reduction order may differ. A float32 engine then moves logprobs by ~1e-6; a 16-bit one
+    (8 to 11 mantissa bits, eps 2^-8 for bfloat16) by up to ~1% of a logprob. A stale or half
+    swapped weight moves them by far more and usually changes the greedy tokens."""
+    if str(dtype).replace("torch.", "") in ("float32", "float", "fp32"):
+        return 1e-4, 1e-4
+    return 1e-3, 1e-2
+
+
+def compare(warm: Probe, cold: Probe, dtype: str | None) -> str | None:
+    """None when the probes agree; else the first difference, in words."""
+    atol, rtol = tolerance(dtype)
+    if len(warm) != len(cold):
+        return f"{len(warm)} probe outputs against {len(cold)}"
+    for i, ((wt, wl), (ct, cl)) in enumerate(zip(warm, cold, strict=True)):
+        if wt != ct:
+            at = next(
+                (j for j, (a, b) in enumerate(zip(wt, ct, strict=False)) if a != b),
+                min(len(wt), len(ct)),
+            )
+            return f"probe {i}: greedy token {at} differs ({wt} against a fresh load's {ct})"
+        for j, (a, b) in enumerate(zip(wl, cl, strict=True)):
+            if abs(a - b) > atol + rtol * abs(b):
+                return f"probe {i}: token {j}'s logprob {a:.6f} against a fresh load's {b:.6f}"
+    return None
+
+
+# --- swapping --------------------------------------------------------------------------------
+def swap(lm: Any, backend: str, checkpoint: str) -> None:
+    if backend == "vllm":
+        lm.model.collective_rpc("ckpt_watcher_swap", args=(checkpoint,))
+        lm.model.reset_prefix_cache()
+    else:
+        _swap_hf(lm.model, Path(checkpoint))
+
+
+def _weight_files(checkpoint: Path) -> list[Path]:
+    weight_map = read_index(LocalFiles(checkpoint))
+    if weight_map is not None:
+        return [checkpoint / n for n in sorted(set(weight_map.values()))]
+    files = sorted(checkpoint.glob("*.safetensors"))
+    if not files:
+        raise SwapError(f"{checkpoint}: no safetensors weights to swap in")
+    return files
+
+
+def _swap_hf(model: Any, checkpoint: Path) -> None:
+    from safetensors.torch import load_file
+
+    state: dict[str, Any] = {}
+    for f in _weight_files(checkpoint):
+        state.update(load_file(f))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {id(params[k]) for k in state if k in params}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    untied = [k for k in missing if k not in params or id(params[k]) not in loaded]
+    if unexpected or untied:
+        raise SwapError(
+            f"{checkpoint}: weights do not match the loaded model "
+            f"(missing {untied[:3]}, unexpected {list(unexpected)[:3]})"
+        )
+    model.eval()
+
+
+def shutdown(lm: Any) -> None:
+    """Stop vLLM's engine process, if `lm` has one (hf models have none)."""
+    engine = getattr(getattr(lm, "model", None), "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None:
+        try:
+            core.shutdown()
+        except Exception as e:  # a broken engine: the process group dies with the worker anyway
+            log.warning("engine.shutdown_failed", error=str(e))
+
+
+def free_memory() -> None:
+    """Collect what no longer has a reference, and hand cached GPU memory back."""
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
+# --- the keeper ------------------------------------------------------------------------------
+@dataclass
+class EngineKeeper:
+    """The worker's one engine, across its jobs."""
+
+    verify_every: int = 20
+    lm: Any = None
+    signature: str | None = None
+    checkpoint: str | None = None
+    swaps: dict[str, int] = field(default_factory=dict)  # swaps per signature
+    cold_for_good: dict[str, str] = field(default_factory=dict)  # signature -> why
+    events: list[dict[str, Any]] = field(default_factory=list)  # for engine.json / status
+
+    def acquire(self, req: EvalRequest) -> Engine:
+        """The engine for `req`'s checkpoint: swapped into the kept one when possible."""
+        began = time.monotonic()
+        _, args = engine_args(req, swappable=True)
+        sig = model_signature(Path(req.checkpoint), req.backend, args)
+        if self.lm is not None and sig == self.signature and sig not in self.cold_for_good:
+            n = self.swaps.get(sig, 0)
+            try:
+                swap(self.lm, req.backend, req.checkpoint)
+                self.swaps[sig] = n + 1
+                self.checkpoint = req.checkpoint
+                if n % self.verify_every == 0:
+                    return self._verify(req, sig, began)
+            except Exception as e:  # any error in or after a swap: a cold start, nothing lost
+                self._event("engine.swap_failed", error=f"{type(e).__name__}: {e}")
+            else:
+                log.info("engine.swapped", checkpoint=req.checkpoint, swaps=n + 1)
+                return Engine(self.lm, "warm", time.monotonic() - began)
+        self.drop()
+        self._load(req, sig)
+        return Engine(self.lm, "cold", time.monotonic() - began)
+
+    def _load(self, req: EvalRequest, sig: str) -> None:
+        self.lm = load_model(req, swappable=True)
+        self.signature, self.checkpoint = sig, req.checkpoint
+
+    def _verify(self, req: EvalRequest, sig: str, began: float) -> Engine:
+        """Probe the swapped engine, load the checkpoint fresh, probe again, compare. The fresh
+        engine serves the job either way (it is the one whose results are right)."""
+        warm = probe(self.lm, req.backend)
+        self.drop()
+        self._load(req, sig)
+        cold = probe(self.lm, req.backend)
+        why = compare(warm, cold, req.model_args.get("dtype"))
+        if why is None:
+            self._event("engine.verify_ok", checkpoint=req.checkpoint, signature=sig)
+        else:
+            self.cold_for_good[sig] = why
+            self._event(
+                "engine.verify_failed", checkpoint=req.checkpoint, signature=sig, reason=why
+            )
+        return Engine(self.lm, "cold", time.monotonic() - began)
+
+    def drop(self) -> None:
+        if self.lm is not None:
+            shutdown(self.lm)
+            self.lm = None  # the last reference: the model can be collected now
+            free_memory()
+        self.signature = self.checkpoint = None
+
+    def _event(self, event: str, **fields: Any) -> None:
+        (log.warning if event != "engine.verify_ok" else log.info)(event, **fields)
+        self.events = (self.events + [{"event": event, "at": time.time(), **fields}])[-20:]

@@ -1,0 +1,209 @@
+"""Warm workers on this host: one long-lived worker per device that keeps its engine between jobs.
+
+A job for a device whose warm worker is idle is handed to it (its folder, one line on the
+worker's stdin); with none, one is started; if it is busy (two jobs packed on one device), the
+job gets a one-shot worker. The worker reports each job's exit code on a pipe; a worker that
+dies mid-job reports that job's exit with its own exit code. The daemon stays the only scheduler
+and ledger writer: to it a warm worker's job looks like any other (same folders, same outcome
+files, kill = kill the process group). Warm workers live in `<state_dir>/jobs/_warm/<device>`,
+so recovery after a crash finds them as strays, and they exit by themselves when the daemon's
+end of their stdin closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from ckpt_watcher.checkpoints.naming import safe_component
+from ckpt_watcher.executors.base import (
+    WORKER_MODULE,
+    ExitCallback,
+    WorkerHandle,
+    process_start_token,
+)
+from ckpt_watcher.executors.local import LocalExecutor, kill_group
+from ckpt_watcher.warm_worker import STATUS_FD_ENV
+
+log = structlog.get_logger("ckpt_watcher.executors.warm")
+
+CLOSE_WAIT_SECONDS = 10.0
+# A worker this close to its idle release is not handed a job (it may be exiting as the job
+# arrives, which would cost the job an attempt): it is let go and a new one starts.
+IDLE_MARGIN_SECONDS = 2.0
+
+
+def warm_root(state_dir: Path) -> Path:
+    """Where warm workers live, one folder per device (under `jobs`: strays are found there)."""
+    return state_dir / "jobs" / "_warm"
+
+
+def warm_home(state_dir: Path, device_label: str) -> Path:
+    return warm_root(state_dir) / safe_component(device_label)
+
+
+@dataclass
+class _Warm:
+    proc: subprocess.Popen[bytes]
+    device: str
+    job_id: str | None = None  # the job it runs now
+    job_dir: Path | None = None
+    idle_since: float = field(default_factory=time.monotonic)
+
+
+class WarmExecutor:
+    """The Executor for `eval.warm_engine: true` on this host."""
+
+    def __init__(
+        self,
+        on_exit: ExitCallback,
+        state_dir: Path,
+        *,
+        idle_seconds: float,
+        verify_every: int,
+        python: str = sys.executable,
+    ) -> None:
+        self.on_exit = on_exit
+        self.state_dir = state_dir
+        self.idle_seconds = idle_seconds
+        self.verify_every = verify_every
+        self.python = python
+        self.cold = LocalExecutor(on_exit, python)
+        self._workers: dict[str, _Warm] = {}  # device label -> its warm worker
+        self._retired: list[_Warm] = []  # let go, perhaps still releasing their engine
+        self._lock = threading.Lock()
+
+    def start(
+        self, job_id: str, job_dir: Path, env: dict[str, str], log_path: Path
+    ) -> WorkerHandle:
+        device = json.loads((job_dir / "spec.json").read_text(encoding="utf-8"))["device_label"]
+        with self._lock:
+            w = self._workers.get(device)
+            if w is not None and w.job_id is not None:
+                w = None  # packed: this device's warm worker is busy; a one-shot worker runs it
+            else:
+                if w is not None and time.monotonic() - w.idle_since > max(
+                    0.0, self.idle_seconds - IDLE_MARGIN_SECONDS
+                ):
+                    self._retire(w)
+                    w = None
+                if w is None or w.proc.poll() is not None:
+                    w = self._spawn(device, env)
+                w.job_id, w.job_dir = job_id, job_dir
+        if w is None:
+            return self.cold.start(job_id, job_dir, env, log_path)
+        try:
+            assert w.proc.stdin is not None
+            w.proc.stdin.write(f"{job_dir}\n".encode())
+            w.proc.stdin.flush()
+        except OSError:  # it died just now: its exit is reported for this job by _watch
+            pass
+        return WorkerHandle(job_id, w.proc.pid, process_start_token(w.proc.pid) or "")
+
+    def _spawn(self, device: str, env: dict[str, str]) -> _Warm:
+        home = warm_home(self.state_dir, device)
+        home.mkdir(parents=True, exist_ok=True)
+        settings = {
+            "device": device,
+            "idle_seconds": self.idle_seconds,
+            "verify_every": self.verify_every,
+        }
+        read_fd, write_fd = os.pipe()
+        try:
+            with open(home / "worker.log", "ab") as out:
+                proc = subprocess.Popen(
+                    [self.python, "-m", WORKER_MODULE, "--serve", str(home), json.dumps(settings)],
+                    stdin=subprocess.PIPE,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=dict(os.environ) | env | {STATUS_FD_ENV: str(write_fd)},
+                    start_new_session=True,
+                    pass_fds=(write_fd,),
+                )
+        finally:
+            os.close(write_fd)
+        w = _Warm(proc, device)
+        self._workers[device] = w
+        threading.Thread(target=self._watch, args=(w, read_fd), daemon=True).start()
+        log.info("engine.worker_started", device=device, pid=proc.pid)
+        return w
+
+    def _watch(self, w: _Warm, read_fd: int) -> None:
+        """Report each finished job; when the worker exits, its job in flight too."""
+        with os.fdopen(read_fd, "rb") as reports:
+            for raw in reports:
+                rc_text, _, _ = raw.decode().strip().partition(" ")
+                with self._lock:
+                    job_id, w.job_id, w.job_dir = w.job_id, None, None
+                    w.idle_since = time.monotonic()
+                if job_id is not None:
+                    self.on_exit(job_id, int(rc_text))
+        rc = w.proc.wait()
+        kill_group(w.proc.pid)  # its engine processes go with it
+        with self._lock:
+            job_id, w.job_id = w.job_id, None
+            if self._workers.get(w.device) is w:
+                del self._workers[w.device]
+        log.info("engine.worker_exited", device=w.device, pid=w.proc.pid, rc=rc)
+        if job_id is not None:
+            self.on_exit(job_id, rc if rc != 0 else -signal.SIGKILL)
+
+    def _retire(self, w: _Warm) -> None:
+        """Let an idle worker go (it exits when its stdin closes); the caller holds the lock."""
+        if self._workers.get(w.device) is w:
+            del self._workers[w.device]
+        self._retired = [r for r in self._retired if r.proc.poll() is None] + [w]
+        try:
+            if w.proc.stdin is not None:
+                w.proc.stdin.close()
+        except OSError:
+            pass
+
+    def kill(self, job_id: str) -> None:
+        with self._lock:
+            w = next((w for w in self._workers.values() if w.job_id == job_id), None)
+        if w is None:
+            self.cold.kill(job_id)
+        else:
+            kill_group(w.proc.pid)
+
+    def running(self) -> set[str]:
+        with self._lock:
+            warm = {w.job_id for w in self._workers.values() if w.job_id is not None}
+        return warm | self.cold.running()
+
+    def worker_pids(self) -> set[int]:
+        """The warm workers, busy or idle: their GPU memory is ours."""
+        with self._lock:
+            alive = [r for r in self._retired if r.proc.poll() is None]
+            return {w.proc.pid for w in [*self._workers.values(), *alive]}
+
+    def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> None:
+        """Release every warm engine: close their stdin, give them `timeout`, then kill."""
+        with self._lock:
+            workers = [*self._workers.values(), *self._retired]
+        for w in workers:
+            try:
+                if w.proc.stdin is not None:
+                    w.proc.stdin.close()
+            except OSError:
+                pass
+        for w in workers:
+            try:
+                w.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                w.proc.send_signal(signal.SIGTERM)
+                try:
+                    w.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+            kill_group(w.proc.pid)

@@ -1,0 +1,133 @@
+"""A warm worker: `python -m ckpt_watcher.worker --serve HOME SETTINGS_JSON`.
+
+One long-lived process per device (`executors/warm.py` starts it). It reads job folders from
+stdin, one line each, runs each exactly like a one-shot worker (`worker.run_job`, same outcome
+files, same crash file) but keeps its engine between jobs (`evaluators/warm.py`), and reports
+each job's exit code as a line `RC JOB_DIR` on the file descriptor named by STATUS_FD_ENV.
+While a job runs, its stdout and stderr go to that job's `worker.log`.
+
+It releases its engine and exits when stdin closes (the daemon stopped or died), after
+`idle_seconds` without a job, and on SIGTERM. `HOME/engine.json` says what it holds, for
+`watcher status`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from ckpt_watcher.durable import write_json_atomic
+
+STATUS_FD_ENV = "CKPT_WATCHER_STATUS_FD"
+ENGINE_FILE = "engine.json"
+
+log = structlog.get_logger("ckpt_watcher.warm_worker")
+
+
+def _redirect_output(path: Path) -> None:
+    """Point fds 1 and 2 (ours and what we start from now on) at `path`, appending."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _describe(home: Path, keeper: Any, device: str, state: str, job: str | None) -> None:
+    write_json_atomic(
+        home / ENGINE_FILE,
+        {
+            "pid": os.getpid(),
+            "device": device,
+            "state": state,  # busy | idle | released
+            "job": job,
+            "checkpoint": keeper.checkpoint,
+            "since": time.time(),
+            "swaps": sum(keeper.swaps.values()),
+            "swaps_by_signature": keeper.swaps,
+            "cold_for_good": keeper.cold_for_good,
+            "events": keeper.events,
+        },
+    )
+
+
+def _release_on_sigterm(*_: Any) -> None:
+    raise SystemExit(0)
+
+
+def _default_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def handle_sigterm() -> None:
+    """SIGTERM releases the engine and ends the worker (through SystemExit, so `finally` runs).
+
+    Processes forked from here (lm-eval's bootstrap Pool) must still die on SIGTERM as under a
+    one-shot worker: a child that inherits the handler turns Pool.terminate()'s SIGTERM into a
+    SystemExit that it may never act on while blocked on the pool's queue lock, and the job then
+    hangs in Pool.__exit__ (seen in CI; here 2 of 4 loops of 200 pools hung)."""
+    signal.signal(signal.SIGTERM, _release_on_sigterm)
+    os.register_at_fork(after_in_child=_default_sigterm)
+
+
+def serve(home: Path, settings: dict[str, Any]) -> int:
+    from ckpt_watcher.evaluators.warm import EngineKeeper
+    from ckpt_watcher.worker import EXIT_CRASH, run_job
+
+    home.mkdir(parents=True, exist_ok=True)
+    status_fd = int(os.environ[STATUS_FD_ENV])
+    idle_seconds = float(settings["idle_seconds"])
+    device = str(settings["device"])
+    keeper = EngineKeeper(verify_every=int(settings["verify_every"]))
+    try:  # this device's earlier workers: an architecture that failed its check stays cold for
+        # good, and one already checked is checked again after verify_every swaps, not at once
+        before = json.loads((home / ENGINE_FILE).read_text(encoding="utf-8"))
+        keeper.cold_for_good.update(before.get("cold_for_good") or {})
+        keeper.swaps.update(before.get("swaps_by_signature") or {})
+    except (OSError, ValueError):
+        pass
+
+    handle_sigterm()
+    own_log = home / "worker.log"
+    reason = "stdin closed"
+    in_job = False
+    try:
+        _describe(home, keeper, device, "idle", None)
+        while True:
+            ready, _, _ = select.select([sys.stdin], [], [], idle_seconds)
+            if not ready:
+                reason = f"idle for {idle_seconds:g} s"
+                break
+            line = sys.stdin.readline()
+            if not line:
+                break
+            job_dir = Path(line.strip())
+            _redirect_output(job_dir / "worker.log")
+            _describe(home, keeper, device, "busy", job_dir.parent.name)
+            in_job = True
+            try:
+                rc = run_job(job_dir, keeper)
+            except Exception:  # spec unreadable and the like: a crash of this job only
+                log.exception("worker.crashed")
+                keeper.drop()
+                rc = EXIT_CRASH
+            in_job = False
+            _redirect_output(own_log)
+            _describe(home, keeper, device, "idle", None)
+            os.write(status_fd, f"{rc} {job_dir}\n".encode())
+    except SystemExit:
+        reason = "SIGTERM"
+    finally:
+        log.info("engine.released", device=device, reason=reason, checkpoint=keeper.checkpoint)
+        keeper.drop()
+        _describe(home, keeper, device, "released", None)
+    return 128 + signal.SIGTERM if in_job else 0  # a job cut short must not read as a success
