@@ -76,12 +76,22 @@ def _sleep_then_kill_moment(
     return False
 
 
+def _workers_of(root: Path) -> list[int]:
+    """Worker processes (one-shot or warm) still alive for this state folder."""
+    r = subprocess.run(
+        ["pgrep", "-f", f"ckpt_watcher.worker .*{root / 'state'}"], capture_output=True, text=True
+    )
+    return [int(x) for x in r.stdout.split()]
+
+
 def fault_run(
-    work: Path, ckpt: Path, kills: int, seed: int, after_append: float = 0.25
+    work: Path, ckpt: Path, kills: int, seed: int, after_append: float = 0.25, warm: bool = False
 ) -> dict[str, Any]:
-    """Run the kill loop; return the figures (and the ledger lines, for assertions)."""
+    """Run the kill loop; return the figures (and the ledger lines, for assertions). `warm`:
+    jobs go to warm workers (one per device, kept across jobs), which must die with the
+    daemon or be killed by the next one, like one-shot workers."""
     rng = random.Random(seed)
-    root = work / f"seed{seed}"
+    root = work / f"seed{seed}{'-warm' if warm else ''}"
     shutil.rmtree(root, ignore_errors=True)
     watch = root / "ckpts"
     for step in CHECKPOINTS:
@@ -103,6 +113,7 @@ def fault_run(
             # crash-loop guard would fail a job the daemon died under 3 times, which is its
             # purpose (tested in test_recovery.py); this run measures exactly-once under kills.
             "max_attempts": kills + 1,
+            "warm_engine": warm,
         },
     )
     log = open(root / "daemon.log", "ab")
@@ -133,6 +144,8 @@ def fault_run(
             time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         clean_exit = proc.wait(timeout=120) == 0
+        time.sleep(1)
+        workers_left = _workers_of(root)
     finally:
         log.close()
     lines = _ledger(root)
@@ -155,6 +168,8 @@ def fault_run(
         "failed_lines": sum(1 for x in lines if x["status"] != "ok"),
         "most_daemon_deaths_under_one_job": deaths,
         "clean_exit": clean_exit,
+        "workers_left": workers_left,
+        "engines": dict(Counter(str(x.get("engine")) for x in lines if x["status"] == "ok")),
         "seconds": round(time.monotonic() - started, 1),
         "lines": lines,
     }
@@ -165,8 +180,11 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--seed", type=int, default=20261121)
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-kill9"))
+    ap.add_argument("--warm", action="store_true", help="warm workers (eval.warm_engine: true)")
     args = ap.parse_args()
-    figures = fault_run(args.work, trained_checkpoint(args.work), args.kills, args.seed)
+    figures = fault_run(
+        args.work, trained_checkpoint(args.work), args.kills, args.seed, warm=args.warm
+    )
     figures.pop("lines")
     for k, v in figures.items():
         print(f"{k}: {v}")

