@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sqlite3
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,9 @@ import pytest
 from click.testing import CliRunner
 
 from ckpt_watcher.cli import main
+from ckpt_watcher.errors import StateError
 from ckpt_watcher.ledger import append
+from ckpt_watcher.state import DB_NAME, State
 
 from .conftest import REPO, idle_config, write_config
 
@@ -155,6 +159,38 @@ def test_status_without_state_says_so(tmp_path: Path) -> None:
     cfg = _ledger(tmp_path)
     result = CliRunner().invoke(main, ["status", "-c", str(cfg)])
     assert result.exit_code == 3 and "daemon has not run" in result.output
+
+
+def test_status_while_the_daemon_creates_its_state_says_so_and_never_crashes(
+    tmp_path: Path,
+) -> None:
+    """The daemon's first open creates the database file, then its tables: `watcher status`
+    (and every reader) between the two used to die on `no such table: meta` (seen in CI)."""
+    cfg = _ledger(tmp_path)
+    state_dir = tmp_path / "s"  # _ledger's state_dir
+    state_dir.mkdir()
+    sqlite3.connect(state_dir / DB_NAME).execute("PRAGMA journal_mode=WAL").fetchone()
+    result = CliRunner().invoke(main, ["status", "-c", str(cfg)])
+    assert result.exit_code == 3 and "no tables yet" in result.output, result.output
+
+    # a reader racing the writer sees no state, or all of it (the schema is one transaction)
+    for attempt in range(30):
+        where = tmp_path / f"race{attempt}"
+        writer = threading.Thread(target=lambda w=where: State(w).close())
+        writer.start()
+        while True:
+            try:
+                reader = State(where, readonly=True)
+            except StateError:
+                if not writer.is_alive():
+                    writer.join()
+                    reader = State(where, readonly=True)
+                else:
+                    continue
+            assert reader.get_meta("daemon_pid") is None and reader.jobs("running") == []
+            reader.close()
+            break
+        writer.join()
 
 
 def test_doctor_reports_each_check_and_fails_on_a_missing_source(tmp_path: Path) -> None:

@@ -236,24 +236,46 @@ class State:
             except OSError as e:
                 raise StateError(f"cannot create state_dir {state_dir}: {e.strerror}") from e
         self.conn = _connect(self.path, readonly)
-        if not readonly:
-            self.conn.executescript(_SCHEMA)
-            self._add_columns()
         self._lock_fd: int | None = None
+        if readonly:
+            self._check_schema()
+        else:
+            self._create_schema()
 
-    def _add_columns(self) -> None:
-        for table, column, decl in _ADDED_COLUMNS:
-            have = {r["name"] for r in self.conn.execute(f"PRAGMA table_info({table})")}
-            if column not in have:  # the column and its upgrade land together, or neither
-                self.conn.execute("BEGIN IMMEDIATE")
-                try:
+    def _create_schema(self) -> None:
+        """Tables, added columns and their upgrades in one transaction: a reader (`watcher
+        status` while the daemon starts) sees the whole schema or none of it."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    self.conn.execute(statement)
+            for table, column, decl in _ADDED_COLUMNS:
+                have = {r["name"] for r in self.conn.execute(f"PRAGMA table_info({table})")}
+                if column not in have:
                     self.conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
                     if (table, column) in _UPGRADES:
                         self.conn.execute(_UPGRADES[(table, column)])
-                except BaseException:
-                    self.conn.execute("ROLLBACK")
-                    raise
-                self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            self.conn.close()
+            raise
+        self.conn.execute("COMMIT")
+
+    def _check_schema(self) -> None:
+        try:
+            found = self.conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type='table' AND name='jobs'"
+            ).fetchone()
+        except sqlite3.Error as e:
+            self.conn.close()
+            raise StateError(f"cannot read state database {self.path}: {e}") from e
+        if found is None:
+            self.conn.close()
+            raise StateError(
+                f"the watcher state at {self.path} has no tables yet: a daemon is starting "
+                "(or stopped while creating it); run the command again in a moment"
+            )
 
     def close(self) -> None:
         self.conn.close()
