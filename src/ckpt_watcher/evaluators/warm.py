@@ -276,17 +276,31 @@ class EngineKeeper:
     def _verify(self, req: EvalRequest, sig: str, began: float) -> Engine:
         """Probe the swapped engine, load the checkpoint fresh, probe again, compare. The fresh
         engine serves the job either way (it is the one whose results are right)."""
+        swapped = time.monotonic()
         warm = probe(self.lm, req.backend)
+        probed = time.monotonic()
         self.drop()
+        dropped = time.monotonic()
         self._load(req, sig)
+        loaded = time.monotonic()
         cold = probe(self.lm, req.backend)
         why = compare(warm, cold, req.model_args.get("dtype"))
+        seconds = {
+            "swap_s": round(swapped - began, 3),
+            "probe_s": round(probed - swapped, 3),
+            "release_s": round(dropped - probed, 3),
+            "load_s": round(loaded - dropped, 3),
+        }
         if why is None:
-            self._event("engine.verify_ok", checkpoint=req.checkpoint, signature=sig)
+            self._event("engine.verify_ok", checkpoint=req.checkpoint, signature=sig, **seconds)
         else:
             self.cold_for_good[sig] = why
             self._event(
-                "engine.verify_failed", checkpoint=req.checkpoint, signature=sig, reason=why
+                "engine.verify_failed",
+                checkpoint=req.checkpoint,
+                signature=sig,
+                reason=why,
+                **seconds,
             )
         return Engine(self.lm, "cold", time.monotonic() - began)
 
