@@ -70,6 +70,9 @@ def test_a_task_failing_at_run_time_keeps_the_others_then_requeue_runs_only_it(
     assert bad["status"] == "failed" and bad["metrics"] == {}
     assert "UndefinedError: 'nope' is undefined (fix the task's YAML" in bad["error"]
     assert bad["error"].endswith("(not retried: it would fail the same way)")
+    # the one-line error is the ledger's; the whole traceback is in the job's worker.log
+    (log,) = (tmp_path / "state" / "jobs").glob("*/attempt-1/worker.log")
+    assert "task.failed" in log.read_text() and "Traceback (most recent call" in log.read_text()
     st = subprocess.run([*WATCHER, "status", "-c", str(cfg)], capture_output=True, text=True)
     assert st.returncode == 3 and "failures: 1" in st.stdout
 
