@@ -139,7 +139,7 @@ def engine_args(req: EvalRequest, swappable: bool = False) -> tuple[type, dict[s
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         # the engine core in this process, not a spawned one that imports torch and vLLM again:
-        # an engine start took 22-24 s spawned and 2.4-5.0 s in process (docs/benchmarks.md).
+        # an engine start took 34.9 s spawned and 4.3 s in process (bench/vllm_cpu_start.py).
         # CUDA keeps vLLM's default (a separate process, whose exit surely frees the GPU).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
