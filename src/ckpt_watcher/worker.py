@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from ckpt_watcher.durable import write_json_atomic
+from ckpt_watcher.evaluators import heap
 from ckpt_watcher.executors.base import CRASH_FILE
 
 if TYPE_CHECKING:
@@ -155,4 +156,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    heap.thaw()
+    sys.exit(rc)

@@ -30,6 +30,7 @@ import structlog
 from ckpt_watcher.clock import utcnow
 from ckpt_watcher.durable import write_atomic, write_json_atomic
 from ckpt_watcher.errors import EvalError, TaskSetupError
+from ckpt_watcher.evaluators import heap
 from ckpt_watcher.evaluators import lm_eval_internals as lmi
 from ckpt_watcher.evaluators.clamp import ClampCounts
 from ckpt_watcher.evaluators.failures import classify
@@ -168,6 +169,7 @@ def engine_args(req: EvalRequest, swappable: bool = False) -> tuple[type, dict[s
 def load_model(req: EvalRequest, swappable: bool = False) -> Any:
     """Load the checkpoint once, as lm-eval's backend with the clamp; returns an lm-eval LM."""
     cls, args = engine_args(req, swappable)
+    heap.settle()  # the imports out of the full collections an engine start runs (heap.py)
     lm = cls(pretrained=req.checkpoint, **args)
     lm.clamp_counts = ClampCounts()
     return lm

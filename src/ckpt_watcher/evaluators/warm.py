@@ -13,7 +13,6 @@ good. Imported only inside worker processes.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import time
@@ -26,6 +25,7 @@ import structlog
 from ckpt_watcher.checkpoints.files import LocalFiles
 from ckpt_watcher.checkpoints.namefix import read_index
 from ckpt_watcher.errors import EvalError
+from ckpt_watcher.evaluators import heap
 from ckpt_watcher.evaluators.harness import Engine, EvalRequest, engine_args, load_model
 
 log = structlog.get_logger("ckpt_watcher.evaluators.warm")
@@ -223,8 +223,9 @@ def shutdown(lm: Any) -> None:
 
 
 def free_memory() -> None:
-    """Collect what no longer has a reference, and hand cached GPU memory back."""
-    gc.collect()
+    """Collect what no longer has a reference (then freeze what is left, see heap.py), and
+    hand cached GPU memory back."""
+    heap.settle()
     try:
         import torch
 
