@@ -223,22 +223,35 @@ def test_warm_engine_released_when_idle_and_on_sigterm(
 
 # The keeper in one process (vLLM's engine in-process too, so the patch reaches its worker):
 # with the re-tie of shared parameters switched off, a swap of tied embeddings does only what
-# vLLM's reload_weights does, and the check against a fresh load must catch it.
+# vLLM's reload_weights does, and the check against a fresh load must catch it. Either way the
+# check compiles nothing: its probes' logprobs would otherwise compile vLLM's rank kernel
+# (enforce_eager compiles no model), 3.5-17.6 s here. And no engine's weights outlive its
+# release: vLLM's reload kept every swapped layer alive (see vllm_swap.py), and the worker
+# freezes its heap after each release (heap.py), which must never take an engine with it.
 KEEPER_SCRIPT = """
-import json, sys
+import json, sys, weakref
 from ckpt_watcher.evaluators import vllm_swap
 from ckpt_watcher.evaluators.harness import EvalRequest
 from ckpt_watcher.evaluators.warm import EngineKeeper
 if sys.argv[1] == "no-retie":
     vllm_swap.shared_parameter_modules = lambda model: []
+# the engine's model, from vLLM's worker (in this process): the test's own window on it
+vllm_swap.SwapExtension.model_for_test = lambda self: self.model_runner.get_model()
 keeper = EngineKeeper(verify_every=20)
+weights = []  # every parameter of each engine the keeper held: the first, the check's fresh load
 for ckpt in sys.argv[2:]:
     keeper.acquire(EvalRequest(
         checkpoint=ckpt, backend="vllm", tasks=[], seed=42, gen_kwargs={}, max_gen_toks=None,
         model_args={"dtype": "float32", "max_model_len": 64, "enforce_eager": True},
         include_path=None, batch_size=None, limit=None, results_dir=sys.argv[2], device="cpu"))
-print(json.dumps({"events": keeper.events, "cold_for_good": keeper.cold_for_good}))
+    (model,) = keeper.lm.model.collective_rpc("model_for_test")
+    weights += [weakref.ref(p) for p in model.parameters()]
+    del model
 keeper.drop()
+from torch._dynamo.utils import counters
+graphs = counters["stats"]["unique_graphs"]  # what torch.compile built in this process
+print(json.dumps({"events": keeper.events, "cold_for_good": keeper.cold_for_good, "graphs": graphs,
+                  "weights": len(weights), "alive": sum(w() is not None for w in weights)}))
 """
 
 
@@ -264,6 +277,8 @@ def test_the_check_against_a_fresh_load_catches_a_stale_tied_head(
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     (event,) = out["events"]
+    assert out["graphs"] == 0, out
+    assert out["weights"] == 2 * 14 and out["alive"] == 0, out  # 14 tensors (the head tied)
     if retie:
         assert event["event"] == "engine.verify_ok" and out["cold_for_good"] == {}, out
     else:
