@@ -128,6 +128,6 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
         reason = "SIGTERM"
     finally:
         log.info("engine.released", device=device, reason=reason, checkpoint=keeper.checkpoint)
-        keeper.drop()
+        keeper.drop(exiting=True)
         _describe(home, keeper, device, "released", None)
     return 128 + signal.SIGTERM if in_job else 0  # a job cut short must not read as a success

@@ -313,11 +313,14 @@ class EngineKeeper:
             )
         return Engine(self.lm, "cold", time.monotonic() - began)
 
-    def drop(self) -> None:
+    def drop(self, exiting: bool = False) -> None:
+        """Release the engine. `exiting`: the process ends next and its memory with it, so the
+        engine is only shut down (on CUDA its core process ends cleanly), not collected."""
         if self.lm is not None:
             shutdown(self.lm)
             self.lm = None  # the last reference: the model can be collected now
-            free_memory()
+            if not exiting:
+                free_memory()
         self.signature = self.checkpoint = None
 
     def _event(self, event: str, **fields: Any) -> None:
