@@ -5,8 +5,10 @@ swap and any check against a fresh load), and whether every metric is equal.
 
 The warm side runs the product's defaults: the first swap of an architecture is checked against
 a fresh load, so of 4 checkpoints 2 are loaded (the first, and the reference for the check) and
-2 are swapped; later swaps are checked every `eval.warm_verify_every` (20).
-Usage: python bench/warm_engine.py [--work /tmp/bench-warm]
+2 are swapped; later swaps are checked every `eval.warm_verify_every` (20). With `--rounds N` each model is
+measured N times, cold and warm alternated, and the medians are printed after the rounds (one
+round's ratio moved by about 0.04 either way on 2 cores).
+Usage: python bench/warm_engine.py [--rounds 1] [--work /tmp/bench-warm]
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from common import WATCHER, config, task_folder, timed
+from common import WATCHER, config, summary, task_folder, timed
 
 VLLM = {
     "backend": "vllm",
@@ -62,26 +64,38 @@ def metrics(lines: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-warm"))
     args = ap.parse_args()
     tasks_dir, _ = task_folder(args.work)
     for tied in (True, False):
         ckpts = checkpoints(args.work, tied)
         name = "tied" if tied else "untied"
-        cold_s, cold = evaluate(args.work / f"{name}-cold", ckpts, tasks_dir, warm=False)
-        warm_s, warm = evaluate(args.work / f"{name}-warm", ckpts, tasks_dir, warm=True)
-        engines = [(ln["engine"], ln["engine_seconds"]) for ln in warm]
-        swapped = [s for e, s in engines if e == "warm"]
-        loaded = [s for e, s in engines if e == "cold"] + [ln["engine_seconds"] for ln in cold]
-        equal = metrics(warm) == metrics(cold) and len(warm) == len(cold) == len(STEPS)
-        print(
-            f"{name}: 4 checkpoints x 1 task: cold {cold_s:.1f} s, warm {warm_s:.1f} s, "
-            f"ratio {warm_s / cold_s:.3f}; engine per checkpoint: cold load "
-            f"{min(loaded):.1f}-{max(loaded):.1f} s, warm swap "
-            f"{', '.join(f'{s:.3f}' for s in swapped)} s; warm engines "
-            f"{[e for e, _ in engines]}; metrics {'equal' if equal else 'DIFFER'}",
-            flush=True,
-        )
+        ratios, swaps, colds, warms = [], [], [], []
+        for r in range(1, args.rounds + 1):
+            cold_s, cold = evaluate(args.work / f"{name}-cold", ckpts, tasks_dir, warm=False)
+            warm_s, warm = evaluate(args.work / f"{name}-warm", ckpts, tasks_dir, warm=True)
+            engines = [(ln["engine"], ln["engine_seconds"]) for ln in warm]
+            swapped = [s for e, s in engines if e == "warm"]
+            loaded = [s for e, s in engines if e == "cold"] + [ln["engine_seconds"] for ln in cold]
+            equal = metrics(warm) == metrics(cold) and len(warm) == len(cold) == len(STEPS)
+            ratios.append(warm_s / cold_s)
+            swaps += swapped
+            colds.append(cold_s)
+            warms.append(warm_s)
+            print(
+                f"{name} round {r}: 4 checkpoints x 1 task: cold {cold_s:.1f} s, warm "
+                f"{warm_s:.1f} s, ratio {warm_s / cold_s:.3f}; engine per checkpoint: cold load "
+                f"{min(loaded):.1f}-{max(loaded):.1f} s, warm swap "
+                f"{', '.join(f'{s:.3f}' for s in swapped)} s; warm engines "
+                f"{[e for e, _ in engines]}; metrics {'equal' if equal else 'DIFFER'}",
+                flush=True,
+            )
+        if args.rounds > 1:
+            print(f"{name}: cold s {summary(colds)}", flush=True)
+            print(f"{name}: warm s {summary(warms)}", flush=True)
+            print(f"{name}: ratio warm / cold {summary(ratios)}", flush=True)
+            print(f"{name}: swap s {summary(swaps)}", flush=True)
 
 
 if __name__ == "__main__":
