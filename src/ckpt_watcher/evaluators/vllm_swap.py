@@ -66,7 +66,7 @@ def shared_parameter_modules(model: Any) -> list[str]:
 
 def unwrap_recorded_loaders(model: Any) -> int:
     """Give every tensor vLLM recorded for reloading `model` its own weight loader back, bound
-    to no layer (see the module's docstring); returns how many were wrapped."""
+    to no layer (see the module's docstring); returns how many it unwrapped."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     from vllm.model_executor.model_loader.reload.sanitize import sanitize_layer_refs
 
