@@ -5,9 +5,9 @@ swap and any check against a fresh load), and whether every metric is equal.
 
 The warm side runs the product's defaults: the first swap of an architecture is checked against
 a fresh load, so of 4 checkpoints 2 are loaded (the first, and the reference for the check) and
-2 are swapped; later swaps are checked every `eval.warm_verify_every` (20). With `--rounds N` each model is
-measured N times, cold and warm alternated, and the medians are printed after the rounds (one
-round's ratio moved by about 0.04 either way on 2 cores).
+2 are swapped; later swaps are checked every `eval.warm_verify_every` (20). With `--rounds N`
+each model is measured N times, cold and warm alternated, and the medians are printed after the
+rounds (one round's ratio moved by about 0.04 either way on 2 cores).
 Usage: python bench/warm_engine.py [--rounds 1] [--work /tmp/bench-warm]
 """
 
@@ -71,7 +71,7 @@ def main() -> None:
     for tied in (True, False):
         ckpts = checkpoints(args.work, tied)
         name = "tied" if tied else "untied"
-        ratios, swaps, colds, warms = [], [], [], []
+        swaps, colds, warms = [], [], []
         for r in range(1, args.rounds + 1):
             cold_s, cold = evaluate(args.work / f"{name}-cold", ckpts, tasks_dir, warm=False)
             warm_s, warm = evaluate(args.work / f"{name}-warm", ckpts, tasks_dir, warm=True)
@@ -79,7 +79,6 @@ def main() -> None:
             swapped = [s for e, s in engines if e == "warm"]
             loaded = [s for e, s in engines if e == "cold"] + [ln["engine_seconds"] for ln in cold]
             equal = metrics(warm) == metrics(cold) and len(warm) == len(cold) == len(STEPS)
-            ratios.append(warm_s / cold_s)
             swaps += swapped
             colds.append(cold_s)
             warms.append(warm_s)
@@ -94,6 +93,7 @@ def main() -> None:
         if args.rounds > 1:
             print(f"{name}: cold s {summary(colds)}", flush=True)
             print(f"{name}: warm s {summary(warms)}", flush=True)
+            ratios = [w / c for w, c in zip(warms, colds, strict=True)]
             print(f"{name}: ratio warm / cold {summary(ratios)}", flush=True)
             print(f"{name}: swap s {summary(swaps)}", flush=True)
 
