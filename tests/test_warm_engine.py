@@ -225,7 +225,7 @@ def test_warm_engine_released_when_idle_and_on_sigterm(
 # with the re-tie of shared parameters switched off, a swap of tied embeddings does only what
 # vLLM's reload_weights does, and the check against a fresh load must catch it. Either way the
 # check compiles nothing: its probes' logprobs would otherwise compile vLLM's rank kernel
-# (enforce_eager compiles no model), 3.5-17.6 s here. And no engine's weights outlive its
+# (enforce_eager compiles no model), 2-17.6 s here. And no engine's weights outlive its
 # release: vLLM's reload kept every swapped layer alive (see vllm_swap.py), and the worker
 # freezes its heap after each release (heap.py), which must never take an engine with it.
 KEEPER_SCRIPT = """

@@ -26,7 +26,7 @@ we put the recorded tensors' own loaders back, sanitized as vLLM records them at
 
 The check's probes ask for logprobs, and vLLM ranks each sampled token with a kernel it compiles
 on a process's first such request (`batched_count_greater_than`, torch.compile with inductor):
-17.6 s on a fresh machine here, 3.5-5.4 s with inductor's cache warm. In a job of generative
+17.6 s on a fresh machine here, 2-5 s with inductor's cache warm. In a job of generative
 tasks the probes are the only requests with logprobs, and they never read the ranks, so while a
 probe runs that one function is plain torch (`eager_ranks`). The model's own forward pass,
 compiled or CUDA-graphed, stays exactly as the eval runs it: that is what the probe must test.

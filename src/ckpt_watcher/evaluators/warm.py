@@ -110,7 +110,7 @@ def _probe_vllm(lm: Any) -> Probe:
     params = SamplingParams(temperature=0.0, max_tokens=PROBE_TOKENS, logprobs=1, seed=0)
     prompts = [{"prompt_token_ids": ids} for ids in _probe_ids(lm)]
     # the sampled tokens' ranks uncompiled while probing (see vllm_swap.py: the compile cost
-    # 3.5-17.6 s here, and a probe never reads a rank)
+    # 2-17.6 s here, and a probe never reads a rank)
     if not all(lm.model.collective_rpc("ckpt_watcher_eager_ranks", args=(True,))):
         log.warning("engine.probe_compiles", why="this vLLM has no compiled rank kernel we know")
     try:
