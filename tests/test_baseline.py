@@ -14,12 +14,11 @@ import yaml
 from click.testing import CliRunner
 
 from ckpt_watcher.cli import main
-from ckpt_watcher.config import parse_config
+from ckpt_watcher.config import BASELINE_RUN, parse_config
 from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.s3client import make_client
 from ckpt_watcher.scheduler import order_jobs
 from ckpt_watcher.sources import build_sources
-from ckpt_watcher.sources.baseline import BASELINE_RUN
 from ckpt_watcher.state import Job
 
 from .conftest import base_config, read_ledger, upload_dir, write_config
@@ -88,7 +87,7 @@ def test_doctor_says_whether_the_baseline_checkpoint_is_there(
 
 def test_the_baseline_job_goes_first_whatever_the_order() -> None:
     def job(jid: str, run: str, step: int) -> Job:
-        return Job.new(
+        return Job(
             id=jid,
             location=f"/c/{jid}",
             run=run,

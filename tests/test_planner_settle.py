@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
-from ckpt_watcher import planner, settle
+from ckpt_watcher import planner
+from ckpt_watcher.jobs import settle
 from ckpt_watcher.ledger import TaskPlan
 from ckpt_watcher.planner import MarkCheckpoint, QueueJob, ReuseResults, SkipJob
-from ckpt_watcher.state import Job
+from ckpt_watcher.state import CheckpointRow, Job
 
 T0 = {"task": "a", "num_fewshot": 0}
 T1 = {"task": "b", "num_fewshot": 5}
@@ -22,19 +24,27 @@ def row(
     run: str = "r",
     fp: str | None = None,
     where: str = "/c",
-) -> dict[str, Any]:
+) -> CheckpointRow:
     label = f"{run}_final" if final else f"{run}_step{step}"
-    return {
-        "location": f"{where}/{label}",
-        "run": run,
-        "run_path": run,
-        "step": step,
-        "label": label,
-        "final": int(final),
-        "state": state,
-        "fingerprint": fp,
-        "reason": "",
-    }
+    return CheckpointRow(
+        location=f"{where}/{label}",
+        source="s",
+        run=run,
+        step=step,
+        label=label,
+        final=final,
+        state=state,
+        reason="",
+        fingerprint=fp,
+        write_mark=None,
+        unchanged_since=None,
+        first_seen=None,
+        updated_at=None,
+        ready_at=None,
+        run_path=run,
+        previous_fingerprint=None,
+        rewritten_at=None,
+    )
 
 
 def Q(location: str, step: int | None, label: str, tasks: list, key: float, fp: str | None = None):
@@ -155,7 +165,7 @@ def test_a_twin_of_content_being_evaluated_waits_for_its_results() -> None:
         MarkCheckpoint("/c/r_step200", "planned"),
     ]
     # on later passes, a job already in flight holds it back the same way (said once)
-    waiting = dict(row(100, fp="F", where="/s3"), reason=wait)
+    waiting = dataclasses.replace(row(100, fp="F", where="/s3"), reason=wait)
     assert (
         planner.plan_ready(
             [waiting],
@@ -169,7 +179,7 @@ def test_a_twin_of_content_being_evaluated_waits_for_its_results() -> None:
 
 
 def queued(jid: str, step: int, run: str = "r") -> Job:
-    return Job.new(
+    return Job(
         id=jid,
         location=f"/c/{run}_step{step}",
         run=run,

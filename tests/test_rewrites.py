@@ -54,20 +54,20 @@ def test_an_s3_checkpoint_rewritten_after_evaluation_is_a_new_version(
     )
     try:
         scan(discovery, 100.0)
-        rows = {r["step"]: r for r in state.checkpoints()}
-        assert {r["state"] for r in rows.values()} == {"ready"}
-        first = {s: r["fingerprint"] for s, r in rows.items()}
+        rows = {r.step: r for r in state.checkpoints()}
+        assert {r.state for r in rows.values()} == {"ready"}
+        first = {s: r.fingerprint for s, r in rows.items()}
         assert len(set(first.values())) == 3 and all(
             v.startswith("sampled:") for v in first.values()
         )
         for r in rows.values():  # evaluated
-            state.upsert_checkpoint(r["location"], r["source"], 101.0, state="done")
+            state.upsert_checkpoint(r.location, r.source, 101.0, state="done")
 
         put_checkpoint(client, tmp_path, bucket, "ck/r_step3/", fill=9)  # resumed, saved again
         lists.clear()
         scan(discovery, 110.0)  # looks at 2 of 3 again: steps 1 and 2
         assert sum(1 for p in lists if p.startswith("ck/r_step")) == 2
-        assert {r["state"] for r in state.checkpoints()} == {"done"}
+        assert {r.state for r in state.checkpoints()} == {"done"}
         lists.clear()
         scan(discovery, 120.0)  # now step 3 (and step 1, looked at longest ago)
         assert sorted(p for p in lists if p.startswith("ck/r_step"))[:2] == [
@@ -75,11 +75,11 @@ def test_an_s3_checkpoint_rewritten_after_evaluation_is_a_new_version(
             "ck/r_step3/",
         ]
         row = state.checkpoint(f"s3://{bucket}/ck/r_step3/")
-        assert row is not None and row["state"] == "ready" and row["rewritten_at"] == 120.0
-        assert row["previous_fingerprint"] == first[3] != row["fingerprint"]
-        assert "rewritten" in row["reason"]
+        assert row is not None and row.state == "ready" and row.rewritten_at == 120.0
+        assert row.previous_fingerprint == first[3] != row.fingerprint
+        assert "rewritten" in row.reason
         # the others stand, untouched
-        assert [r["state"] for r in state.checkpoints() if r["step"] != 3] == ["done", "done"]
+        assert [r.state for r in state.checkpoints() if r.step != 3] == ["done", "done"]
     finally:
         discovery.close()
         state.close()

@@ -11,7 +11,7 @@ from ckpt_watcher.state import Job
 
 
 def job(jid: str, step: int, not_before: float = 0.0, created: float = 0.0) -> Job:
-    j = Job.new(
+    j = Job(
         id=jid,
         location=f"/c/{jid}",
         run="r",

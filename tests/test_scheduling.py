@@ -1,5 +1,6 @@
 """Scheduling through the real daemon loop (in-process) with a simulated executor whose workers
-take known times: packing, policies, event-driven dispatch."""
+take known times on a simulated clock (nothing sleeps): packing, policies, event-driven
+dispatch."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from pathlib import Path
 from ckpt_watcher.config import parse_config
 from ckpt_watcher.daemon import Daemon
 from ckpt_watcher.devices import FakeGpu, FakeInventory
-from ckpt_watcher.executors.simulated import SimulatedExecutor
+from ckpt_watcher.executors.simulated import SimClock, SimulatedExecutor
 from ckpt_watcher.state import State
 
 from .conftest import read_ledger, write_fake_checkpoint
 
-DURATIONS = {"t1": 0.4, "t2": 0.2, "t3": 0.1, "t4": 0.1}
+DURATIONS = {"t1": 4.0, "t2": 2.0, "t3": 1.0, "t4": 1.0}  # simulated seconds
 
 
 def run_once(tmp_path: Path, steps: list[int], gpus: int, **over: object) -> Path:
@@ -30,11 +31,14 @@ def run_once(tmp_path: Path, steps: list[int], gpus: int, **over: object) -> Pat
     }
     cfg = parse_config(raw)
     inv = FakeInventory([FakeGpu(i, f"GPU-{i}") for i in range(gpus)])
+    sim = SimClock()
     daemon = Daemon(
         cfg,
         once=True,
+        clock=sim,
+        wait=sim.wait,
         inventory=inv,
-        executor_factory=lambda cb: SimulatedExecutor(cb, lambda task, k: DURATIONS[task]),
+        executor_factory=lambda cb: SimulatedExecutor(cb, lambda task, k: DURATIONS[task], sim),
     )
     assert daemon.run() == 0
     return tmp_path / "ledgers"
@@ -60,7 +64,7 @@ def test_every_n_steps_skips_and_says_why(tmp_path: Path) -> None:
     run_once(tmp_path, [100, 150, 200], gpus=2, policy={"every_n_steps": 100})
     state = State(tmp_path / "state", readonly=True)
     try:
-        rows = {r["step"]: (r["state"], r["reason"]) for r in state.checkpoints()}
+        rows = {r.step: (r.state, r.reason) for r in state.checkpoints()}
     finally:
         state.close()
     assert rows[150] == ("skipped", "step 150 is not a multiple of policy.every_n_steps=100")
@@ -77,7 +81,7 @@ def test_order_and_skip_superseded(tmp_path: Path) -> None:
     assert {ln["step"] for ln in read_ledger(ledgers, "r")} == {300}
     state = State(tmp_path / "sup" / "state", readonly=True)
     try:
-        rows = {r["step"]: (r["state"], r["reason"]) for r in state.checkpoints()}
+        rows = {r.step: (r.state, r.reason) for r in state.checkpoints()}
     finally:
         state.close()
     assert rows[100] == rows[200] == ("skipped", "superseded by a newer checkpoint")

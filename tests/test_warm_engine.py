@@ -225,18 +225,18 @@ def test_warm_engine_released_when_idle_and_on_sigterm(
 # with the re-tie of shared parameters switched off, a swap of tied embeddings does only what
 # vLLM's reload_weights does, and the check against a fresh load must catch it. Either way the
 # check compiles nothing: its probes' logprobs would otherwise compile vLLM's rank kernel
-# (enforce_eager compiles no model), 2-17.6 s here. And no engine's weights outlive its
-# release: vLLM's reload kept every swapped layer alive (see vllm_swap.py), and the worker
+# (enforce_eager compiles no model), seconds on each fresh process. And no engine's weights outlive its
+# release: vLLM's reload kept every swapped layer alive (see vllm_internals.py), and the worker
 # freezes its heap after each release (heap.py), which must never take an engine with it.
 KEEPER_SCRIPT = """
 import json, sys, weakref
-from ckpt_watcher.evaluators import vllm_swap
-from ckpt_watcher.evaluators.harness import EvalRequest
-from ckpt_watcher.evaluators.warm import EngineKeeper
+from ckpt_watcher.evaluators import vllm_internals
+from ckpt_watcher.evaluators.keeper import EngineKeeper
+from ckpt_watcher.jobfolder import EvalRequest
 if sys.argv[1] == "no-retie":
-    vllm_swap.shared_parameter_modules = lambda model: []
+    vllm_internals.shared_parameter_modules = lambda model: []
 # the engine's model, from vLLM's worker (in this process): the test's own window on it
-vllm_swap.SwapExtension.model_for_test = lambda self: self.model_runner.get_model()
+vllm_internals.SwapExtension.model_for_test = lambda self: self.model_runner.get_model()
 keeper = EngineKeeper(verify_every=20)
 weights = []  # every parameter of each engine the keeper held: the first, the check's fresh load
 for ckpt in sys.argv[2:]:

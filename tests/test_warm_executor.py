@@ -1,5 +1,5 @@
 """The warm executor's process work, with a stand-in worker that speaks the warm protocol (job
-folders on stdin, `RC JOB_DIR` on the status fd) but loads no model: jobs handed to one worker,
+folders on stdin, status lines on the status fd) but loads no model: jobs handed to one worker,
 a packed job on a one-shot worker, a worker dying mid-job, kill, idle exit, close."""
 
 from __future__ import annotations
@@ -14,18 +14,19 @@ from pathlib import Path
 import pytest
 
 from ckpt_watcher.executors.warm import WarmExecutor
+from ckpt_watcher.jobfolder import EvalRequest, JobFolder, JobSpec
 
 from .helpers import alive
 
 # Stands in for `python`: `-m ckpt_watcher.worker --serve HOME SETTINGS` serves jobs, and
-# `-m ckpt_watcher.worker JOB_DIR` runs one. A job's spec says how long it takes and its code;
-# "die": the whole worker exits mid-job with that code.
+# `-m ckpt_watcher.worker JOB_DIR` runs one. A job's `fake.json` says how long it takes and its
+# code; "die": the whole worker exits mid-job with that code.
 FAKE_PYTHON = f"""#!{sys.executable}
 import json, os, select, sys, time
 from pathlib import Path
 
 def run(job_dir):
-    spec = json.loads((Path(job_dir) / "spec.json").read_text())
+    spec = json.loads((Path(job_dir) / "fake.json").read_text())
     (Path(job_dir) / "ran_by").write_text(str(os.getpid()))
     time.sleep(spec.get("seconds", 0))
     if "die" in spec:
@@ -52,10 +53,11 @@ def fake_python(tmp_path: Path) -> str:
     return str(path)
 
 
-def _job(tmp: Path, job_id: str, device: str = "cuda:0", **spec: object) -> Path:
-    folder = tmp / "state" / "jobs" / job_id / "attempt-1"
-    folder.mkdir(parents=True)
-    (folder / "spec.json").write_text(json.dumps({"device_label": device, **spec}))
+def _job(tmp: Path, job_id: str, device: str = "cuda:0", **fake: object) -> JobFolder:
+    folder = JobFolder.of(tmp / "state", job_id, 1)
+    request = EvalRequest("/ckpt", "hf", {}, [], 42, {}, None, None, None, None, "/r", "cpu")
+    folder.write_spec(JobSpec(job_id, device, request))
+    (folder.path / "fake.json").write_text(json.dumps(fake))
     return folder
 
 
@@ -87,15 +89,15 @@ def test_jobs_for_one_device_go_to_one_worker_and_a_packed_job_gets_its_own(
     try:
         a = _job(tmp_path, "a", seconds=0.5)
         packed = _job(tmp_path, "packed", rc=3)
-        ha = ex.start("a", a, {}, a / "worker.log")
-        hp = ex.start("packed", packed, {}, packed / "worker.log")  # device busy with "a"
+        ha = ex.start("a", a, {})
+        hp = ex.start("packed", packed, {})  # device busy with "a"
         assert hp.pid != ha.pid and ex.running() == {"a", "packed"}
         assert _exits(q, 2) == {"a": 0, "packed": 3}
         b = _job(tmp_path, "b", rc=3)
-        hb = ex.start("b", b, {}, b / "worker.log")
+        hb = ex.start("b", b, {})
         assert _exits(q, 1) == {"b": 3}
         assert hb.pid == ha.pid  # the same warm worker, kept between jobs
-        assert (a / "ran_by").read_text() == (b / "ran_by").read_text() == str(ha.pid)
+        assert (a.path / "ran_by").read_text() == (b.path / "ran_by").read_text() == str(ha.pid)
         assert ex.worker_pids() == {ha.pid} and ex.running() == set()
     finally:
         ex.close(timeout=5)
@@ -108,10 +110,10 @@ def test_a_worker_that_dies_mid_job_fails_that_job_and_the_next_gets_a_new_worke
     ex, q = _executor(tmp_path, fake_python)
     try:
         a = _job(tmp_path, "a", die=0)  # even a clean exit mid-job must not read as success
-        ha = ex.start("a", a, {}, a / "worker.log")
+        ha = ex.start("a", a, {})
         assert _exits(q, 1)["a"] != 0
         b = _job(tmp_path, "b")
-        hb = ex.start("b", b, {}, b / "worker.log")
+        hb = ex.start("b", b, {})
         assert _exits(q, 1) == {"b": 0} and hb.pid != ha.pid
     finally:
         ex.close(timeout=5)
@@ -123,11 +125,11 @@ def test_kill_ends_the_job_and_its_worker_and_idle_workers_exit_alone(
     ex, q = _executor(tmp_path, fake_python, idle=1)
     try:
         a = _job(tmp_path, "a", seconds=60)
-        ha = ex.start("a", a, {}, a / "worker.log")
+        ha = ex.start("a", a, {})
         ex.kill("a")
         assert _exits(q, 1)["a"] < 0
         b = _job(tmp_path, "b", device="cuda:1")
-        hb = ex.start("b", b, {}, b / "worker.log")
+        hb = ex.start("b", b, {})
         assert _exits(q, 1) == {"b": 0}
         deadline = time.monotonic() + 10  # idle for 1 s: it exits by itself
         while ex.worker_pids() and time.monotonic() < deadline:
@@ -147,11 +149,11 @@ def test_a_worker_near_its_idle_release_is_let_go_instead_of_handed_a_job(
     ex, q = _executor(tmp_path, fake_python, idle=2.5)
     try:
         a = _job(tmp_path, "a")
-        ha = ex.start("a", a, {}, a / "worker.log")
+        ha = ex.start("a", a, {})
         assert _exits(q, 1) == {"a": 0}
         time.sleep(1.0)
         b = _job(tmp_path, "b")
-        hb = ex.start("b", b, {}, b / "worker.log")
+        hb = ex.start("b", b, {})
         assert _exits(q, 1) == {"b": 0} and hb.pid != ha.pid
         assert ha.pid in ex.worker_pids() or not alive(ha.pid)  # ours until it has gone
         deadline = time.monotonic() + 10
@@ -164,7 +166,7 @@ def test_a_worker_near_its_idle_release_is_let_go_instead_of_handed_a_job(
 
 SIGTERM_AFTER_FORK = """
 import multiprocessing as mp, os, signal, sys
-from ckpt_watcher.warm_worker import handle_sigterm
+from ckpt_watcher.worker.serve import handle_sigterm
 handle_sigterm()
 
 def disposition(q):

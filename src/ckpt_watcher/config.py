@@ -316,6 +316,10 @@ class BaselineEntry(_Model):
     """e.g. {"exact_match,strict-match": 0.5944, "exact_match_stderr,strict-match": 0.0135}."""
 
 
+# the run a baseline checkpoint's results are filed under (`<ledger_dir>/baseline/`)
+BASELINE_RUN = "baseline"
+
+
 class BaselineConfig(_Model):
     """What `watcher results` compares every checkpoint with: a first row and a Δ column."""
 

@@ -1,8 +1,9 @@
 """The daemon: its loop, signals, two-stage stop, heartbeat and systemd notify. Nothing else.
 
-Each pass: collect worker exits (jobs) -> apply finished scans and start due ones (discovery)
--> plan (planner) -> time out, dispatch (jobs) -> heartbeat; then sleep until the next
-deadline or a wake-up (inotify, a worker's exit, a scan's end, a signal). Nothing on this
+Each pass: collect worker exits (jobs/supervise) -> apply finished scans and start due ones
+(discovery) -> plan (planner) -> time out (jobs/supervise), dispatch (jobs/dispatch) ->
+heartbeat; then sleep until the next deadline or a wake-up (inotify, a worker's exit, a scan's
+end, a signal). Nothing on this
 thread waits on the network: sources and the ledger mirror run their I/O on lanes of their own.
 The daemon never imports torch, vLLM or lm-eval: evals run in worker processes.
 """
@@ -27,8 +28,12 @@ from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.durable import write_atomic
 from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.executors import build_executor
-from ckpt_watcher.executors.base import Executor, process_groups
-from ckpt_watcher.jobs import JobRunner
+from ckpt_watcher.executors.base import Executor, ExitCallback
+from ckpt_watcher.executors.processes import process_groups
+from ckpt_watcher.jobs.book import JobBook
+from ckpt_watcher.jobs.dispatch import Dispatcher
+from ckpt_watcher.jobs.recovery import recover
+from ckpt_watcher.jobs.supervise import Supervisor
 from ckpt_watcher.ledger import LedgerIndex, iter_runs
 from ckpt_watcher.mirror import LedgerMirror
 from ckpt_watcher.notify import Notifier
@@ -51,22 +56,26 @@ class Daemon:
         *,
         once: bool = False,
         clock: Callable[[], float] = time.time,
+        wait: Callable[[threading.Event, float], bool] | None = None,
         inventory: Inventory | None = None,
         sources: list[Source] | None = None,
-        executor_factory: Callable[[Callable[[str, int], None]], Executor] | None = None,
+        executor_factory: Callable[[ExitCallback], Executor] | None = None,
     ) -> None:
+        """`clock` and `wait` (the loop's sleep: an event to wake on and a timeout) are time;
+        tests pass simulated ones (executors/simulated.py's SimClock)."""
         self.cfg = cfg
         self.once = once
         self.clock = clock
+        self.wait = wait or (lambda event, timeout: event.wait(timeout))
         self.wake = threading.Event()
         self.exits: queue.Queue[tuple[str, int]] = queue.Queue()
         self.stop_requests = 0
         self.stop_deadline: float | None = None
         inventory_warnings: list[str] = []
         if executor_factory is not None:
-            executor = executor_factory(self._on_worker_exit)
+            self.executor = executor_factory(self._on_worker_exit)
         else:
-            executor, own_inventory = build_executor(cfg, self._on_worker_exit)
+            self.executor, own_inventory = build_executor(cfg, self._on_worker_exit)
             inventory = inventory or own_inventory
         if inventory is None:
             inventory, inventory_warnings = build_inventory(cfg.devices)
@@ -91,7 +100,10 @@ class Daemon:
             page_written=self.mirror.request if self.mirror is not None else None,
             clock=clock,
         )
-        self.ledger = LedgerIndex(cfg.ledger_dir, on_append=self.sinks.ledger_line)
+        self.ledger = LedgerIndex(cfg.ledger_dir)
+        self.ledger.listen(self.sinks.ledger_line)
+        if self.mirror is not None:
+            self.ledger.listen(self.mirror.ledger_line)
         self.discovery = Discovery(
             sources if sources is not None else build_sources(cfg),
             self.state,
@@ -99,16 +111,16 @@ class Daemon:
             self.wake.set,
             on_ready=self.metrics.checkpoint_ready,
         )
-        self.jobs = JobRunner(
-            cfg, self.state, self.ledger, executor, self.exits, self.discovery, self.mirror, clock
+        self.book = JobBook(cfg, self.state, self.ledger, self.discovery)
+        self.dispatcher = Dispatcher(
+            cfg, self.state, self.executor, self.discovery, self.book, clock
+        )
+        self.supervisor = Supervisor(
+            cfg, self.state, self.executor, self.exits, self.discovery, self.book
         )
         self.zombies = ZombieWatch(cfg.devices.zombie_after_seconds)
         self.notifier = Notifier()
         self._last_heartbeat = 0.0
-
-    @property
-    def executor(self) -> Executor:
-        return self.jobs.executor
 
     # --- worker exits and signals arrive from other threads: they only queue, flag and wake ----
     def _on_worker_exit(self, job_id: str, rc: int) -> None:
@@ -130,9 +142,7 @@ class Daemon:
         try:
             return self._run()
         finally:
-            close = getattr(self.executor, "close", None)
-            if close is not None:  # warm engines are released with the daemon
-                close()
+            self.executor.close()  # warm engines are released with the daemon
             self.sinks.flush_pages()  # before the mirror's last uploads, which carry them
             if self.mirror is not None:
                 if not self.mirror.flush(MIRROR_FLUSH_SECONDS):
@@ -171,7 +181,7 @@ class Daemon:
         self._save_resolved_config()
         if self.cfg.metrics_port is not None:
             self._serve_metrics(self.cfg.metrics_port, self.cfg.metrics_addr)
-        self.jobs.recover(now)
+        recover(self.book, now)
         log.info(
             "daemon.started",
             pid=os.getpid(),
@@ -183,7 +193,7 @@ class Daemon:
         first_pass = True
         while True:
             now = self.clock()
-            self.jobs.collect(now)
+            self.supervisor.collect(now)
             if self.stop_requests:
                 if self._stopping(now):
                     break
@@ -191,16 +201,16 @@ class Daemon:
                 # `once` starts its scans exactly once, then only applies what they find
                 self.discovery.tick(now, force=first_pass, start=first_pass or not self.once)
                 self._plan(now)
-                self.jobs.check_timeouts(now)
+                self.supervisor.check_timeouts(now)
                 self._dispatch(now)
             first_pass = False
             self._heartbeat(now)
             if self.once and not self.stop_requests and self._idle():
                 break
-            self.wake.wait(timeout=self._sleep_for(self.clock()))
+            self.wait(self.wake, self._sleep_for(self.clock()))
             self.wake.clear()
-        log.info("daemon.stopped", failures=self.jobs.failures)
-        if self.once and self.jobs.failures:
+        log.info("daemon.stopped", failures=self.book.failures)
+        if self.once and self.book.failures:
             return 1
         return 0
 
@@ -215,10 +225,10 @@ class Daemon:
         self.state.set_meta(metrics_url=f"http://{addr}:{bound}/metrics")
 
     def _idle(self) -> bool:
-        return not self.jobs.busy() and not self.discovery.scanning()
+        return not self.supervisor.busy() and not self.discovery.scanning()
 
     def _sleep_for(self, now: float) -> float:
-        deadlines = [now + HEARTBEAT_SECONDS, *self.jobs.deadlines()]
+        deadlines = [now + HEARTBEAT_SECONDS, *self.supervisor.deadlines()]
         watchdog = self.notifier.watchdog_due(now)
         if watchdog is not None:
             deadlines.append(watchdog)
@@ -234,8 +244,8 @@ class Daemon:
 
     # --- planning and dispatch: decisions from pure modules, carried out here ------------------
     def _plan(self, now: float) -> None:
-        settings = self.jobs.settings_hash
-        tasks = self.jobs.all_tasks
+        settings = self.book.settings_hash
+        tasks = self.book.all_tasks
         actions = planner.plan_ready(
             self.state.checkpoints("ready"),
             plan=lambda r: self.ledger.plan(planner.subject(r), tasks, settings),
@@ -253,7 +263,7 @@ class Daemon:
             )
         for action in actions:
             if isinstance(action, planner.QueueJob):
-                self.jobs.queue(action, now)
+                self.dispatcher.queue(action, now)
             elif isinstance(action, planner.ReuseResults):
                 self._reuse(action)
             elif isinstance(action, planner.SkipJob):
@@ -267,8 +277,7 @@ class Daemon:
     def _reuse(self, action: planner.ReuseResults) -> None:
         """File results computed on the same content elsewhere under this checkpoint too."""
         for line in action.lines:
-            if self.ledger.append(line) and self.mirror is not None:
-                self.mirror.request(line["run_path"])
+            self.ledger.append(line)
         log.info(
             "eval.reused",
             location=action.location,
@@ -284,12 +293,11 @@ class Daemon:
             our_pids=self._our_pids(running),
             idle_memory_mib=self.cfg.devices.idle_memory_mib,
         )
-        self.jobs.dispatch(now, free)
+        self.dispatcher.dispatch(now, free)
 
     def _our_pids(self, running: list[Job]) -> set[int]:
         """Our workers, their engine processes, and the warm workers waiting for a job."""
-        warm = getattr(self.executor, "worker_pids", None)
-        leaders = {j.pid for j in running if j.pid} | (warm() if warm is not None else set())
+        leaders = {j.pid for j in running if j.pid} | self.executor.worker_pids()
         if not any(d.kind == "cuda" for d in self.inventory.devices()):
             return leaders  # no GPU processes to tell apart: spare the loop a scan of /proc
         return process_groups(leaders)
@@ -297,14 +305,8 @@ class Daemon:
     # --- heartbeat -----------------------------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
         self.notifier.watchdog(now)
-        where = getattr(self.executor, "where", None)
-        if where is not None:  # executors that place jobs on other nodes say where
-            for job in self.state.jobs("running"):
-                host = where(job.id)
-                if host and host != job.host:
-                    self.state.update_job(job.id, host=host)
-                    log.info("eval.placed", job_id=job.id, run=job.run, step=job.step, node=host)
         if now - self._last_heartbeat >= HEARTBEAT_SECONDS:
+            self._record_placements()
             self._update_metrics()
             self._watch_zombies(now)
             if self.mirror is not None:
@@ -312,6 +314,14 @@ class Daemon:
             self.state.set_meta(heartbeat=now, stopping=bool(self.stop_requests))
             self.notifier.status(self._status_line())
             self._last_heartbeat = now
+
+    def _record_placements(self) -> None:
+        """Executors that place jobs on other nodes (Ray) say where; status shows it."""
+        for job in self.state.jobs("running"):
+            host = self.executor.where(job.id)
+            if host and host != job.host:
+                self.state.update_job(job.id, host=host)
+                log.info("eval.placed", job_id=job.id, run=job.run, step=job.step, node=host)
 
     def _update_metrics(self) -> None:
         running = {j.device for j in self.state.jobs("running") if j.device}
@@ -388,7 +398,7 @@ class Daemon:
         if not running:
             return True
         if self.stop_requests >= 2 or now >= self.stop_deadline:
-            self.jobs.kill_for_stop()
+            self.supervisor.kill_for_stop()
         return False
 
 

@@ -33,11 +33,12 @@ import structlog
 from ckpt_watcher.checkpoints import completeness
 from ckpt_watcher.checkpoints.completeness import Completeness
 from ckpt_watcher.checkpoints.fingerprint import fingerprint
-from ckpt_watcher.clock import iso
 from ckpt_watcher.errors import NamingFixError, WatcherError
+from ckpt_watcher.jobfolder import Stage
 from ckpt_watcher.lane import Lane
 from ckpt_watcher.sources.base import Found, Source, diff
-from ckpt_watcher.state import State
+from ckpt_watcher.state import CheckpointRow, State
+from ckpt_watcher.timestamps import iso
 
 log = structlog.get_logger("ckpt_watcher.discovery")
 
@@ -48,6 +49,12 @@ MISSABLE = ("incomplete", "invalid", "ready", "planned")
 # Evaluated states whose files scans re-examine for a rewrite in place.
 EVALUATED = ("done", "failed")
 REWRITE_CHECK = "files changed after it was evaluated: checking the content again"
+# the event logged when a checkpoint is judged into each state (completeness.check's verdicts)
+JUDGED_EVENTS = {
+    "ready": "checkpoint.ready",
+    "incomplete": "checkpoint.incomplete",
+    "invalid": "checkpoint.invalid",
+}
 
 
 def unanswered_after(source: Source) -> float:
@@ -125,7 +132,7 @@ class Discovery:
     def _lane_of(self, name: str) -> _Watched | None:
         return next((w for w in self.watched if w.source.name == name), None)
 
-    def stage_spec(self, source_name: str, location: str) -> dict[str, Any] | None:
+    def stage_spec(self, source_name: str, location: str) -> Stage | None:
         src = self.source_named(source_name)
         return src.stage_spec(location) if src is not None else None
 
@@ -181,11 +188,11 @@ class Discovery:
     def _start(self, w: _Watched, now: float) -> None:
         name = w.source.name
         rows = self.state.checkpoints(source=name)
-        settled = {r["location"] for r in rows if r["state"] not in (*RECHECK, "missed")}
+        settled = {r.location for r in rows if r.state not in (*RECHECK, "missed")}
         recheck = {
-            r["location"]: (r["write_mark"], r["unchanged_since"])
+            r.location: (r.write_mark, r.unchanged_since)
             for r in rows
-            if r["state"] in RECHECK
+            if r.state in RECHECK
         }
         evaluated = self._due_for_recheck(w, rows, now)
         w.woken = False
@@ -201,17 +208,19 @@ class Discovery:
         )
 
     @staticmethod
-    def _due_for_recheck(w: _Watched, rows: list[Any], now: float) -> dict[str, tuple[str, bool]]:
+    def _due_for_recheck(
+        w: _Watched, rows: list[CheckpointRow], now: float
+    ) -> dict[str, tuple[str | None, bool]]:
         """Evaluated checkpoints this scan re-reads (location -> (write mark, has fingerprint)):
         all of them, or the source's `recheck_per_scan` looked at longest ago."""
-        rows = [r for r in rows if r["state"] in EVALUATED]
-        w.rechecked = {r["location"]: w.rechecked.get(r["location"], 0.0) for r in rows}
-        rows.sort(key=lambda r: w.rechecked[r["location"]])
+        rows = [r for r in rows if r.state in EVALUATED]
+        w.rechecked = {r.location: w.rechecked.get(r.location, 0.0) for r in rows}
+        rows.sort(key=lambda r: w.rechecked[r.location])
         limit = w.source.recheck_per_scan
         chosen = rows if limit is None else rows[:limit]
         for r in chosen:
-            w.rechecked[r["location"]] = now
-        return {r["location"]: (r["write_mark"], bool(r["fingerprint"])) for r in chosen}
+            w.rechecked[r.location] = now
+        return {r.location: (r.write_mark, bool(r.fingerprint)) for r in chosen}
 
     def _wake_source(self, w: _Watched) -> None:
         w.woken = True
@@ -234,7 +243,7 @@ class Discovery:
         wake: Callable[[], None],
         settled: set[str],
         recheck: dict[str, tuple[str | None, float | None]],
-        evaluated: dict[str, tuple[str, bool]],
+        evaluated: dict[str, tuple[str | None, bool]],
         now: float,
     ) -> ScanResult:
         if not watching:
@@ -329,11 +338,11 @@ class Discovery:
             self._forget(f, now)
         for location, remark in result.remarks.items():
             row = self.state.checkpoint(location)
-            if row is not None and row["state"] in EVALUATED:
+            if row is not None and row.state in EVALUATED:
                 self._apply_remark(row, remark, now)
         for location, judged in result.judged.items():
             row = self.state.checkpoint(location)
-            if row is not None and row["state"] in RECHECK:
+            if row is not None and row.state in RECHECK:
                 self._apply(row, judged, now)
         self._record(name, now, None, sum(1 for f in result.found if f.ident))
 
@@ -350,14 +359,14 @@ class Discovery:
     def _register(self, source: str, f: Found, now: float) -> None:
         row = self.state.checkpoint(f.location)
         if f.ident is None:
-            if row is None or row["state"] != "unrecognised":
+            if row is None or row.state != "unrecognised":
                 self.state.upsert_checkpoint(
                     f.location, source, now, state="unrecognised", reason=f.note
                 )
                 log.warning("checkpoint.unrecognised", location=f.location, reason=f.note)
             return
-        if row is not None and row["state"] != "missed":
-            if not row["run_path"]:  # a row from before run paths
+        if row is not None and row.state != "missed":
+            if row.run_path != f.ident.run_path:  # a row from before run paths held its run
                 self.state.upsert_checkpoint(f.location, source, now, run_path=f.ident.run_path)
             return  # known from before a restart: its state stands
         ident = f.ident
@@ -377,7 +386,7 @@ class Discovery:
 
     def _forget(self, f: Found, now: float) -> None:
         row = self.state.checkpoint(f.location)
-        if row is None or row["state"] not in MISSABLE:
+        if row is None or row.state not in MISSABLE:
             return
         for job in self.state.jobs("queued", location=f.location):
             self.state.update_job(
@@ -385,55 +394,55 @@ class Discovery:
             )
         if not self.state.jobs("running", location=f.location):
             self.state.upsert_checkpoint(
-                f.location, row["source"], now, state="missed", reason="deleted before evaluation"
+                f.location, row.source, now, state="missed", reason="deleted before evaluation"
             )
-            log.warning("checkpoint.missed", location=f.location, run=row["run"], step=row["step"])
+            log.warning("checkpoint.missed", location=f.location, run=row.run, step=row.step)
 
-    def _apply(self, row: Any, judged: Judged, now: float) -> None:
+    def _apply(self, row: CheckpointRow, judged: Judged, now: float) -> None:
         verdict = judged.verdict
         for action in judged.fixes:
-            log.info("checkpoint.names_fixed", location=row["location"], action=action)
+            log.info("checkpoint.names_fixed", location=row.location, action=action)
         if judged.fix_failed:
-            log.error("checkpoint.names_unfixable", location=row["location"], error=verdict.reason)
+            log.error("checkpoint.names_unfixable", location=row.location, error=verdict.reason)
         fields: dict[str, Any] = {"state": verdict.state, "reason": verdict.reason}
-        if verdict.write_mark and verdict.write_mark != row["write_mark"]:
+        if verdict.write_mark and verdict.write_mark != row.write_mark:
             fields |= {"write_mark": verdict.write_mark, "unchanged_since": now}
         if verdict.ready:
             fields |= {"ready_at": now, "write_mark": judged.write_mark}
             fields |= self._version(row, judged.fingerprint, now)
-        if verdict.state != row["state"] or verdict.reason != row["reason"]:
-            self.state.upsert_checkpoint(row["location"], row["source"], now, **fields)
+        if verdict.state != row.state or verdict.reason != row.reason:
+            self.state.upsert_checkpoint(row.location, row.source, now, **fields)
             if verdict.ready and judged.last_write is not None and self._on_ready is not None:
                 self._on_ready(max(0.0, now - judged.last_write))
             log.info(
-                f"checkpoint.{verdict.state}",
-                location=row["location"],
-                run=row["run"],
-                step=row["step"],
+                JUDGED_EVENTS[verdict.state],
+                location=row.location,
+                run=row.run,
+                step=row.step,
                 reason=verdict.reason,
             )
         elif "write_mark" in fields:
-            self.state.upsert_checkpoint(row["location"], row["source"], now, **fields)
+            self.state.upsert_checkpoint(row.location, row.source, now, **fields)
 
     @staticmethod
-    def _version(row: Any, new: str | None, now: float) -> dict[str, Any]:
+    def _version(row: CheckpointRow, new: str | None, now: float) -> dict[str, Any]:
         """Fields for a checkpoint judged ready with fingerprint `new`: a new version when an
         earlier one was fingerprinted and differs."""
-        old = row["fingerprint"]
+        old = row.fingerprint
         fields: dict[str, Any] = {"fingerprint": new}
         if old and new != old:
             fields |= {"previous_fingerprint": old, "rewritten_at": now}
             fields["reason"] = f"rewritten: content {old} -> {new}; evaluated again"
-            log.warning("checkpoint.rewritten", location=row["location"], old=old, new=new)
-        elif old and row["reason"] == REWRITE_CHECK:
+            log.warning("checkpoint.rewritten", location=row.location, old=old, new=new)
+        elif old and row.reason == REWRITE_CHECK:
             fields["reason"] = "files changed but the content is the same: results stand"
         return fields
 
-    def _apply_remark(self, row: Any, remark: Remark, now: float) -> None:
+    def _apply_remark(self, row: CheckpointRow, remark: Remark, now: float) -> None:
         """An evaluated checkpoint looked at again: adopt its marks, or judge it again."""
-        where = (row["location"], row["source"], now)
+        where = (row.location, row.source, now)
         if not remark.changed:
-            fp = remark.fingerprint or row["fingerprint"]
+            fp = remark.fingerprint or row.fingerprint
             self.state.upsert_checkpoint(*where, write_mark=remark.write_mark, fingerprint=fp)
             return
         self.state.upsert_checkpoint(
@@ -444,7 +453,7 @@ class Discovery:
             unchanged_since=now,
         )
         log.warning(
-            "checkpoint.files_changed", location=row["location"], run=row["run"], step=row["step"]
+            "checkpoint.files_changed", location=row.location, run=row.run, step=row.step
         )
 
 

@@ -18,6 +18,15 @@ class CheckpointError(WatcherError):
     """A checkpoint directory cannot be used as it is (bad name, bad files)."""
 
 
+class HeaderUnreadable(CheckpointError):
+    """A safetensors header is missing or cut short (maybe still being written), or, with
+    `corrupt`, complete but impossible (a length no writer produces, JSON that does not parse)."""
+
+    def __init__(self, message: str, corrupt: bool = False) -> None:
+        super().__init__(message)
+        self.corrupt = corrupt
+
+
 class NamingFixError(CheckpointError):
     """The safetensors naming fix could not be applied safely."""
 
@@ -52,3 +61,7 @@ class S3Error(WatcherError):
 
 class StagingError(WatcherError):
     """A checkpoint could not be staged safely (bad key, or a file that does not verify)."""
+
+
+class SwapError(EvalError):
+    """A checkpoint's weights could not be swapped into a warm engine; the job loads cold."""

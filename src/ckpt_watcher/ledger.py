@@ -24,10 +24,11 @@ from typing import Any
 
 import structlog
 
-from ckpt_watcher.clock import seconds_between
 from ckpt_watcher.config import task_settings_hash
 from ckpt_watcher.durable import fsync_dir
 from ckpt_watcher.errors import LedgerError
+from ckpt_watcher.jobfolder import TaskOutcome
+from ckpt_watcher.timestamps import seconds_between
 
 SCHEMA = 1
 LEDGER_NAME = "ledger.jsonl"
@@ -54,6 +55,11 @@ class Subject:
     fingerprint: str | None
     legacy_ok: bool = False  # lines without a fingerprint at `location` count (not rewritten since)
 
+    @classmethod
+    def of_job(cls, job: Any) -> Subject:
+        """The checkpoint version a job (a `state.Job`) evaluates."""
+        return cls(job.location, job.run, job.run_path, job.step, job.label, job.fingerprint)
+
     def identity(self, task: dict[str, Any], settings: str) -> Identity:
         """`settings` is `eval`'s hash; a task entry with settings of its own extends it."""
         step = str(self.step) if self.step is not None else f"label:{self.label}"
@@ -61,10 +67,15 @@ class Subject:
         return (self.run_path, step, task["task"], task["num_fewshot"], own, self.fingerprint)
 
 
+def line_run_path(line: dict[str, Any]) -> str:
+    """The run path a ledger line is filed under (lines from before run paths: its run)."""
+    return str(line.get("run_path") or line["run"])
+
+
 def line_identity(line: dict[str, Any]) -> Identity:
     step = line.get("step")
     return (
-        line.get("run_path") or line["run"],
+        line_run_path(line),
         str(step) if step is not None else f"label:{line.get('label', '')}",
         line["task"],
         line.get("num_fewshot"),
@@ -84,7 +95,7 @@ class TaskPlan:
 def result_line(
     *,
     job: Any,
-    outcome: dict[str, Any],
+    outcome: TaskOutcome,
     status: str,
     error: str | None,
     eval_cfg: Any,
@@ -93,17 +104,10 @@ def result_line(
     """One ledger line (schema 1) for a task's outcome on a job's checkpoint.
 
     `job` is a state.Job, `outcome` what the worker wrote for the task (for a failure with no
-    outcome, just task and num_fewshot), `eval_cfg` the config's `eval` section.
+    outcome, one with just the task and num_fewshot), `eval_cfg` the config's `eval` section.
     """
-    started = outcome.get("started_at") or ""
-    finished = outcome.get("finished_at") or ""
     entry: dict[str, Any] = next(
-        (
-            t
-            for t in job.tasks
-            if (t["task"], t["num_fewshot"]) == (outcome["task"], outcome["num_fewshot"])
-        ),
-        {},
+        (t for t in job.tasks if (t["task"], t["num_fewshot"]) == outcome.key), {}
     )
     gen_kwargs = dict(eval_cfg.gen_kwargs) | (entry.get("gen_kwargs") or {})
     if eval_cfg.max_gen_toks is not None:
@@ -117,31 +121,27 @@ def result_line(
             "step": job.step,
             "label": job.label,
             "checkpoint": job.location,
-            "task": outcome["task"],
-            "num_fewshot": outcome["num_fewshot"],
+            "task": outcome.task,
+            "num_fewshot": outcome.num_fewshot,
             "status": status,
-            "metrics": outcome.get("metrics", {}) if ok else {},
+            "metrics": outcome.metrics if ok else {},
             "backend": eval_cfg.backend,
             "device": job.device_label,
             "model_args": eval_cfg.model_args,
             "gen_kwargs": gen_kwargs,
             "seed": eval_cfg.seed,
-            "clamped_requests": outcome.get("clamped_requests", 0),
-            "truncated_prompts": outcome.get("truncated_prompts", 0),
-            "n_samples": outcome.get("n_samples"),
+            "clamped_requests": outcome.clamped_requests,
+            "truncated_prompts": outcome.truncated_prompts,
+            "n_samples": outcome.n_samples,
             "attempt": job.attempt,
-            "started_at": started or None,
-            "finished_at": finished or None,
-            "duration_s": seconds_between(started, finished),
-            "lm_eval_version": outcome.get("lm_eval_version"),
-            "engine": outcome.get("engine"),
-            "engine_seconds": outcome.get("engine_seconds"),
-            "results_file": _run_relative(outcome.get("results_file"), ledger_dir, job)
-            if ok
-            else None,
-            "samples_file": _run_relative(outcome.get("samples_file"), ledger_dir, job)
-            if ok
-            else None,
+            "started_at": outcome.started_at or None,
+            "finished_at": outcome.finished_at or None,
+            "duration_s": seconds_between(outcome.started_at, outcome.finished_at),
+            "lm_eval_version": outcome.lm_eval_version or None,
+            "engine": outcome.engine,
+            "engine_seconds": outcome.engine_seconds,
+            "results_file": _run_relative(outcome.results_file, ledger_dir, job) if ok else None,
+            "samples_file": _run_relative(outcome.samples_file, ledger_dir, job) if ok else None,
             "error": error,
             "job_id": job.id,
             "settings_hash": task_settings_hash(job.settings_hash, entry),
@@ -208,7 +208,7 @@ def iter_runs(ledger_dir: Path) -> Iterator[str]:
 
 def append(ledger_dir: Path, line: dict[str, Any]) -> Path:
     """Append one line durably: write, flush, fsync (and fsync the folder on first creation)."""
-    path = ledger_path(ledger_dir, line.get("run_path") or line["run"])
+    path = ledger_path(ledger_dir, line_run_path(line))
     created = not path.exists()
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.dumps(line, sort_keys=False, ensure_ascii=False, default=str).encode("utf-8")
@@ -236,11 +236,9 @@ class LedgerIndex:
     """What the ledgers already hold, loaded from every run's ledger: `ok` identities, the first
     `ok` line per content (for reuse), and pre-fingerprint `ok` lines by location."""
 
-    def __init__(
-        self, ledger_dir: Path, on_append: Callable[[dict[str, Any]], None] | None = None
-    ) -> None:
+    def __init__(self, ledger_dir: Path) -> None:
         self.ledger_dir = ledger_dir
-        self.on_append = on_append  # told of every line written (the metrics count them)
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []  # told of each line written
         self.ok: set[Identity] = set()
         self.by_content: dict[ContentKey, dict[str, Any]] = {}
         self.legacy: set[LegacyKey] = set()
@@ -275,7 +273,7 @@ class LedgerIndex:
         if line.get("status") == "ok" and line_identity(line) in self.ok:
             log.info(
                 "ledger.duplicate_skipped",
-                run_path=line.get("run_path") or line["run"],
+                run_path=line_run_path(line),
                 step=line.get("step"),
                 task=line["task"],
                 fingerprint=line.get("fingerprint"),
@@ -283,9 +281,13 @@ class LedgerIndex:
             return False
         append(self.ledger_dir, line)
         self._note(line)
-        if self.on_append is not None:
-            self.on_append(line)
+        for listener in self.listeners:
+            listener(line)
         return True
+
+    def listen(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Tell `listener` of every line appended from now on (on the appending thread)."""
+        self.listeners.append(listener)
 
     def estimate(self, task: str, num_fewshot: int | None, default: float = 60.0) -> float:
         """Typical duration of a task from earlier results (median of the last 20)."""
@@ -337,7 +339,7 @@ def reused_line(first: dict[str, Any], subject: Subject, ledger_dir: Path) -> di
         checkpoint=subject.location,
         reused_from=first.get("reused_from") or first["checkpoint"],
     )
-    origin = ledger_dir / (first.get("run_path") or first["run"])
+    origin = ledger_dir / line_run_path(first)
     for key in ("results_file", "samples_file"):
         if first.get(key):  # still relative to the ledger's own folder
             line[key] = os.path.relpath(origin / first[key], ledger_dir / subject.run_path)

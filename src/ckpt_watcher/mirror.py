@@ -21,7 +21,7 @@ import structlog
 
 from ckpt_watcher.errors import WatcherError
 from ckpt_watcher.lane import Coalescing
-from ckpt_watcher.ledger import REPORT_NAME, ledger_path
+from ckpt_watcher.ledger import REPORT_NAME, ledger_path, line_run_path
 from ckpt_watcher.s3client import Retry, make_client, split_uri
 
 log = structlog.get_logger("ckpt_watcher.mirror")
@@ -54,6 +54,10 @@ class LedgerMirror:
     def request(self, run: str) -> None:
         """Upload `run`'s ledger soon, on the mirror's lane (returns at once); thread-safe."""
         self.uploads.request(run)
+
+    def ledger_line(self, line: dict[str, Any]) -> None:
+        """A ledger listener: the line's run is uploaded again."""
+        self.request(line_run_path(line))
 
     def retry_due(self, now: float, force: bool = False) -> None:
         """Re-send runs whose upload failed, at most every RETRY_FAILED_SECONDS (or now)."""

@@ -5,17 +5,14 @@ come out. No I/O, no clock: the daemon carries the actions out.
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ckpt_watcher.ledger import Subject, TaskPlan
 from ckpt_watcher.scheduler import order_key, step_due
-from ckpt_watcher.state import Job
+from ckpt_watcher.state import CheckpointRow, Job
 
-# a `checkpoints` row: location, run, run_path, step, label, final, fingerprint, reason
-Row = Mapping[str, Any] | sqlite3.Row
 Tasks = list[dict[str, Any]]
 
 
@@ -63,8 +60,8 @@ Action = MarkCheckpoint | QueueJob | SkipJob | ReuseResults
 
 
 def plan_ready(
-    rows: Sequence[Row],
-    plan: Callable[[Row], TaskPlan],
+    rows: Sequence[CheckpointRow],
+    plan: Callable[[CheckpointRow], TaskPlan],
     has_jobs: Callable[[str], bool],
     every_n_steps: int,
     in_flight: Mapping[str, str] | None = None,
@@ -76,7 +73,7 @@ def plan_ready(
     actions: list[Action] = []
     busy = dict(in_flight or {})
     for row in rows:
-        loc, step, final = row["location"], row["step"], bool(row["final"])
+        loc, step, final = row.location, row.step, row.final
         if not step_due(step, final, every_n_steps):
             reason = f"step {step} is not a multiple of policy.every_n_steps={every_n_steps}"
             actions.append(MarkCheckpoint(loc, "skipped", reason))
@@ -93,11 +90,11 @@ def plan_ready(
         if has_jobs(loc):
             actions.append(MarkCheckpoint(loc, "planned"))
             continue
-        fp = row["fingerprint"]
+        fp = row.fingerprint
         twin = busy.get(fp) if fp else None
         if twin is not None and twin != loc:
             reason = f"same content as {twin}, which is being evaluated: its results will be reused"
-            if row["reason"] != reason:
+            if row.reason != reason:
                 actions.append(MarkCheckpoint(loc, "ready", reason))
             continue
         if fp:
@@ -105,12 +102,12 @@ def plan_ready(
         actions.append(
             QueueJob(
                 loc,
-                row["run"],
+                row.run,
                 step,
-                row["label"],
+                row.label,
                 tasks.due,
                 order_key(step, final),
-                run_path=row["run_path"] or row["run"],
+                run_path=row.run_path,
                 fingerprint=fp,
             )
         )
@@ -118,27 +115,27 @@ def plan_ready(
     return actions
 
 
-def subject(row: Row) -> Subject:
+def subject(row: CheckpointRow) -> Subject:
     """The checkpoint version a row stands for, as the ledger files results under it. Lines
     from before fingerprints count for it until it is seen rewritten."""
     return Subject(
-        location=row["location"],
-        run=row["run"],
-        run_path=row["run_path"] or row["run"],
-        step=row["step"],
-        label=row["label"],
-        fingerprint=row["fingerprint"],
-        legacy_ok=row["rewritten_at"] is None,
+        location=row.location,
+        run=row.run,
+        run_path=row.run_path,
+        step=row.step,
+        label=row.label,
+        fingerprint=row.fingerprint,
+        legacy_ok=row.rewritten_at is None,
     )
 
 
-def superseded(rows: Sequence[Row], queued: Sequence[Job]) -> list[Action]:
+def superseded(rows: Sequence[CheckpointRow], queued: Sequence[Job]) -> list[Action]:
     """policy.skip_superseded: a queued job is dropped once a newer checkpoint of its run path
     is ready, planned or done. `rows` are those checkpoints."""
     newest: dict[str, float] = {}
     for row in rows:
-        key = order_key(row["step"], bool(row["final"]))
-        run_path = row["run_path"] or row["run"]
+        key = order_key(row.step, row.final)
+        run_path = row.run_path
         newest[run_path] = max(newest.get(run_path, -1.0), key)
     reason = "superseded by a newer checkpoint"
     actions: list[Action] = []

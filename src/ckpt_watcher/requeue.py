@@ -39,28 +39,28 @@ def requeue(
         rows = [
             r
             for r in state.checkpoints()
-            if (r["run_path"] or r["run"]) == run_path and (step is None or r["step"] == step)
+            if r.run_path == run_path and (step is None or r.step == step)
         ]
         for row in rows:
             due = [
                 f"{t['task']} ({t['num_fewshot']}-shot)"
                 for t in ledger.due(planner.subject(row), tasks, settings)
             ]
-            if row["state"] not in _REQUEUEABLE:
+            if row.state not in _REQUEUEABLE:
                 left.append(
-                    f"{row['label']}: {row['state']} (already in line or not evaluable yet)"
+                    f"{row.label}: {row.state} (already in line or not evaluable yet)"
                 )
             elif not due:
-                left.append(f"{row['label']}: every task already ok with the current settings")
+                left.append(f"{row.label}: every task already ok with the current settings")
             else:
                 state.upsert_checkpoint(
-                    row["location"],
-                    row["source"],
+                    row.location,
+                    row.source,
                     time.time(),
                     state="ready",
                     reason="requeued by hand",
                 )
-                done.append(Requeued(row["label"], due))
+                done.append(Requeued(row.label, due))
     finally:
         state.close()
     return done, left

@@ -17,7 +17,7 @@ def known_runs(cfg: WatcherConfig) -> list[str]:
     except StateError:
         return sorted(runs)
     try:
-        runs |= {r["run_path"] or r["run"] for r in state.checkpoints() if r["run"]}
+        runs |= {r.run_path for r in state.checkpoints() if r.run}
     finally:
         state.close()
     return sorted(runs)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ckpt_watcher.config import BASELINE_RUN
 from ckpt_watcher.devices import Device
-from ckpt_watcher.sources.baseline import BASELINE_RUN
 from ckpt_watcher.state import Job
 
 

@@ -9,6 +9,7 @@ database, is the record of results: on start, ledger `ok` lines win over job sta
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -78,10 +79,18 @@ _UPGRADES = {
         "write_mark",
     ): "UPDATE checkpoints SET write_mark = fingerprint, fingerprint = NULL",
 }
+# Run at every open for writing (cheap when there is nothing to do): rows written before a
+# column existed, or by a version that left it empty, get its value.
+_FILL = (
+    "UPDATE checkpoints SET run_path = run WHERE run_path IS NULL AND run IS NOT NULL",
+    "UPDATE jobs SET run_path = run WHERE run_path IS NULL",
+)
 
 
 @dataclass
 class Job:
+    """One eval of one checkpoint version's due tasks (a row of `jobs`)."""
+
     id: str
     location: str
     run: str
@@ -89,66 +98,30 @@ class Job:
     label: str
     tasks: list[dict[str, Any]]
     settings_hash: str
-    state: str
-    attempt: int
-    not_before: float
-    device: str | None
-    device_label: str | None
-    pid: int | None
-    pid_start: str | None
     created_at: float
-    started_at: float | None
-    error: str | None
     order_key: float
-    host: str | None = None  # the node running it (Ray), once known
-    daemon_deaths: int = 0  # times the daemon died while this job ran
     run_path: str = ""  # the run's path under its source root (the ledger's folder)
     fingerprint: str | None = None  # the checkpoint's content when the job was queued
+    state: str = "queued"
+    attempt: int = 0  # attempts started (and not given back)
+    not_before: float = 0.0  # a retry waits until then
+    device: str | None = None
+    device_label: str | None = None
+    pid: int | None = None
+    pid_start: str | None = None
+    host: str | None = None  # the node running it (Ray), once known
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+    daemon_deaths: int = 0  # times the daemon died while this job ran
 
-    @classmethod
-    def new(
-        cls,
-        *,
-        id: str,
-        location: str,
-        run: str,
-        step: int | None,
-        label: str,
-        tasks: list[dict[str, Any]],
-        settings_hash: str,
-        created_at: float,
-        order_key: float,
-        run_path: str = "",
-        fingerprint: str | None = None,
-    ) -> Job:
-        """A freshly queued job that has never run."""
-        return cls(
-            run_path=run_path or run,
-            fingerprint=fingerprint,
-            id=id,
-            location=location,
-            run=run,
-            step=step,
-            label=label,
-            tasks=tasks,
-            settings_hash=settings_hash,
-            state="queued",
-            attempt=0,
-            not_before=0.0,
-            device=None,
-            device_label=None,
-            pid=None,
-            pid_start=None,
-            created_at=created_at,
-            started_at=None,
-            error=None,
-            order_key=order_key,
-        )
+    def __post_init__(self) -> None:
+        self.run_path = self.run_path or self.run
 
     def part(self, index: int, tasks: list[dict[str, Any]], created_at: float) -> Job:
         """Part `index` of this job when its checkpoint is split over several devices: the same
         checkpoint and settings, some of its tasks, never run yet."""
-        return Job.new(
+        return Job(
             id=f"{self.id}-{index}",
             location=self.location,
             run=self.run,
@@ -164,30 +137,61 @@ class Job:
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> Job:
-        return cls(
-            id=row["id"],
-            location=row["location"],
-            run=row["run"],
-            step=row["step"],
-            label=row["label"],
-            tasks=json.loads(row["tasks"]),
-            settings_hash=row["settings_hash"],
-            state=row["state"],
-            attempt=row["attempt"],
-            not_before=row["not_before"] or 0.0,
-            device=row["device"],
-            device_label=row["device_label"],
-            pid=row["pid"],
-            pid_start=row["pid_start"],
-            created_at=row["created_at"] or 0.0,
-            started_at=row["started_at"],
-            error=row["error"],
-            order_key=row["order_key"] or 0.0,
-            host=row["host"],
-            daemon_deaths=row["daemon_deaths"] or 0,
-            run_path=row["run_path"] or row["run"],
-            fingerprint=row["fingerprint"],
-        )
+        have = set(row.keys())  # a database no daemon of this version has opened yet
+        values: dict[str, Any] = {name: row[name] if name in have else None for name in _JOB_COLUMNS}
+        values["tasks"] = json.loads(values["tasks"])
+        for name in ("not_before", "created_at", "order_key"):
+            values[name] = values[name] or 0.0
+        values["daemon_deaths"] = values["daemon_deaths"] or 0
+        values["attempt"] = values["attempt"] or 0
+        values["run_path"] = values["run_path"] or ""
+        return cls(**values)
+
+    def as_row(self) -> list[Any]:
+        """Values in `_JOB_COLUMNS` order, as stored."""
+        values = dataclasses.asdict(self) | {"tasks": json.dumps(self.tasks)}
+        return [values[name] for name in _JOB_COLUMNS]
+
+
+_JOB_COLUMNS = tuple(f.name for f in dataclasses.fields(Job))
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    """A checkpoint as the daemon knows it (a row of `checkpoints`)."""
+
+    location: str
+    source: str
+    run: str  # "" when unrecognised (no run, step or label)
+    step: int | None
+    label: str
+    final: bool
+    state: str  # one of CHECKPOINT_STATES
+    reason: str
+    fingerprint: str | None  # content (checkpoints/fingerprint.py), once judged ready
+    write_mark: str | None  # names, sizes, mtimes or ETags: moves when files are rewritten
+    unchanged_since: float | None
+    first_seen: float | None
+    updated_at: float | None
+    ready_at: float | None
+    run_path: str  # the run's path under its source root ("" when unrecognised)
+    previous_fingerprint: str | None
+    rewritten_at: float | None
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> CheckpointRow:
+        have = set(row.keys())  # a database no daemon of this version has opened yet
+        values: dict[str, Any] = {
+            name: row[name] if name in have else None for name in _CHECKPOINT_COLUMNS
+        }
+        values["final"] = bool(values["final"])
+        for name in ("run", "label", "reason"):
+            values[name] = values[name] or ""
+        values["run_path"] = values["run_path"] or values["run"]
+        return cls(**values)
+
+
+_CHECKPOINT_COLUMNS = tuple(f.name for f in dataclasses.fields(CheckpointRow))
 
 
 def _where(states: tuple[str, ...], **equal: Any) -> tuple[str, list[Any]]:
@@ -256,6 +260,8 @@ class State:
                     self.conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
                     if (table, column) in _UPGRADES:
                         self.conn.execute(_UPGRADES[(table, column)])
+            for statement in _FILL:
+                self.conn.execute(statement)
         except BaseException:
             self.conn.execute("ROLLBACK")
             self.conn.close()
@@ -355,11 +361,11 @@ class State:
         return list(self.conn.execute("SELECT * FROM sources ORDER BY name"))
 
     # --- checkpoints ---------------------------------------------------------------------------
-    def checkpoint(self, location: str) -> sqlite3.Row | None:
-        row: sqlite3.Row | None = self.conn.execute(
+    def checkpoint(self, location: str) -> CheckpointRow | None:
+        row = self.conn.execute(
             "SELECT * FROM checkpoints WHERE location=?", (location,)
         ).fetchone()
-        return row
+        return CheckpointRow.from_row(row) if row is not None else None
 
     def upsert_checkpoint(self, location: str, source: str, now: float, **fields: Any) -> None:
         """Insert a checkpoint row or update the given fields of an existing one."""
@@ -380,9 +386,10 @@ class State:
                     [*fields.values(), now, location],
                 )
 
-    def checkpoints(self, *states: str, source: str | None = None) -> list[sqlite3.Row]:
+    def checkpoints(self, *states: str, source: str | None = None) -> list[CheckpointRow]:
         where, args = _where(states, source=source)
-        return list(self.conn.execute(f"SELECT * FROM checkpoints{where} ORDER BY run, step", args))
+        rows = self.conn.execute(f"SELECT * FROM checkpoints{where} ORDER BY run, step", args)
+        return [CheckpointRow.from_row(r) for r in rows]
 
     def checkpoint_counts(self) -> dict[str, int]:
         rows = self.conn.execute("SELECT state, COUNT(*) n FROM checkpoints GROUP BY state")
@@ -390,27 +397,10 @@ class State:
 
     # --- jobs ----------------------------------------------------------------------------------
     def add_job(self, job: Job) -> None:
+        marks = ",".join("?" * len(_JOB_COLUMNS))
         with self.conn:
             self.conn.execute(
-                "INSERT INTO jobs(id, location, run, step, label, tasks, settings_hash, state, "
-                "attempt, not_before, created_at, order_key, run_path, fingerprint) "
-                "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (
-                    job.id,
-                    job.location,
-                    job.run,
-                    job.step,
-                    job.label,
-                    json.dumps(job.tasks),
-                    job.settings_hash,
-                    job.state,
-                    job.attempt,
-                    job.not_before,
-                    job.created_at,
-                    job.order_key,
-                    job.run_path,
-                    job.fingerprint,
-                ),
+                f"INSERT INTO jobs({','.join(_JOB_COLUMNS)}) VALUES({marks})", job.as_row()
             )
 
     def job(self, job_id: str) -> Job | None:

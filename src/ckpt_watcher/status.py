@@ -12,16 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_watcher import ledger as ledger_mod
-from ckpt_watcher.clock import iso
 from ckpt_watcher.config import WatcherConfig
-from ckpt_watcher.executors.base import process_alive
-from ckpt_watcher.executors.warm import warm_root
+from ckpt_watcher.executors.processes import process_alive
+from ckpt_watcher.jobfolder import ENGINE_FILE, warm_root
 from ckpt_watcher.ledger import LedgerIndex, Subject
 from ckpt_watcher.report import newest_versions
 from ckpt_watcher.sinks.alerts import Regression
 from ckpt_watcher.sources.baseline import source_name
 from ckpt_watcher.state import HEARTBEAT_SECONDS, State
-from ckpt_watcher.warm_worker import ENGINE_FILE
+from ckpt_watcher.timestamps import iso
 
 STALE_AFTER = 10 * HEARTBEAT_SECONDS
 EXIT_RUNNING = 0
@@ -70,21 +69,21 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         sources = [_source(scanned.get(name), name, now) for name in names]
         checkpoints = [
             {
-                "location": r["location"],
-                "run": r["run"],
-                "run_path": r["run_path"] or r["run"],
-                "step": r["step"],
-                "label": r["label"],
-                "state": r["state"],
-                "reason": r["reason"],
-                "fingerprint": r["fingerprint"],
+                "location": r.location,
+                "run": r.run or None,
+                "run_path": r.run_path or None,
+                "step": r.step,
+                "label": r.label or None,
+                "state": r.state,
+                "reason": r.reason,
+                "fingerprint": r.fingerprint,
                 # its content changed after it was evaluated: evaluated again as a new version
-                "rewritten": r["rewritten_at"] is not None,
-                "rewritten_at": _iso_or_none(r["rewritten_at"]),
-                "previous_fingerprint": r["previous_fingerprint"],
+                "rewritten": r.rewritten_at is not None,
+                "rewritten_at": _iso_or_none(r.rewritten_at),
+                "previous_fingerprint": r.previous_fingerprint,
             }
             for r in state.checkpoints()
-            if r["state"] in _LISTED or r["rewritten_at"] is not None
+            if r.state in _LISTED or r.rewritten_at is not None
         ]
         queued = [
             {
@@ -127,7 +126,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
                 "resolved": bool(
                     ledger
                     and not ledger.due(
-                        Subject(j.location, j.run, j.run_path, j.step, j.label, j.fingerprint),
+                        Subject.of_job(j),
                         j.tasks,
                         j.settings_hash,
                     )

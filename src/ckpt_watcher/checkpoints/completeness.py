@@ -19,8 +19,8 @@ from fnmatch import fnmatch
 
 from ckpt_watcher.checkpoints.files import CheckpointFiles
 from ckpt_watcher.checkpoints.namefix import plan_fix
-from ckpt_watcher.checkpoints.safetensors_header import HeaderUnreadable, read_header
-from ckpt_watcher.errors import NamingFixError
+from ckpt_watcher.checkpoints.safetensors_header import read_header
+from ckpt_watcher.errors import HeaderUnreadable, NamingFixError
 
 MARKERS = (".checkpoint_complete", "STABLE", ".metadata")
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.safetensors$")

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt_watcher.checkpoints.files import CheckpointFiles, LocalFiles
-from ckpt_watcher.checkpoints.safetensors_header import HeaderUnreadable, read_header
-from ckpt_watcher.errors import NamingFixError
+from ckpt_watcher.checkpoints.safetensors_header import read_header
+from ckpt_watcher.errors import HeaderUnreadable, NamingFixError
 
 INDEX_NAME = "model.safetensors.index.json"
 

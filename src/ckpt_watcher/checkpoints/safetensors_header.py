@@ -13,20 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ckpt_watcher.errors import HeaderUnreadable
+
 if TYPE_CHECKING:
     from ckpt_watcher.checkpoints.files import CheckpointFiles
 
 # The format caps headers at 100 MB; anything bigger is a corrupt length field.
 MAX_HEADER_BYTES = 100_000_000
-
-
-class HeaderUnreadable(Exception):
-    """The header is missing or cut short (maybe still being written), or, with `corrupt`,
-    complete but impossible (a length no writer produces, JSON that does not parse)."""
-
-    def __init__(self, message: str, corrupt: bool = False) -> None:
-        super().__init__(message)
-        self.corrupt = corrupt
 
 
 @dataclass(frozen=True)

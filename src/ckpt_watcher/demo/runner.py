@@ -64,11 +64,11 @@ def _all_evaluated(cfg: WatcherConfig, written: int) -> bool:
         return False
     try:
         rows = state.checkpoints()
-        mine = [r for r in rows if r["run"] == RUN]
+        mine = [r for r in rows if r.run == RUN]
         busy = state.jobs("queued", "running")
     finally:
         state.close()
-    return len(mine) >= written and all(r["state"] in TERMINAL for r in mine) and not busy
+    return len(mine) >= written and all(r.state in TERMINAL for r in mine) and not busy
 
 
 def run_demo(

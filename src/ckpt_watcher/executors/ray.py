@@ -20,14 +20,15 @@ import structlog
 
 from ckpt_watcher.devices import Device, GpuProcess
 from ckpt_watcher.errors import BackendUnavailable
-from ckpt_watcher.executors.base import CRASH_FILE, ExitCallback, WorkerHandle
+from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
+from ckpt_watcher.jobfolder import WORKER_MODULE, JobFolder, JobSpec
 
 log = structlog.get_logger("ckpt_watcher.executors.ray")
 
 
 def _run_on_node(spec_json: str, job_id: str) -> Iterator[Any]:
-    """Inside the Ray task: say which node this is, then run the worker in a scratch folder and
-    return what it wrote (a streaming generator: the node arrives before the result)."""
+    """Inside the Ray task: say which node this is, then run the worker in a scratch job folder
+    and return what it wrote (a streaming generator: the node arrives before the result)."""
     import os
     import subprocess
     import sys
@@ -37,11 +38,11 @@ def _run_on_node(spec_json: str, job_id: str) -> Iterator[Any]:
 
     yield ray.util.get_node_ip_address()
     with tempfile.TemporaryDirectory(prefix=f"ckpt-watcher-{job_id}-") as tmp:
-        folder = Path(tmp)
-        (folder / "spec.json").write_text(spec_json)
-        with open(folder / "worker.log", "wb") as out:
+        folder = JobFolder(Path(tmp))
+        folder.write_spec(JobSpec.from_json(spec_json))
+        with open(folder.log, "wb") as out:
             rc = subprocess.call(
-                [sys.executable, "-m", "ckpt_watcher.worker", str(folder)],
+                [sys.executable, "-m", WORKER_MODULE, str(folder)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -49,16 +50,12 @@ def _run_on_node(spec_json: str, job_id: str) -> Iterator[Any]:
             )
         yield {
             "rc": rc,
-            "files": {
-                p.name: p.read_text()
-                for p in folder.iterdir()
-                if p.name.startswith("outcome-") or p.name == CRASH_FILE
-            },
-            "log": (folder / "worker.log").read_text(errors="replace"),
+            "files": folder.results(),
+            "log": folder.log.read_text(errors="replace"),
         }
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     def __init__(self, on_exit: ExitCallback, address: str = "auto") -> None:
         try:
             import ray
@@ -85,29 +82,23 @@ class RayExecutor:
         gpus = int(self._ray.cluster_resources().get("GPU", 0))
         return [Device(f"ray:{i}", "cuda", "", f"ray:gpu{i}", "auto") for i in range(gpus)]
 
-    def start(
-        self, job_id: str, job_dir: Path, env: dict[str, str], log_path: Path
-    ) -> WorkerHandle:
-        spec = (job_dir / "spec.json").read_text()
-        ref = self._remote.options(name=job_id).remote(spec, job_id)
+    def start(self, job_id: str, folder: JobFolder, env: dict[str, str]) -> WorkerHandle:
+        ref = self._remote.options(name=job_id).remote(folder.spec_text(), job_id)
         with self._lock:
             self._refs[job_id] = ref
-        threading.Thread(
-            target=self._wait, args=(job_id, ref, job_dir, log_path), daemon=True
-        ).start()
+        threading.Thread(target=self._wait, args=(job_id, ref, folder), daemon=True).start()
         return WorkerHandle(job_id, 0, "ray")
 
-    def _wait(self, job_id: str, ref: Any, job_dir: Path, log_path: Path) -> None:
+    def _wait(self, job_id: str, ref: Any, folder: JobFolder) -> None:
         try:
             self.nodes[job_id] = str(self._ray.get(next(ref)))
             result = self._ray.get(next(ref))
         except Exception as e:  # the node died, the task was cancelled, Ray lost it
-            log_path.write_text(f"Ray task failed: {type(e).__name__}: {e}\n")
+            folder.log.write_text(f"Ray task failed: {type(e).__name__}: {e}\n")
             rc = -9
         else:
-            for name, text in result["files"].items():
-                (job_dir / name).write_text(text)
-            log_path.write_text(f"[ran on node {self.nodes[job_id]}]\n" + result["log"])
+            folder.put_results(result["files"])
+            folder.log.write_text(f"[ran on node {self.nodes[job_id]}]\n" + result["log"])
             rc = int(result["rc"])
         with self._lock:
             self._refs.pop(job_id, None)

@@ -24,15 +24,17 @@ from pathlib import Path
 
 import structlog
 
-from ckpt_watcher.checkpoints.naming import safe_component
-from ckpt_watcher.executors.base import (
+from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
+from ckpt_watcher.executors.local import LocalExecutor
+from ckpt_watcher.executors.processes import kill_group, process_start_token
+from ckpt_watcher.jobfolder import (
+    LOG_FILE,
+    STATUS_FD_ENV,
     WORKER_MODULE,
-    ExitCallback,
-    WorkerHandle,
-    process_start_token,
+    JobFolder,
+    parse_status_line,
+    warm_home,
 )
-from ckpt_watcher.executors.local import LocalExecutor, kill_group
-from ckpt_watcher.warm_worker import STATUS_FD_ENV
 
 log = structlog.get_logger("ckpt_watcher.executors.warm")
 
@@ -42,25 +44,15 @@ CLOSE_WAIT_SECONDS = 10.0
 IDLE_MARGIN_SECONDS = 2.0
 
 
-def warm_root(state_dir: Path) -> Path:
-    """Where warm workers live, one folder per device (under `jobs`: strays are found there)."""
-    return state_dir / "jobs" / "_warm"
-
-
-def warm_home(state_dir: Path, device_label: str) -> Path:
-    return warm_root(state_dir) / safe_component(device_label)
-
-
 @dataclass
 class _Warm:
     proc: subprocess.Popen[bytes]
     device: str
     job_id: str | None = None  # the job it runs now
-    job_dir: Path | None = None
     idle_since: float = field(default_factory=time.monotonic)
 
 
-class WarmExecutor:
+class WarmExecutor(Executor):
     """The Executor for `eval.warm_engine: true` on this host."""
 
     def __init__(
@@ -82,10 +74,8 @@ class WarmExecutor:
         self._retired: list[_Warm] = []  # let go, perhaps still releasing their engine
         self._lock = threading.Lock()
 
-    def start(
-        self, job_id: str, job_dir: Path, env: dict[str, str], log_path: Path
-    ) -> WorkerHandle:
-        device = json.loads((job_dir / "spec.json").read_text(encoding="utf-8"))["device_label"]
+    def start(self, job_id: str, folder: JobFolder, env: dict[str, str]) -> WorkerHandle:
+        device = folder.read_spec().device_label
         with self._lock:
             w = self._workers.get(device)
             if w is not None and w.job_id is not None:
@@ -98,12 +88,12 @@ class WarmExecutor:
                     w = None
                 if w is None or w.proc.poll() is not None:
                     w = self._spawn(device, env)
-                w.job_id, w.job_dir = job_id, job_dir
+                w.job_id = job_id
         if w is None:
-            return self.cold.start(job_id, job_dir, env, log_path)
+            return self.cold.start(job_id, folder, env)
         try:
             assert w.proc.stdin is not None
-            w.proc.stdin.write(f"{job_dir}\n".encode())
+            w.proc.stdin.write(f"{folder}\n".encode())
             w.proc.stdin.flush()
         except OSError:  # it died just now: its exit is reported for this job by _watch
             pass
@@ -119,7 +109,7 @@ class WarmExecutor:
         }
         read_fd, write_fd = os.pipe()
         try:
-            with open(home / "worker.log", "ab") as out:
+            with open(home / LOG_FILE, "ab") as out:
                 proc = subprocess.Popen(
                     [self.python, "-m", WORKER_MODULE, "--serve", str(home), json.dumps(settings)],
                     stdin=subprocess.PIPE,
@@ -141,12 +131,12 @@ class WarmExecutor:
         """Report each finished job; when the worker exits, its job in flight too."""
         with os.fdopen(read_fd, "rb") as reports:
             for raw in reports:
-                rc_text, _, _ = raw.decode().strip().partition(" ")
+                rc, _ = parse_status_line(raw)
                 with self._lock:
-                    job_id, w.job_id, w.job_dir = w.job_id, None, None
+                    job_id, w.job_id = w.job_id, None
                     w.idle_since = time.monotonic()
                 if job_id is not None:
-                    self.on_exit(job_id, int(rc_text))
+                    self.on_exit(job_id, rc)
         rc = w.proc.wait()
         kill_group(w.proc.pid)  # its engine processes go with it
         with self._lock:

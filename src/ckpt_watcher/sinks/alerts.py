@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_watcher.config import BASELINE_RUN
 from ckpt_watcher.report import (
     baseline_values,
     column,
@@ -23,7 +24,6 @@ from ckpt_watcher.report import (
     stderr_column,
     stderr_metric,
 )
-from ckpt_watcher.sources.baseline import BASELINE_RUN
 
 # lm-eval metrics where lower is better; every other metric is taken as higher-is-better.
 LOWER_IS_BETTER = frozenset({"perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"})

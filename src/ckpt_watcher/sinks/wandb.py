@@ -26,12 +26,11 @@ from typing import Any
 
 import structlog
 
-from ckpt_watcher.config import WandbSink
+from ckpt_watcher.config import BASELINE_RUN, WandbSink
 from ckpt_watcher.durable import write_json_atomic
 from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.ledger import ledger_path, read_lines
 from ckpt_watcher.report import is_stderr_metric
-from ckpt_watcher.sources.baseline import BASELINE_RUN
 
 log = structlog.get_logger("ckpt_watcher.sinks.wandb")
 

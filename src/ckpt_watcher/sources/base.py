@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from ckpt_watcher.checkpoints.files import CheckpointFiles
 from ckpt_watcher.checkpoints.fingerprint import Mode
 from ckpt_watcher.checkpoints.naming import CheckpointId
+from ckpt_watcher.jobfolder import Stage
 
 UNRECOGNISED = "name follows no pattern ({run}_step{N}, {run}_final, checkpoint-{N}, global_step_{N}, step_{N})"
 
@@ -57,7 +58,7 @@ class Source(Protocol):
         files are ours to link); returns what was done. Raises NamingFixError."""
         ...
 
-    def stage_spec(self, location: str) -> dict[str, Any] | None:
+    def stage_spec(self, location: str) -> Stage | None:
         """What a worker needs to stage a remote checkpoint locally (None: already local)."""
         ...
 

@@ -15,9 +15,10 @@ from typing import Any
 
 from ckpt_watcher.checkpoints.files import CheckpointFiles
 from ckpt_watcher.checkpoints.naming import CheckpointId
+from ckpt_watcher.config import BASELINE_RUN
+from ckpt_watcher.jobfolder import Stage
 from ckpt_watcher.sources.base import Found, Source
 
-BASELINE_RUN = "baseline"
 BASELINE_ID = CheckpointId(run=BASELINE_RUN, step=0, label="baseline", run_path=BASELINE_RUN)
 
 
@@ -56,7 +57,7 @@ class BaselineSource:
     def prepare(self, location: str) -> list[str]:
         return self.inner.prepare(location)
 
-    def stage_spec(self, location: str) -> dict[str, Any] | None:
+    def stage_spec(self, location: str) -> Stage | None:
         return self.inner.stage_spec(location)
 
     def release(self, location: str) -> None:

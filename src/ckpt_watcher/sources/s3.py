@@ -16,6 +16,7 @@ from typing import Any
 
 from ckpt_watcher.checkpoints.fingerprint import Mode
 from ckpt_watcher.checkpoints.naming import looks_like_checkpoint_name, parse_name
+from ckpt_watcher.jobfolder import Stage
 from ckpt_watcher.s3client import (
     DEFAULT_REQUEST_TIMEOUT,
     Retry,
@@ -140,13 +141,8 @@ class S3Source:
     def prepare(self, location: str) -> list[str]:
         return []  # the naming fix happens in the staged copy, never in the bucket
 
-    def stage_spec(self, location: str) -> dict[str, Any]:
-        return {
-            "location": location,
-            "cache_dir": str(self.cache_dir),
-            "endpoint_url": self.endpoint_url,
-            "request_timeout": self.request_timeout,
-        }
+    def stage_spec(self, location: str) -> Stage:
+        return Stage(location, str(self.cache_dir), self.endpoint_url, self.request_timeout)
 
     def release(self, location: str) -> None:
         if not self.keep_staged:

@@ -21,8 +21,8 @@ import structlog
 
 from ckpt_watcher.checkpoints.files import LocalFiles, needed_files
 from ckpt_watcher.checkpoints.namefix import apply_fix
-from ckpt_watcher.checkpoints.safetensors_header import HeaderUnreadable, read_header
-from ckpt_watcher.errors import StagingError
+from ckpt_watcher.checkpoints.safetensors_header import read_header
+from ckpt_watcher.errors import HeaderUnreadable, StagingError
 from ckpt_watcher.s3client import DEFAULT_REQUEST_TIMEOUT, Retry, S3Files, make_client, split_uri
 
 log = structlog.get_logger("ckpt_watcher.sources.staging")

@@ -15,6 +15,11 @@ def utcnow() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def stamp(ts: float) -> str:
+    """A Unix time as `utcnow()` writes it."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 def seconds_between(started: str, finished: str) -> float | None:
     """Seconds from one `utcnow()` stamp to another (None if either is missing)."""
     if not started or not finished:

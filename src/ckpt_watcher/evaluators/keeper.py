@@ -24,11 +24,12 @@ import structlog
 
 from ckpt_watcher.checkpoints.files import LocalFiles
 from ckpt_watcher.checkpoints.namefix import read_index
-from ckpt_watcher.errors import EvalError
-from ckpt_watcher.evaluators import heap
-from ckpt_watcher.evaluators.harness import Engine, EvalRequest, engine_args, load_model
+from ckpt_watcher.errors import SwapError
+from ckpt_watcher.evaluators import heap, vllm_internals
+from ckpt_watcher.evaluators.harness import Engine, engine_args, load_model
+from ckpt_watcher.jobfolder import EvalRequest
 
-log = structlog.get_logger("ckpt_watcher.evaluators.warm")
+log = structlog.get_logger("ckpt_watcher.evaluators.keeper")
 
 # config.json fields a trainer rewrites without changing the model's graph
 GRAPH_NEUTRAL_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
@@ -61,10 +62,6 @@ PROBE_TEXTS = (
 PROBE_TOKENS = 8
 
 
-class SwapError(EvalError):
-    """The weights could not be swapped in; the job loads cold instead."""
-
-
 def model_signature(checkpoint: Path, backend: str, args: dict[str, Any]) -> str:
     """Equal for two checkpoints whose weights can be swapped into one engine."""
     try:
@@ -90,7 +87,9 @@ Probe = list[tuple[list[int], list[float]]]
 
 
 def probe(lm: Any, backend: str) -> Probe:
-    return _probe_vllm(lm) if backend == "vllm" else _probe_hf(lm)
+    if backend == "vllm":
+        return vllm_internals.probe(lm, _probe_ids(lm), PROBE_TOKENS)
+    return _probe_hf(lm)
 
 
 def _probe_ids(lm: Any) -> list[list[int]]:
@@ -101,28 +100,6 @@ def _probe_ids(lm: Any) -> list[list[int]]:
         ids = list(lm.tokenizer(text, add_special_tokens=False).input_ids)[:room]
         if ids:
             out.append(ids)
-    return out
-
-
-def _probe_vllm(lm: Any) -> Probe:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=PROBE_TOKENS, logprobs=1, seed=0)
-    prompts = [{"prompt_token_ids": ids} for ids in _probe_ids(lm)]
-    # the sampled tokens' ranks uncompiled while probing (see vllm_swap.py: the compile cost
-    # 2-17.6 s here, and a probe never reads a rank)
-    if not all(lm.model.collective_rpc("ckpt_watcher_eager_ranks", args=(True,))):
-        log.warning("engine.probe_compiles", why="this vLLM has no compiled rank kernel we know")
-    try:
-        requests = lm.model.generate(prompts, params, use_tqdm=False)
-    finally:
-        lm.model.collective_rpc("ckpt_watcher_eager_ranks", args=(False,))
-    out = []
-    for request in requests:
-        gen = request.outputs[0]
-        tokens = list(gen.token_ids)
-        logprobs = [step[t].logprob for step, t in zip(gen.logprobs or [], tokens, strict=True)]
-        out.append((tokens, logprobs))
     return out
 
 
@@ -185,8 +162,7 @@ def compare(warm: Probe, cold: Probe, dtype: str | None) -> str | None:
 # --- swapping --------------------------------------------------------------------------------
 def swap(lm: Any, backend: str, checkpoint: str) -> None:
     if backend == "vllm":
-        lm.model.collective_rpc("ckpt_watcher_swap", args=(checkpoint,))
-        lm.model.reset_prefix_cache()
+        vllm_internals.swap(lm, checkpoint)
     else:
         _swap_hf(lm.model, Path(checkpoint))
 
@@ -220,27 +196,24 @@ def _swap_hf(model: Any, checkpoint: Path) -> None:
 
 
 def shutdown(lm: Any) -> None:
-    """Stop vLLM's engine process, if `lm` has one (hf models have none)."""
-    engine = getattr(getattr(lm, "model", None), "llm_engine", None)
-    core = getattr(engine, "engine_core", None)
-    if core is not None:
-        try:
-            core.shutdown()
-        except Exception as e:  # a broken engine: the process group dies with the worker anyway
-            log.warning("engine.shutdown_failed", error=str(e))
+    """Stop vLLM's engine, if `lm` has one (hf models have none)."""
+    try:
+        vllm_internals.shutdown(lm)
+    except Exception as e:  # a broken engine: the process group dies with the worker anyway
+        log.warning("engine.shutdown_failed", error=f"{type(e).__name__}: {e}")
 
 
 def free_memory() -> None:
     """Collect what no longer has a reference (then freeze what is left, see heap.py), and
     hand cached GPU memory back."""
     heap.settle()
-    try:
-        import torch
+    import torch
 
-        if torch.cuda.is_available():
+    if torch.cuda.is_available():
+        try:
             torch.cuda.empty_cache()
-    except Exception:
-        pass
+        except RuntimeError as e:  # a broken CUDA context: the next load says more
+            log.warning("engine.empty_cache_failed", error=str(e))
 
 
 # --- the keeper ------------------------------------------------------------------------------

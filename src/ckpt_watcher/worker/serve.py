@@ -1,10 +1,10 @@
 """A warm worker: `python -m ckpt_watcher.worker --serve HOME SETTINGS_JSON`.
 
 One long-lived process per device (`executors/warm.py` starts it). It reads job folders from
-stdin, one line each, runs each exactly like a one-shot worker (`worker.run_job`, same outcome
-files, same crash file) but keeps its engine between jobs (`evaluators/warm.py`), and reports
-each job's exit code as a line `RC JOB_DIR` on the file descriptor named by STATUS_FD_ENV.
-While a job runs, its stdout and stderr go to that job's `worker.log`.
+stdin, one line each, runs each exactly like a one-shot worker (`job.run_job`, same outcome
+files, same crash file) but keeps its engine between jobs (`evaluators/keeper.py`), and reports
+each job's exit code as a status line on the file descriptor named by STATUS_FD_ENV (both in
+`jobfolder`). While a job runs, its stdout and stderr go to that job's `worker.log`.
 
 It releases its engine and exits when stdin closes (the daemon stopped or died), after
 `idle_seconds` without a job, and on SIGTERM. `HOME/engine.json` says what it holds, for
@@ -25,11 +25,17 @@ from typing import Any
 import structlog
 
 from ckpt_watcher.durable import write_json_atomic
+from ckpt_watcher.jobfolder import (
+    ENGINE_FILE,
+    EXIT_CRASH,
+    LOG_FILE,
+    STATUS_FD_ENV,
+    JobFolder,
+    status_line,
+)
+from ckpt_watcher.worker.job import run_job
 
-STATUS_FD_ENV = "CKPT_WATCHER_STATUS_FD"
-ENGINE_FILE = "engine.json"
-
-log = structlog.get_logger("ckpt_watcher.warm_worker")
+log = structlog.get_logger("ckpt_watcher.worker.serve")
 
 
 def _redirect_output(path: Path) -> None:
@@ -80,8 +86,7 @@ def handle_sigterm() -> None:
 
 
 def serve(home: Path, settings: dict[str, Any]) -> int:
-    from ckpt_watcher.evaluators.warm import EngineKeeper
-    from ckpt_watcher.worker import EXIT_CRASH, run_job
+    from ckpt_watcher.evaluators.keeper import EngineKeeper
 
     home.mkdir(parents=True, exist_ok=True)
     status_fd = int(os.environ[STATUS_FD_ENV])
@@ -97,7 +102,7 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
         pass
 
     handle_sigterm()
-    own_log = home / "worker.log"
+    own_log = home / LOG_FILE
     reason = "stdin closed"
     in_job = False
     try:
@@ -111,7 +116,7 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
             if not line:
                 break
             job_dir = Path(line.strip())
-            _redirect_output(job_dir / "worker.log")
+            _redirect_output(JobFolder(job_dir).log)
             _describe(home, keeper, device, "busy", job_dir.parent.name)
             in_job = True
             try:
@@ -123,7 +128,7 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
             in_job = False
             _redirect_output(own_log)
             _describe(home, keeper, device, "idle", None)
-            os.write(status_fd, f"{rc} {job_dir}\n".encode())
+            os.write(status_fd, status_line(rc, job_dir))
     except SystemExit:
         reason = "SIGTERM"
     finally:

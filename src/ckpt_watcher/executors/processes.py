@@ -1,0 +1,95 @@
+"""This host's process table (/proc), as the daemon needs it: is a worker still ours and alive,
+which processes belong to our workers' groups, which workers an earlier daemon left behind, and
+how to kill a worker with everything it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import structlog
+
+from ckpt_watcher.jobfolder import WORKER_MODULE, jobs_root
+
+log = structlog.get_logger("ckpt_watcher.executors.processes")
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (so [0] is field 3, the state), or None
+    when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may contain spaces: split after it
+    return stat.rsplit(")", 1)[-1].split()
+
+
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def _cmdline(pid: int) -> list[bytes] | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+
+
+def process_alive(pid: int) -> bool:
+    """True if `pid` is a process that has not exited (a zombie has)."""
+    fields = proc_stat(pid) if pid > 0 else None
+    return fields is not None and bool(fields) and fields[0] != "Z"
+
+
+def process_start_token(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), or None."""
+    fields = proc_stat(pid)
+    return fields[19] if fields is not None and len(fields) > 19 else None
+
+
+def process_groups(leaders: set[int]) -> set[int]:
+    """Every process in the process groups that `leaders` lead (a worker and the engine
+    processes it started, which hold the GPU memory): all of them are ours."""
+    if not leaders:
+        return set()
+    found = set(leaders)
+    for pid in _pids():
+        fields = proc_stat(pid)
+        if fields is not None and len(fields) > 2 and int(fields[2]) in leaders:  # field 5
+            found.add(pid)
+    return found
+
+
+def is_our_worker(pid: int, start_token: str | None, job_id: str) -> bool:
+    """True only if `pid` is still the worker we started for `job_id` (not a reused pid)."""
+    if not start_token or process_start_token(pid) != start_token:
+        return False
+    argv = _cmdline(pid)
+    return (
+        argv is not None
+        and WORKER_MODULE.encode() in argv
+        and any(job_id.encode() in part for part in argv)
+    )
+
+
+def find_workers(state_dir: Path) -> list[int]:
+    """PIDs of worker processes started for this state_dir (by any daemon instance)."""
+    prefix = str(jobs_root(state_dir)).encode()
+    found = []
+    for pid in _pids():
+        argv = _cmdline(pid)
+        if argv and WORKER_MODULE.encode() in argv and any(a.startswith(prefix) for a in argv):
+            found.append(pid)
+    return found
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL a worker's process group (it leads its own session)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    except PermissionError as e:
+        log.error("executor.kill_refused", pid=pid, error=str(e))

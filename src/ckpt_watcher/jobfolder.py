@@ -1,0 +1,273 @@
+"""The job folder: the one contract between the daemon and a worker process.
+
+The daemon and its workers share nothing but files under `<state_dir>/jobs/`, and this module is
+the only place that names them. Both sides import it; nothing else spells a file name of a job
+folder. One attempt of one job has its own folder, `jobs/<job id>/attempt-<n>/`:
+
+| file                 | written by | what                                                         |
+|----------------------|------------|--------------------------------------------------------------|
+| `spec.json`          | daemon     | the `JobSpec`: which checkpoint, device, tasks and settings  |
+| `outcome-<i>.json`   | worker     | task i's `TaskOutcome`, as soon as that task ends            |
+| `crash.json`         | worker     | what stopped the whole job (staging, loading the model)      |
+| `worker.log`         | worker     | its log (stdout and stderr); the daemon quotes its tail      |
+
+Every file is written whole (tmp + fsync + rename), so a reader never sees half of one, and a
+worker killed after task i keeps the outcomes of tasks 0..i. The worker's exit code says how
+the job ended (`EXIT_*`; negative: killed by that signal).
+
+A warm worker (one per device, `jobs/_warm/<device>/`) takes job folders one after another: it
+reads one folder per line on its stdin and reports each job's exit code as a status line
+(`status_line`) on the file descriptor named by `STATUS_FD_ENV`; `engine.json` in its home says
+what engine it holds, for `watcher status`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt_watcher.checkpoints.naming import safe_component
+from ckpt_watcher.durable import write_json_atomic
+
+# `python -m WORKER_MODULE JOB_DIR` runs one job; recovery recognises our workers by it
+WORKER_MODULE = "ckpt_watcher.worker"
+
+EXIT_OK = 0  # every task ok
+EXIT_TASK_FAILED = 3  # some task failed (its outcome says why)
+EXIT_CRASH = 4  # the job stopped as a whole (crash.json says why, where the worker could say)
+
+STATUS_FD_ENV = "CKPT_WATCHER_STATUS_FD"  # a warm worker's status pipe
+ENGINE_FILE = "engine.json"  # in a warm worker's home: the engine it holds
+
+SPEC_FILE = "spec.json"
+CRASH_FILE = "crash.json"
+LOG_FILE = "worker.log"
+_OUTCOME_GLOB = "outcome-*.json"
+LOG_TAIL_LINES = 25
+_WARM_FOLDER = "_warm"
+
+
+# --- what the daemon asks ------------------------------------------------------------------
+@dataclass(frozen=True)
+class TaskRun:
+    """One task entry as the worker runs it."""
+
+    task: str
+    num_fewshot: int | None
+    allow_code_execution: bool = False
+    samples: int = 1
+    gen_kwargs: dict[str, Any] | None = None
+    pass_at: list[int] | None = None  # set: a sampled task
+    apply_chat_template: bool = False
+
+    @property
+    def sampled(self) -> bool:
+        return self.pass_at is not None
+
+    @classmethod
+    def from_entry(cls, entry: dict[str, Any]) -> TaskRun:
+        """From a task entry as the config dumps it (keys this version does not know dropped)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in entry.items() if k in known})
+
+
+@dataclass
+class EvalRequest:
+    """Everything a worker needs to evaluate one checkpoint."""
+
+    checkpoint: str
+    backend: str
+    model_args: dict[str, Any]
+    tasks: list[TaskRun]
+    seed: int
+    gen_kwargs: dict[str, Any]
+    max_gen_toks: int | None
+    include_path: str | None
+    batch_size: int | str | None  # None: the backend's own default (hf 1, vllm auto)
+    limit: float | None
+    results_dir: str
+    device: str  # "cpu", "cuda", or "auto" (a Ray slot: whatever the node has)
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Where a worker stages a remote (S3) checkpoint before loading it."""
+
+    location: str
+    cache_dir: str
+    endpoint_url: str | None = None
+    request_timeout: float = 30.0
+
+
+@dataclass
+class JobSpec:
+    """`spec.json`: one attempt of one job."""
+
+    job_id: str
+    device_label: str
+    request: EvalRequest
+    stage: Stage | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        raw = json.loads(text)
+        request = dict(raw["request"])
+        request["tasks"] = [TaskRun.from_entry(t) for t in request["tasks"]]
+        stage = raw.get("stage")
+        return cls(
+            job_id=raw["job_id"],
+            device_label=raw["device_label"],
+            request=EvalRequest(**request),
+            stage=Stage(**stage) if stage else None,
+        )
+
+
+# --- what the worker answers ---------------------------------------------------------------
+@dataclass
+class TaskOutcome:
+    """`outcome-<i>.json`: how task i of the job ended."""
+
+    task: str
+    num_fewshot: int | None
+    status: str  # ok | failed
+    metrics: dict[str, Any] = field(default_factory=dict)
+    n_samples: int | None = None
+    clamped_requests: int = 0
+    truncated_prompts: int = 0
+    started_at: str = ""
+    finished_at: str = ""
+    results_file: str | None = None
+    samples_file: str | None = None
+    error: str | None = None
+    heals: bool = True  # False: failing again as is is certain (evaluators/failures.py)
+    lm_eval_version: str = ""
+    engine: str | None = None  # cold: loaded for this job; warm: swapped into a kept engine
+    engine_seconds: float | None = None  # to have the model ready for this job
+
+    @property
+    def key(self) -> tuple[str, int | None]:
+        return (self.task, self.num_fewshot)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TaskOutcome:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+@dataclass(frozen=True)
+class Crash:
+    """`crash.json`: what stopped the whole job, classified like a task's error."""
+
+    error: str
+    heals: bool
+
+
+class JobFolder:
+    """One attempt's folder, as both sides read and write it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def of(cls, state_dir: Path, job_id: str, attempt: int) -> JobFolder:
+        return cls(jobs_root(state_dir) / job_id / f"attempt-{attempt}")
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    @property
+    def log(self) -> Path:
+        return self.path / LOG_FILE
+
+    # --- the daemon writes, the worker reads -------------------------------------------------
+    def write_spec(self, spec: JobSpec) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.path / SPEC_FILE, json.loads(spec.to_json()))
+
+    def read_spec(self) -> JobSpec:
+        return JobSpec.from_json((self.path / SPEC_FILE).read_text(encoding="utf-8"))
+
+    def spec_text(self) -> str:
+        """The spec as written (for executors that ship it elsewhere, Ray)."""
+        return (self.path / SPEC_FILE).read_text(encoding="utf-8")
+
+    # --- the worker writes, the daemon reads -------------------------------------------------
+    def write_outcome(self, index: int, outcome: TaskOutcome) -> None:
+        write_json_atomic(
+            self.path / f"outcome-{index}.json", dataclasses.asdict(outcome), default=str, indent=None
+        )
+
+    def outcomes(self) -> tuple[list[TaskOutcome], list[str]]:
+        """Every outcome written so far, and the files that could not be read (each renamed into
+        place whole, so that is a disk fault, never a torn write)."""
+        out, unreadable = [], []
+        for p in sorted(self.path.glob(_OUTCOME_GLOB)):
+            try:
+                out.append(TaskOutcome.from_dict(json.loads(p.read_text(encoding="utf-8"))))
+            except (OSError, ValueError, TypeError) as e:
+                unreadable.append(f"{p}: {e}")
+        return out, unreadable
+
+    def write_crash(self, crash: Crash) -> None:
+        write_json_atomic(self.path / CRASH_FILE, dataclasses.asdict(crash))
+
+    def crash(self) -> Crash | None:
+        try:
+            data = json.loads((self.path / CRASH_FILE).read_text(encoding="utf-8"))
+            return Crash(str(data["error"]), bool(data["heals"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    # --- files the worker sends back when it ran elsewhere (Ray) ------------------------------
+    def results(self) -> dict[str, str]:
+        """The worker's answer files by name (outcomes and crash), as text."""
+        files = [*self.path.glob(_OUTCOME_GLOB), self.path / CRASH_FILE]
+        return {p.name: p.read_text(encoding="utf-8") for p in files if p.is_file()}
+
+    def put_results(self, files: dict[str, str]) -> None:
+        """Write back what `results` returned on another node."""
+        for name, text in files.items():
+            if Path(name).name != name or name == SPEC_FILE:
+                raise ValueError(f"not a worker's answer file: {name!r}")
+            (self.path / name).write_text(text, encoding="utf-8")
+
+
+# --- where folders live ----------------------------------------------------------------------
+def jobs_root(state_dir: Path) -> Path:
+    """Every job folder and warm worker home is under here (recovery looks for strays by it)."""
+    return state_dir / "jobs"
+
+
+def warm_root(state_dir: Path) -> Path:
+    """Where warm workers live, one home per device."""
+    return jobs_root(state_dir) / _WARM_FOLDER
+
+
+def warm_home(state_dir: Path, device_label: str) -> Path:
+    return warm_root(state_dir) / safe_component(device_label)
+
+
+# --- a warm worker's status pipe ---------------------------------------------------------------
+def status_line(rc: int, folder: Path) -> bytes:
+    """What a warm worker writes on its status pipe when a job ends."""
+    return f"{rc} {folder}\n".encode()
+
+
+def parse_status_line(raw: bytes) -> tuple[int, str]:
+    """(exit code, job folder) from a `status_line`."""
+    rc, _, folder = raw.decode().strip().partition(" ")
+    return int(rc), folder

@@ -1,0 +1,149 @@
+"""Dispatch: queue the planner's jobs, and start the next ones on free devices.
+
+A job starts in three steps, in this order: its attempt's folder gets the spec (what to
+evaluate, where, how); the job row goes `running` (committed: a crash from here on leaves a job
+for recovery to find); then the executor starts its worker. When more devices are free than
+jobs wait, a checkpoint's tasks are first split over the spare devices (`scheduler.split_plan`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import structlog
+
+from ckpt_watcher import planner, scheduler
+from ckpt_watcher.config import WatcherConfig
+from ckpt_watcher.devices import Device
+from ckpt_watcher.discovery import Discovery
+from ckpt_watcher.executors.base import Executor
+from ckpt_watcher.jobfolder import EvalRequest, JobFolder, JobSpec, TaskRun
+from ckpt_watcher.jobs.book import JobBook
+from ckpt_watcher.state import Job, State
+
+log = structlog.get_logger("ckpt_watcher.jobs")
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        cfg: WatcherConfig,
+        state: State,
+        executor: Executor,
+        discovery: Discovery,
+        book: JobBook,
+        clock: Callable[[], float],
+    ) -> None:
+        self.cfg = cfg
+        self.state = state
+        self.executor = executor
+        self.discovery = discovery
+        self.book = book
+        self.clock = clock
+
+    def queue(self, q: planner.QueueJob, now: float) -> Job:
+        """Carry out a planner QueueJob."""
+        job = Job(
+            id=f"{q.run}-{q.step if q.step is not None else q.label}-{uuid.uuid4().hex[:8]}",
+            location=q.location,
+            run=q.run,
+            step=q.step,
+            label=q.label,
+            tasks=q.tasks,
+            settings_hash=self.book.settings_hash,
+            created_at=now,
+            order_key=q.order_key,
+            run_path=q.run_path,
+            fingerprint=q.fingerprint,
+        )
+        self.state.add_job(job)
+        log.info(
+            "job.queued", job_id=job.id, run=q.run, step=q.step, tasks=[t["task"] for t in q.tasks]
+        )
+        return job
+
+    def dispatch(self, now: float, free: list[Device]) -> None:
+        """Give free devices their next jobs (splitting a checkpoint over spare devices)."""
+        if not free:
+            return
+        queued = self.state.jobs("queued")
+        if self._split(scheduler.eligible(queued, now), len(free), now):
+            queued = self.state.jobs("queued")
+        assignments = scheduler.assign(queued, free, now, self.cfg.policy.order)
+        if not assignments:
+            return
+        needed: dict[str, list[str]] = {}
+        for job in queued + self.state.jobs("running"):
+            needed.setdefault(self.book.source_name(job), []).append(job.location)
+        self.discovery.make_room(needed)  # staged copies of jobs that are due stay
+        for job, device in assignments:
+            self._start(job, device)
+
+    def _split(self, eligible: list[Job], free: int, now: float) -> bool:
+        """Spread one checkpoint's tasks over spare devices (see scheduler.split_plan)."""
+        plan = scheduler.split_plan(
+            eligible, free, lambda t: self.book.ledger.estimate(t["task"], t["num_fewshot"])
+        )
+        for job_id, groups in plan.items():
+            job = next(j for j in eligible if j.id == job_id)
+            self.state.update_job(job.id, tasks=groups[0])
+            for i, group in enumerate(groups[1:], start=1):
+                self.state.add_job(job.part(i, group, now))
+            log.info("job.split", job_id=job.id, parts=[[t["task"] for t in g] for g in groups])
+        return bool(plan)
+
+    def spec(self, job: Job, device: Device) -> JobSpec:
+        """What the job's worker is asked to do on `device`."""
+        ev = self.cfg.eval
+        folder = f"step_{job.step}" if job.step is not None else job.label
+        request = EvalRequest(
+            checkpoint=job.location,
+            backend=ev.backend,
+            model_args=ev.model_args,
+            tasks=[TaskRun.from_entry(task) for task in job.tasks],
+            seed=ev.seed,
+            gen_kwargs=ev.gen_kwargs,
+            max_gen_toks=ev.max_gen_toks,
+            include_path=str(ev.include_path) if ev.include_path else None,
+            batch_size=ev.batch_size,
+            limit=ev.limit,
+            results_dir=str((self.cfg.ledger_dir / job.run_path / folder).resolve()),
+            device=device.compute,
+            tensor_parallel_size=ev.tensor_parallel_size,
+        )
+        stage = self.discovery.stage_spec(self.book.source_name(job), job.location)
+        return JobSpec(job.id, device.label, request, stage)
+
+    def _start(self, job: Job, device: Device) -> None:
+        attempt = job.attempt + 1
+        folder = JobFolder.of(self.cfg.state_dir, job.id, attempt)
+        folder.write_spec(self.spec(job, device))
+        # (1) running, committed before the worker exists: a crash now leaves a job to recover
+        self.state.update_job(
+            job.id,
+            state="running",
+            attempt=attempt,
+            device=device.id,
+            device_label=device.label,
+            started_at=self.clock(),  # not the loop's `now`: scanning and planning took time
+            pid=None,
+            pid_start=None,
+        )
+        try:
+            handle = self.executor.start(job.id, folder, {"CUDA_VISIBLE_DEVICES": device.visible})
+        except OSError as e:
+            self.book.requeue(job, job.tasks, attempt=job.attempt, error=f"could not start: {e}")
+            log.error("eval.start_failed", job_id=job.id, error=str(e))
+            return
+        self.state.update_job(job.id, pid=handle.pid, pid_start=handle.start_token)
+        log.info(
+            "eval.started",
+            job_id=job.id,
+            run=job.run,
+            step=job.step,
+            device=device.label,
+            attempt=attempt,
+            pid=handle.pid,
+            tasks=[t["task"] for t in job.tasks],
+        )

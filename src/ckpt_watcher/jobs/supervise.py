@@ -1,0 +1,187 @@
+"""Supervision of running jobs: their workers' exits, time-outs and the stop's kills.
+
+A worker's exit is settled once its outcomes are filed (`JobBook.harvest`): with every task
+`ok`, the job is done. Otherwise the checkpoint's source is first asked, off the loop, whether
+the checkpoint still exists (a trainer's keep-last-k may have deleted it), then `settle.settle`
+gives the verdict (retry, fail, requeue, missed), which the book carries out.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import structlog
+
+from ckpt_watcher.config import WatcherConfig
+from ckpt_watcher.discovery import Discovery
+from ckpt_watcher.executors.base import Executor
+from ckpt_watcher.jobs import settle
+from ckpt_watcher.jobs.book import JobBook, task_key
+from ckpt_watcher.state import Job, State
+
+log = structlog.get_logger("ckpt_watcher.jobs")
+
+# How long a failed job waits for its source to say whether the checkpoint is still there.
+EXISTS_WAIT_SECONDS = 10.0
+
+
+@dataclass
+class _Asking:
+    """A failed job waiting to hear whether its checkpoint still exists."""
+
+    rc: int
+    asked: Future[bool] | None
+    deadline: float
+
+
+class Supervisor:
+    def __init__(
+        self,
+        cfg: WatcherConfig,
+        state: State,
+        executor: Executor,
+        exits: queue.Queue[tuple[str, int]],
+        discovery: Discovery,
+        book: JobBook,
+    ) -> None:
+        self.cfg = cfg
+        self.state = state
+        self.executor = executor
+        self.exits = exits  # (job id, exit code), queued by the executor's threads
+        self.discovery = discovery
+        self.book = book
+        self.timed_out: set[str] = set()
+        self.killed_for_stop: set[str] = set()
+        self.asking: dict[str, _Asking] = {}
+
+    def busy(self) -> bool:
+        """Jobs queued or running, or exits and verdicts not yet handled."""
+        return bool(self.state.jobs("queued", "running") or not self.exits.empty() or self.asking)
+
+    def deadlines(self) -> list[float]:
+        """When supervision next needs the loop: time-outs of running jobs, answers waited for."""
+        out = [a.deadline for a in self.asking.values()]
+        for job in self.state.jobs("running"):
+            if job.started_at:
+                out.append(job.started_at + self.cfg.eval.timeout_seconds)
+        return out
+
+    def check_timeouts(self, now: float) -> None:
+        limit = self.cfg.eval.timeout_seconds
+        for job in self.state.jobs("running"):
+            if job.started_at and now - job.started_at > limit and job.id not in self.timed_out:
+                self.timed_out.add(job.id)
+                log.error("eval.timeout", job_id=job.id, run=job.run, step=job.step, seconds=limit)
+                self.executor.kill(job.id)
+
+    def collect(self, now: float) -> None:
+        """Handle worker exits, and failed jobs whose source has answered (or not in time)."""
+        while True:
+            try:
+                job_id, rc = self.exits.get_nowait()
+            except queue.Empty:
+                break
+            job = self.state.job(job_id)
+            if job is None or job.state != "running":
+                continue
+            self.book.harvest(job)
+            if not self.book.due(job) or job.id in self.killed_for_stop:
+                self._settle(job, rc, gone=False, now=now)
+                continue
+            # a failure: was the checkpoint deleted meanwhile? Ask its source, off the loop.
+            asked = self.discovery.exists(self.book.source_name(job), job.location)
+            self.asking[job.id] = _Asking(rc, asked, now + EXISTS_WAIT_SECONDS)
+        for job_id, a in list(self.asking.items()):
+            if a.asked is not None and not a.asked.done() and now < a.deadline:
+                continue
+            del self.asking[job_id]
+            job = self.state.job(job_id)
+            if job is not None and job.state == "running":
+                self._settle(job, a.rc, gone=_answered_no(a.asked), now=now)
+
+    def _settle(self, job: Job, rc: int, gone: bool, now: float) -> None:
+        """Carry out `settle.settle`'s verdict on a worker's exit."""
+        outcomes = self.book.outcomes(job)
+        remaining = self.book.due(job)
+        folder = self.book.folder(job)
+        crash = folder.crash()
+        failed = [outcomes.get(task_key(t)) for t in remaining]
+        permanent = (crash is not None and not crash.heals) or bool(
+            failed and all(o is not None and not o.heals for o in failed)
+        )
+        timed_out = job.id in self.timed_out
+        self.timed_out.discard(job.id)
+        killed_for_stop = job.id in self.killed_for_stop
+        self.killed_for_stop.discard(job.id)
+        verdict = settle.settle(
+            settle.Attempt(
+                attempt=job.attempt,
+                max_attempts=self.cfg.eval.max_attempts,
+                remaining=remaining,
+                rc=rc,
+                now=now,
+                backoff_seconds=self.cfg.eval.retry_backoff_seconds,
+                killed_for_stop=killed_for_stop,
+                timed_out_after=self.cfg.eval.timeout_seconds if timed_out else None,
+                checkpoint_gone=gone,
+                task_errors=[
+                    f"{t['task']}: {outcomes[task_key(t)].error}"
+                    for t in remaining
+                    if task_key(t) in outcomes
+                ],
+                crash_error=crash.error if crash else None,
+                heals=not permanent,
+                log_tail=folder.log_tail(),
+            )
+        )
+        if verdict.kind == "ok":
+            self.book.finish(job, "ok", now)
+            log.info("job.ok", job_id=job.id, run=job.run, step=job.step)
+        elif verdict.kind == "requeue":
+            self.book.requeue(job, remaining, attempt=verdict.attempt, error=verdict.reason)
+            log.info("job.requeued", job_id=job.id, reason="shutdown")
+        elif verdict.kind == "missed":
+            self.book.missed(job, verdict.reason, now)
+        elif verdict.kind == "retry":
+            self.book.requeue(
+                job,
+                remaining,
+                attempt=verdict.attempt,
+                not_before=verdict.not_before,
+                error=verdict.reason,
+            )
+            log.warning(
+                "eval.retry",
+                job_id=job.id,
+                run=job.run,
+                step=job.step,
+                attempt=job.attempt,
+                max_attempts=self.cfg.eval.max_attempts,
+                in_seconds=round(verdict.not_before - now, 3),
+                reason=verdict.reason,
+            )
+        else:
+            self.book.fail(job, remaining, outcomes, verdict, now)
+
+    def kill_for_stop(self) -> None:
+        """The stop's second stage: kill every running worker now; their jobs are re-queued,
+        never marked ok."""
+        for job in self.state.jobs("running"):
+            if job.id in self.killed_for_stop:
+                continue
+            self.killed_for_stop.add(job.id)
+            log.warning("daemon.killing_worker", job_id=job.id, pid=job.pid)
+            self.executor.kill(job.id)
+            if job.id not in self.executor.running():
+                # no live process to report an exit (e.g. after a restart): settle now
+                self.exits.put((job.id, -signal.SIGKILL))
+
+
+def _answered_no(asked: Future[bool] | None) -> bool:
+    """True only if the source answered that the checkpoint is gone (no answer: still there)."""
+    if asked is None or not asked.done() or asked.exception() is not None:
+        return False
+    return asked.result() is False

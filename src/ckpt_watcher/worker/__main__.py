@@ -1,0 +1,50 @@
+"""`python -m ckpt_watcher.worker JOB_DIR` | `--serve HOME SETTINGS_JSON` (see the package)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import structlog
+
+from ckpt_watcher.evaluators import heap
+
+
+def configure_logging() -> None:
+    """Plain text lines on stdout, which is the job's `worker.log`."""
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.dev.ConsoleRenderer(
+                colors=False, exception_formatter=structlog.dev.plain_traceback
+            ),
+        ],
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
+        cache_logger_on_first_use=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    configure_logging()
+    if len(args) == 3 and args[0] == "--serve":
+        from ckpt_watcher.worker.serve import serve
+
+        return serve(Path(args[1]), json.loads(args[2]))
+    if len(args) != 1:
+        sys.stderr.write(
+            "usage: python -m ckpt_watcher.worker JOB_DIR\n"
+            "       python -m ckpt_watcher.worker --serve HOME SETTINGS_JSON\n"
+        )
+        return 2
+    from ckpt_watcher.worker.job import run_job
+
+    return run_job(Path(args[0]))
+
+
+if __name__ == "__main__":
+    rc = main()
+    heap.thaw()  # a frozen heap at exit makes Triton's bindings report leaks (heap.py)
+    sys.exit(rc)
