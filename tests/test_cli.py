@@ -237,7 +237,7 @@ def test_plot_writes_a_png_of_metrics_by_step(tmp_path: Path) -> None:
 def test_plot_draws_stderr_bars_the_baseline_and_an_accuracy_axis_from_0_to_1() -> None:
     import matplotlib.pyplot as plt
 
-    from ckpt_watcher.plot import figure
+    from ckpt_watcher.report.plot import figure
 
     def line(step: int, task: str, metrics: dict[str, float]) -> dict[str, Any]:
         return {"run": "r", "step": step, "label": f"r_step{step}", "task": task} | {

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from ckpt_watcher.ledger import append
-from ckpt_watcher.sinks.html import open_failures, render_page
+from ckpt_watcher.report.page import open_failures, render_page
 
 from .conftest import WATCHER, write_config
 

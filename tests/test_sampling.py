@@ -16,7 +16,7 @@ import pytest
 from ckpt_watcher.config import TaskSpec, task_settings_hash
 from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.evaluators.passk import pass_at_k, sampled_metrics
-from ckpt_watcher.samples import Records, flips, is_right
+from ckpt_watcher.report.samples import Records, flips, is_right
 
 from .conftest import VLLM_EVAL, WATCHER, base_config, write_config
 from .helpers import watcher_once

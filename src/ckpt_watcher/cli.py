@@ -200,7 +200,7 @@ def results(
 ) -> None:
     """The metric-by-step table of one run (a run path, or a run name only one run has), from
     its ledger. With a `baseline` in the config: its row first and a Δ column per metric."""
-    from ckpt_watcher.report import column, metric_table, render, stderr_column
+    from ckpt_watcher.report.table import column, metric_table, render, stderr_column
     from ckpt_watcher.suites import get_suite
 
     cfg = _load(config_path)
@@ -297,7 +297,7 @@ def samples(
 ) -> None:
     """One result's documents: prompt, target, every response, its extracted answer and score.
     With --vs, the documents whose correctness flipped between the two steps."""
-    from ckpt_watcher import samples as sv
+    from ckpt_watcher.report import samples as sv
 
     if only == "flipped" and vs_step is None:
         raise ConfigError("--only flipped compares two steps: add --vs STEP")
@@ -352,7 +352,7 @@ def samples(
 @handle_errors
 def plot(config_path: Path, run_name: str, output: Path) -> None:
     """Plot one run's metrics against the step, from its ledger, as a PNG."""
-    from ckpt_watcher.plot import plot_run
+    from ckpt_watcher.report.plot import plot_run
 
     cfg = _load(config_path)
     run_path, lines = _run_ledger(config_path, run_name)
@@ -376,7 +376,7 @@ def plot(config_path: Path, run_name: str, output: Path) -> None:
 @handle_errors
 def report(config_path: Path, run_name: str, output: Path | None) -> None:
     """Write one run's HTML report: curves by step, results, failures, documents that flipped."""
-    from ckpt_watcher.sinks.html import write_report
+    from ckpt_watcher.report.page import write_report
 
     cfg = _load(config_path)
     run_path, _lines = _run_ledger(config_path, run_name)

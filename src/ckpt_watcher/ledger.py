@@ -32,7 +32,7 @@ from ckpt_watcher.timestamps import seconds_between
 
 SCHEMA = 1
 LEDGER_NAME = "ledger.jsonl"
-REPORT_NAME = "report.html"  # the run\'s HTML page (sinks/html.py), beside its ledger
+REPORT_NAME = "report.html"  # the run's HTML page (report/page.py), beside its ledger
 log = structlog.get_logger("ckpt_watcher.ledger")
 
 # (run_path, step or "label:<label>", task, num_fewshot, settings hash, fingerprint)

@@ -16,7 +16,7 @@ from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.executors.processes import process_alive
 from ckpt_watcher.jobfolder import ENGINE_FILE, warm_root
 from ckpt_watcher.ledger import LedgerIndex, Subject
-from ckpt_watcher.report import newest_versions
+from ckpt_watcher.report.table import newest_versions
 from ckpt_watcher.sinks.alerts import Regression
 from ckpt_watcher.sources.baseline import source_name
 from ckpt_watcher.state import HEARTBEAT_SECONDS, State

@@ -18,7 +18,7 @@ from ckpt_watcher import ledger as ledger_mod
 from ckpt_watcher.config import WatcherConfig, apply_overrides, parse_config
 from ckpt_watcher.daemon import Daemon
 from ckpt_watcher.durable import write_atomic
-from ckpt_watcher.report import metric_table, render
+from ckpt_watcher.report.table import metric_table, render
 from ckpt_watcher.state import State
 
 RUN = "demo"

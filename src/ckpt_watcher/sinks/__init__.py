@@ -13,7 +13,7 @@ import structlog
 
 from ckpt_watcher.config import WandbSink, WatcherConfig, WebhookSink
 from ckpt_watcher.sinks.alerts import RegressionWatch, failure_text
-from ckpt_watcher.sinks.html import ReportWriter
+from ckpt_watcher.sinks.page import ReportWriter
 from ckpt_watcher.sinks.prometheus import DaemonMetrics
 from ckpt_watcher.sinks.wandb import WandbSinkWorker
 from ckpt_watcher.sinks.webhook import Webhook

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_watcher.config import BASELINE_RUN
-from ckpt_watcher.report import (
+from ckpt_watcher.report.table import (
     baseline_values,
     column,
     is_stderr_metric,

@@ -30,7 +30,7 @@ from ckpt_watcher.config import BASELINE_RUN, WandbSink
 from ckpt_watcher.durable import write_json_atomic
 from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.ledger import ledger_path, read_lines
-from ckpt_watcher.report import is_stderr_metric
+from ckpt_watcher.report.table import is_stderr_metric
 
 log = structlog.get_logger("ckpt_watcher.sinks.wandb")
 

@@ -78,7 +78,7 @@ def run_baseline(cfg: Any, run_path: str) -> tuple[dict[str, Any] | None, str, P
     None without one; its row's name; the baseline's ledger while the baseline checkpoint has
     no results yet, else None). `cfg` is a WatcherConfig."""
     from ckpt_watcher import ledger as ledger_mod
-    from ckpt_watcher.report import baseline_values
+    from ckpt_watcher.report.table import baseline_values
 
     if cfg.baseline is None:
         return None, "baseline", None

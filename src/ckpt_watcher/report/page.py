@@ -3,31 +3,21 @@ and SVG), with a chart per metric by step (stderr band, baseline line), the resu
 failures still open, and for the latest two steps a few documents that flipped.
 
 The daemon writes the same page to `<ledger_dir>/<run_path>/report.html` after each ledger
-append (`ReportWriter`), and the ledger mirror uploads it beside the ledger.
+append (`sinks/page.py`), and the ledger mirror uploads it beside the ledger.
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import structlog
-
-from ckpt_watcher import samples as samples_mod
 from ckpt_watcher.durable import write_atomic
 from ckpt_watcher.errors import WatcherError
-from ckpt_watcher.lane import Coalescing
 from ckpt_watcher.ledger import REPORT_NAME, ledger_path, read_lines
-from ckpt_watcher.report import (
-    metric_series,
-    metric_table,
-    newest_versions,
-)
-
-log = structlog.get_logger("ckpt_watcher.sinks.html")
+from ckpt_watcher.report import samples as samples_mod
+from ckpt_watcher.report.table import metric_series, metric_table, newest_versions
 
 FLIPS_PER_TASK = 5
 W, H = 560, 240  # one chart's size in px
@@ -293,40 +283,3 @@ def write_report(
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, render_page(lines, run_path, ledger_dir, baseline, baseline_name))
     return out
-
-
-class ReportWriter:
-    """Rewrites runs' pages on a lane of its own after appends (coalesced per run), then calls
-    `written(run_path)` (the ledger mirror uploads it)."""
-
-    def __init__(
-        self,
-        ledger_dir: Path,
-        baseline: Callable[[str], tuple[dict[str, Any] | None, str]],
-        written: Callable[[str], None] | None = None,
-    ) -> None:
-        self.ledger_dir = ledger_dir
-        self.baseline = baseline
-        self.written = written
-        self.pages = Coalescing("html-report", self._write)
-
-    def request(self, run_path: str) -> None:
-        self.pages.request(run_path)
-
-    def _write(self, run_path: str) -> bool:
-        try:
-            values, name = self.baseline(run_path)
-            write_report(self.ledger_dir, run_path, baseline=values, baseline_name=name)
-        except Exception as e:  # a page is a view: never worth more than a log line
-            log.error("report.write_failed", run_path=run_path, error=str(e))
-            return True  # the next append tries again; nothing to retry on a timer
-        if self.written is not None:
-            self.written(run_path)
-        return True
-
-    def flush(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for pages due; True when none is left."""
-        return self.pages.flush(timeout)
-
-    def close(self) -> None:
-        self.pages.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_watcher.errors import WatcherError
-from ckpt_watcher.report import newest_versions
+from ckpt_watcher.report.table import newest_versions
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckpt_watcher.report import metric_series
+from ckpt_watcher.report.table import metric_series
 
 
 def plot_run(
