@@ -1,9 +1,9 @@
 """Before any device is spent: every task name in the config resolves, and every local data file
-its YAML names exists. The check runs lm-eval's TaskManager in a subprocess (about 3 s when every
-task is under `eval.include_path`; indexing lm-eval's own thousands of task YAMLs adds about
-12 s here), and a passed check is cached in `state_dir`, keyed by the
-task names, the include_path's YAML files (names, sizes, times) and the lm-eval version, so a
-restart after a crash does not pay for it again.
+its YAML names exists. The check runs lm-eval's TaskManager in a subprocess (seconds; indexing
+lm-eval's own thousands of task YAMLs, when a name needs them, costs several times more), and a
+passed check is cached in `state_dir`, keyed by the task names, the include_path's YAML files
+(names, sizes, times) and the lm-eval version, so a restart after a crash does not pay for it
+again.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The worker's Python heap, kept out of garbage collections that cannot free it.
 
-Once torch, vLLM and lm-eval are imported a worker holds about 820,000 objects that live as
-long as it does, and every full collection walks them all: 0.45 s each on 2 cores here. vLLM
-runs several per engine start and per shutdown (memory profiling, `freeze_gc_heap`,
-`cleanup_dist_env_and_memory`): 6 of them, 2.7 s of the 3.4 s a warm worker's release and fresh
-load took. `gc.freeze()` moves every live object to a generation no collection walks, as vLLM
-itself does once its engine is up; objects made later are collected as before. Imported only
-inside worker processes.
+Once torch, vLLM and lm-eval are imported a worker holds hundreds of thousands of objects that
+live as long as it does, and every full collection walks them all. vLLM runs several per engine
+start and per shutdown (memory profiling, `freeze_gc_heap`, `cleanup_dist_env_and_memory`):
+they were most of a warm worker's release and fresh load (docs/benchmarks.md, warm engines).
+`gc.freeze()` moves every live object to a generation no collection walks, as vLLM itself does
+once its engine is up; objects made later are collected as before. Imported only inside worker
+processes.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def settle() -> None:
 
 def thaw() -> None:
     """Before the process exits: unfreeze, so that CPython's last collection finalizes every
-    object, as in a worker that never froze. Frozen, the exit took 0.24 s against 2.35 s, but
-    extension modules that count their objects at teardown (Triton's nanobind bindings, which
-    vLLM imports) wrote 31 lines of "leaked instances" warnings into the worker's log."""
+    object, as in a worker that never froze. A frozen exit is faster, but extension modules that
+    count their objects at teardown (Triton's nanobind bindings, which vLLM imports) then wrote
+    31 lines of "leaked instances" warnings into the worker's log."""
     gc.unfreeze()

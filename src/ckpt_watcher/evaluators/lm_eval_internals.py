@@ -196,9 +196,9 @@ def reuse_env_info() -> None:
     """Build lm-eval's environment report once per worker process and working directory (one
     of its fields is the git hash of the directory above it), not once per task.
 
-    `simple_evaluate` adds it to every result; building it took 0.62 s here (torch's
-    `collect_env` runs `pip list` and, on GPU machines, `nvidia-smi` as subprocesses), which
-    was most of a small task's time in a warm worker, paid again by every task of every job.
+    `simple_evaluate` adds it to every result; building it (torch's `collect_env` runs `pip
+    list` and, on GPU machines, `nvidia-smi` as subprocesses) was most of a small task's time in
+    a warm worker, paid again by every task of every job (docs/benchmarks.md has the figures).
     Nothing in it changes while the process lives: its code and its packages are loaded."""
     import lm_eval.evaluator as evaluator
 
@@ -256,7 +256,7 @@ def task_manager(
 ) -> Any:
     """lm-eval's TaskManager for `names`. It indexes only `include_paths` (the shipped tasks and
     the user's own: well under a second) when every name is there, and lm-eval's thousands of
-    built-in YAMLs too (12-25 s on 2 cores) only when a name needs them."""
+    built-in YAMLs too (many seconds) only when a name needs them."""
     from lm_eval.tasks import TaskManager
 
     tm = TaskManager(include_path=include_paths, include_defaults=False, metadata=metadata)

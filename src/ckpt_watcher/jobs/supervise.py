@@ -63,7 +63,7 @@ class Supervisor:
 
     def deadlines(self) -> list[float]:
         """When supervision next needs the loop: time-outs of running jobs, answers waited for."""
-        out = [a.deadline for a in self.asking.values()]
+        out = [asking.deadline for asking in self.asking.values()]
         for job in self.state.jobs("running"):
             if job.started_at:
                 out.append(job.started_at + self.cfg.eval.timeout_seconds)
@@ -94,13 +94,13 @@ class Supervisor:
             # a failure: was the checkpoint deleted meanwhile? Ask its source, off the loop.
             asked = self.discovery.exists(self.book.source_name(job), job.location)
             self.asking[job.id] = _Asking(rc, asked, now + EXISTS_WAIT_SECONDS)
-        for job_id, a in list(self.asking.items()):
-            if a.asked is not None and not a.asked.done() and now < a.deadline:
+        for job_id, asking in list(self.asking.items()):
+            if asking.asked is not None and not asking.asked.done() and now < asking.deadline:
                 continue
             del self.asking[job_id]
             job = self.state.job(job_id)
             if job is not None and job.state == "running":
-                self._settle(job, a.rc, gone=_answered_no(a.asked), now=now)
+                self._settle(job, asking.rc, gone=_answered_no(asking.asked), now=now)
 
     def _settle(self, job: Job, rc: int, gone: bool, now: float) -> None:
         """Carry out `settle.settle`'s verdict on a worker's exit."""
