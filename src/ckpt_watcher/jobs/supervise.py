@@ -108,7 +108,7 @@ class Supervisor:
         remaining = self.book.due(job)
         folder = self.book.folder(job)
         crash = folder.crash()
-        failed = [outcomes.get(task_key(t)) for t in remaining]
+        failed = [outcomes.get(task_key(task)) for task in remaining]
         permanent = (crash is not None and not crash.heals) or bool(
             failed and all(o is not None and not o.heals for o in failed)
         )
@@ -128,9 +128,9 @@ class Supervisor:
                 timed_out_after=self.cfg.eval.timeout_seconds if timed_out else None,
                 checkpoint_gone=gone,
                 task_errors=[
-                    f"{t['task']}: {outcomes[task_key(t)].error}"
-                    for t in remaining
-                    if task_key(t) in outcomes
+                    f"{task['task']}: {outcomes[task_key(task)].error}"
+                    for task in remaining
+                    if task_key(task) in outcomes
                 ],
                 crash_error=crash.error if crash else None,
                 heals=not permanent,
