@@ -22,6 +22,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 WATCHER = [sys.executable, "-m", "ckpt_watcher"]
 
+# Tiers: a test that starts `watcher run/once/demo`, a trainer or an engine is marked e2e; the
+# rest (`pytest -m "not e2e"`) is the inner loop. Fixtures that train a model or start a cluster
+# make a test end to end, which collection checks:
+E2E_FIXTURES = frozenset({"trained_checkpoint", "copy_checkpoint", "ray_cluster"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tiers stay honest: a test that trains, or starts a cluster, is marked e2e."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if E2E_FIXTURES & set(getattr(item, "fixturenames", ()))
+        and item.get_closest_marker("e2e") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "these tests train a model or start a cluster but are not marked e2e: "
+            + ", ".join(unmarked)
+        )
+
 
 def write_safetensors(path: Path, tensors: dict[str, int], truncate_by: int = 0) -> int:
     """A real safetensors file with float32 tensors of the given element counts; returns its

@@ -196,7 +196,7 @@ def test_a_webhook_that_refuses_connections_drops_after_three_attempts() -> None
 
 
 # --- end to end ----------------------------------------------------------------------------------
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_watcher_once_reports_regressions_and_failures_to_log_status_and_webhook(
     tmp_path: Path, copy_checkpoint: Callable[..., Path]
 ) -> None:

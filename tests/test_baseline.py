@@ -21,7 +21,7 @@ from ckpt_watcher.scheduler import order_jobs
 from ckpt_watcher.sources import build_sources
 from ckpt_watcher.state import Job
 
-from .conftest import base_config, read_ledger, upload_dir, write_config
+from .conftest import base_config, read_ledger, upload_dir, write_config, write_fake_checkpoint
 from .helpers import status_json, watcher_once
 
 
@@ -49,16 +49,16 @@ def test_a_baseline_is_a_checkpoint_or_fixed_numbers_and_lies_outside_the_source
 
 
 def test_the_baseline_source_finds_exactly_its_checkpoint_as_run_baseline_step_0(
-    tmp_path: Path, copy_checkpoint
+    tmp_path: Path,
 ) -> None:
     base = tmp_path / "models" / "Qwen3-1.7B-Base"
-    copy_checkpoint(tmp_path / "models" / "other_step5")  # a sibling: never listed
+    write_fake_checkpoint(tmp_path / "models" / "other_step5")  # a sibling: never listed
     cfg = parse_config(_raw(tmp_path, {"checkpoint": str(base)}))
     source = build_sources(cfg)[-1]
     assert source.name == f"baseline:{base}"
     with pytest.raises(FileNotFoundError, match="baseline.checkpoint .* does not exist"):
         source.scan()
-    copy_checkpoint(base)
+    write_fake_checkpoint(base)
     (found,) = source.scan()
     assert found.location == str(base) and found.path == base and found.ident is not None
     assert (found.ident.run, found.ident.run_path, found.ident.step) == (
@@ -70,16 +70,14 @@ def test_the_baseline_source_finds_exactly_its_checkpoint_as_run_baseline_step_0
     assert "config.json" in source.view(str(base)).files
 
 
-def test_doctor_says_whether_the_baseline_checkpoint_is_there(
-    tmp_path: Path, copy_checkpoint
-) -> None:
+def test_doctor_says_whether_the_baseline_checkpoint_is_there(tmp_path: Path) -> None:
     from ckpt_watcher.doctor import check_baseline
 
     base = tmp_path / "models" / "base"
     cfg = parse_config(_raw(tmp_path, {"checkpoint": str(base)}))
     (missing,) = check_baseline(cfg)
     assert not missing.ok and "does not exist (yet)" in missing.line()
-    copy_checkpoint(base)
+    write_fake_checkpoint(base)
     (found,) = check_baseline(cfg)
     assert found.ok and found.line().endswith("evaluated once as run `baseline`")
     assert check_baseline(parse_config({**_raw(tmp_path, {}), "baseline": None})) == []
@@ -104,7 +102,7 @@ def test_the_baseline_job_goes_first_whatever_the_order() -> None:
     assert [j.id for j in order_jobs(jobs, "oldest_first")] == ["base", "a", "b"]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_suite_on_a_local_run_beside_an_s3_baseline_evaluated_once(
     tmp_path: Path, addition_tasks: Path, copy_checkpoint, s3_endpoint: str, bucket: str
 ) -> None:

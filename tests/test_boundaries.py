@@ -37,7 +37,7 @@ def test_code_execution_env_only_inside_an_allowed_task(monkeypatch: pytest.Monk
     assert os.environ["HF_ALLOW_CODE_EVAL"] == "1"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_task_failing_at_run_time_keeps_the_others_then_requeue_runs_only_it(
     tmp_path: Path, addition_tasks: Path, copy_checkpoint
 ) -> None:
@@ -116,6 +116,7 @@ def nvml_works() -> bool:
         return False
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(nvml_works(), reason="this machine has a working NVIDIA driver")
 def test_without_nvml_gpus_are_skipped_with_a_message_and_cpu_slots_still_work(
     tmp_path: Path,

@@ -14,7 +14,7 @@ import pytest
 from .conftest import WATCHER, read_ledger
 from .helpers import addition_accuracy
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def test_watcher_demo_learns_prints_its_table_and_leaves_a_usable_config(tmp_path: Path) -> None:

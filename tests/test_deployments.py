@@ -19,7 +19,7 @@ from ckpt_watcher.s3client import make_client
 from .conftest import base_config, read_ledger, s3_source, upload_dir, write_config
 from .helpers import HangingEndpoint, status_json, wait_for, watcher_run
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray not installed")
 
 TWO_TASKS = [{"task": "addition", "num_fewshot": 0}, {"task": "addition", "num_fewshot": 1}]

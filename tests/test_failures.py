@@ -80,7 +80,7 @@ def test_the_classification_table(exc: BaseException, heals: bool, says: str) ->
         assert failure.error.endswith("then `watcher requeue`)")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_vanished_data_file_and_an_unloadable_checkpoint_get_one_attempt_each(
     tmp_path: Path, addition_tasks: Path, copy_checkpoint
 ) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from .conftest import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["one-shot workers", "warm workers"])

@@ -21,7 +21,7 @@ def fake_nvml(path: Path, foreign: list[list[int]]) -> None:
     tmp.replace(path)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_gpu_held_by_training_is_skipped_then_used_once_freed(
     tmp_path: Path, addition_tasks: Path, copy_checkpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -52,6 +52,7 @@ def test_gpu_held_by_training_is_skipped_then_used_once_freed(
     assert line["status"] == "ok" and line["device"] == "cuda:6"
 
 
+@pytest.mark.e2e
 def test_suspected_zombies_are_reported_and_killed_only_when_allowed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -29,7 +29,7 @@ from .conftest import (
 )
 from .helpers import status_json
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 OLD_MAIN = REPO / "tests" / "data" / "main-853a66a"
 

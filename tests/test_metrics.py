@@ -106,7 +106,7 @@ def test_a_metrics_port_in_use_is_refused_with_what_to_do(tmp_path: Path) -> Non
     assert "choose a free port" in r.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_watcher_run_serves_metrics_while_a_job_runs(
     tmp_path: Path, copy_checkpoint: Callable[..., Path]
 ) -> None:

@@ -16,7 +16,7 @@ from ckpt_watcher.preflight import task_problems
 
 from .conftest import WATCHER, base_config, write_config
 
-pytestmark = pytest.mark.slow  # lm-eval indexes its task YAMLs: ~12 s here
+pytestmark = pytest.mark.e2e  # lm-eval indexes its task YAMLs: ~12 s here
 
 
 def test_a_misspelt_task_stops_the_start_with_exit_2_and_the_closest_name(

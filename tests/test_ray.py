@@ -17,7 +17,7 @@ from .conftest import base_config, read_ledger, write_config
 from .helpers import status_json, wait_for, watcher_run
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.e2e,
     pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray not installed"),
 ]
 

@@ -24,7 +24,7 @@ from .conftest import (
 )
 from .helpers import alive, status_json, wait_for, watcher_run
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 TASKS = [{"task": "addition", "num_fewshot": 0}, {"task": "addition", "num_fewshot": 1}]
 

@@ -145,7 +145,7 @@ def test_missing_bucket_and_bad_credentials_fail_fast_with_a_clear_message(
         src.scan()  # would take > 5 s if it retried
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_checkpoint_uploaded_shard_by_shard_is_evaluated_once_after_its_last_shard(
     tmp_path: Path, s3_endpoint: str, bucket: str, addition_tasks: Path, copy_checkpoint
 ) -> None:

