@@ -337,21 +337,24 @@ def test_settle(case: settle.Attempt, expected: settle.Verdict) -> None:
 
 
 @pytest.mark.parametrize(
-    "attempt_no, deaths, max_attempts, remaining, kind, new_deaths, new_attempt",
+    "attempt_no, deaths, max_attempts, remaining, explained, kind, new_deaths, new_attempt",
     [
-        (1, 0, 3, [], "ok", None, 1),  # finished before the daemon died: harvested
-        (1, 0, 3, [T0], "requeue", 1, 0),  # a single kill -9 costs no attempt
-        (1, 1, 3, [T0], "requeue", 2, 0),
-        (1, 2, 3, [T0], "fail", 3, 1),  # the third death while it ran: a crash loop
-        (1, 0, 1, [T0], "requeue", 1, 0),  # even with max_attempts 1, one death is forgiven
-        (1, 1, 1, [T0], "fail", 2, 1),
-        (2, 0, 3, [T0], "requeue", 1, 1),  # an earlier real failure keeps its attempt
+        (1, 0, 3, [], False, "ok", None, 1),  # finished before the daemon died: harvested
+        (1, 0, 3, [T0], False, "requeue", 1, 0),  # a single kill -9 costs no attempt
+        (1, 1, 3, [T0], False, "requeue", 2, 0),
+        (1, 2, 3, [T0], False, "fail", 3, 1),  # the third death while it ran: a crash loop
+        (1, 0, 1, [T0], False, "requeue", 1, 0),  # even with max_attempts 1, one is forgiven
+        (1, 1, 1, [T0], False, "fail", 2, 1),
+        (2, 0, 3, [T0], False, "requeue", 1, 1),  # an earlier real failure keeps its attempt
+        # the worker outlived the daemon, or finished a task since: that death is not counted
+        (1, 2, 3, [T0], True, "requeue", 2, 0),
+        (1, 5, 3, [T0], True, "requeue", 5, 0),
     ],
 )
 def test_recover(
-    attempt_no, deaths, max_attempts, remaining, kind, new_deaths, new_attempt
+    attempt_no, deaths, max_attempts, remaining, explained, kind, new_deaths, new_attempt
 ) -> None:
-    v = settle.recover(attempt_no, deaths, max_attempts, remaining)
+    v = settle.recover(attempt_no, deaths, max_attempts, remaining, explained)
     assert (v.kind, v.daemon_deaths, v.attempt) == (kind, new_deaths, new_attempt)
     if kind == "fail":
         assert v.reason == f"the daemon died while this job ran ({new_deaths} times)"

@@ -50,18 +50,16 @@ def test_kill_9_mid_eval_then_restart_loses_and_duplicates_nothing(
         job = wait_for(lambda: running_job(cfg), 60, "an eval to start", daemon, log)
         os.kill(daemon.pid, signal.SIGKILL)  # the daemon dies; its worker is left behind
         daemon.wait()
-    stray = job["pid"]
-    assert alive(stray), "the worker should outlive a kill -9 of the daemon"
+    worker = job["pid"]
+    assert alive(worker), "the worker should outlive a kill -9 of the daemon"
     code, st = status_json(cfg)
     assert code == 3 and st and not st["daemon"]["alive"]
 
     with watcher_run(cfg, log) as daemon:
-        wait_for(
-            lambda: not alive(stray),
-            30,
-            "the restarted daemon to kill the stray worker",
-            daemon,
-            log,
+        # the new daemon adopts the worker: it goes on, its job is not started again
+        wait_for(lambda: '"event": "recovery.adopted"' in log.read_text(), 60, "adoption", daemon)
+        assert alive(worker) or any(
+            ln["job_id"] == job["job_id"] for ln in read_ledger(tmp_path / "ledgers", "k")
         )
         wait_for(
             lambda: (
@@ -79,6 +77,12 @@ def test_kill_9_mid_eval_then_restart_loses_and_duplicates_nothing(
     counts = Counter((ln["step"], ln["num_fewshot"]) for ln in lines if ln["status"] == "ok")
     assert counts == {(1, 0): 1, (1, 1): 1, (2, 0): 1, (2, 1): 1}
     assert all(ln["status"] == "ok" for ln in lines)
+    # the adopted job ran once, in its first attempt, and cost no daemon death
+    adopted = [ln for ln in lines if ln["job_id"] == job["job_id"]]
+    assert adopted and {ln["attempt"] for ln in adopted} == {1}
+    (attempt,) = (tmp_path / "state" / "jobs" / job["job_id"]).iterdir()
+    assert (attempt / "worker.log").read_text().count("worker.started") == 1
+    assert not alive(worker)
 
 
 def test_first_sigterm_past_grace_requeues_the_running_eval_and_second_run_finishes_it(

@@ -181,7 +181,7 @@ class Daemon:
         self._save_resolved_config()
         if self.cfg.metrics_port is not None:
             self._serve_metrics(self.cfg.metrics_port, self.cfg.metrics_addr)
-        recover(self.book, now)
+        recover(self.book, self.executor, now)
         log.info(
             "daemon.started",
             pid=os.getpid(),

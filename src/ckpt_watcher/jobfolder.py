@@ -9,11 +9,14 @@ folder. One attempt of one job has its own folder, `jobs/<job id>/attempt-<n>/`:
 | `spec.json`          | daemon     | the `JobSpec`: which checkpoint, device, tasks and settings  |
 | `outcome-<i>.json`   | worker     | task i's `TaskOutcome`, as soon as that task ends            |
 | `crash.json`         | worker     | what stopped the whole job (staging, loading the model)      |
+| `exit.json`          | worker     | the job's exit code, written last (`EXIT_*`)                 |
 | `worker.log`         | worker     | its log (stdout and stderr); the daemon quotes its tail      |
 
 Every file is written whole (tmp + fsync + rename), so a reader never sees half of one, and a
 worker killed after task i keeps the outcomes of tasks 0..i. The worker's exit code says how
-the job ended (`EXIT_*`; negative: killed by that signal).
+the job ended (`EXIT_*`; negative: killed by that signal); the exit file says it too, for a
+daemon that did not start the worker (one that adopted it after a restart) and so cannot wait
+for it. A worker that died without one was killed.
 
 A warm worker (one per device, `jobs/_warm/<device>/`) takes job folders one after another: it
 reads one folder per line on its stdin and reports each job's exit code as a status line
@@ -44,6 +47,7 @@ ENGINE_FILE = "engine.json"  # in a warm worker's home: the engine it holds
 
 SPEC_FILE = "spec.json"
 CRASH_FILE = "crash.json"
+EXIT_FILE = "exit.json"
 LOG_FILE = "worker.log"
 _OUTCOME_GLOB = "outcome-*.json"
 LOG_TAIL_LINES = 25
@@ -225,6 +229,17 @@ class JobFolder:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
+    def write_exit(self, rc: int) -> None:
+        write_json_atomic(self.path / EXIT_FILE, {"rc": rc})
+
+    def exit_code(self) -> int | None:
+        """The job's exit code, once its worker has written it (None: still running, or died
+        before it could say)."""
+        try:
+            return int(json.loads((self.path / EXIT_FILE).read_text(encoding="utf-8"))["rc"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
             text = self.log.read_text(encoding="utf-8", errors="replace")
@@ -235,7 +250,7 @@ class JobFolder:
     # --- files the worker sends back when it ran elsewhere (Ray) ------------------------------
     def results(self) -> dict[str, str]:
         """The worker's answer files by name (outcomes and crash), as text."""
-        files = [*self.path.glob(_OUTCOME_GLOB), self.path / CRASH_FILE]
+        files = [*self.path.glob(_OUTCOME_GLOB), self.path / CRASH_FILE, self.path / EXIT_FILE]
         return {p.name: p.read_text(encoding="utf-8") for p in files if p.is_file()}
 
     def put_results(self, files: dict[str, str]) -> None:

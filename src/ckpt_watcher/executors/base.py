@@ -38,6 +38,13 @@ class Executor(ABC):
     def running(self) -> set[str]:
         """The jobs whose exit has not been reported yet."""
 
+    def adopt(self, job_id: str, handle: WorkerHandle, folder: JobFolder) -> bool:
+        """Take over a job whose worker an earlier daemon started and that is still running:
+        report its exit (from the folder's exit file) and kill it on request, as for a worker
+        started here. False where this executor cannot (its workers are not processes of this
+        host); the job is then killed and run again."""
+        return False
+
     def worker_pids(self) -> set[int]:
         """Processes of this host that the executor keeps besides its jobs' own workers (warm
         workers waiting for a job): their GPU memory is ours."""

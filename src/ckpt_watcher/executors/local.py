@@ -2,7 +2,9 @@
 
 No shell is involved: the argument vector is passed as a list, so checkpoint paths with spaces,
 quotes, `;` or `$()` are just bytes. Killing a job kills its whole process group (vLLM's engine
-processes included).
+processes included). A worker lives on when its daemon dies (its own session), and the next
+daemon adopts it: it is not that daemon's child, so its end is read from the job folder's exit
+file, or seen as the process gone.
 """
 
 from __future__ import annotations
@@ -12,10 +14,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
-from ckpt_watcher.executors.processes import kill_group, process_start_token
+from ckpt_watcher.executors.processes import kill_group, process_alive, process_start_token
 from ckpt_watcher.jobfolder import WORKER_MODULE, JobFolder
+
+ADOPTED_POLL_SECONDS = 0.5  # how often an adopted worker's exit file and process are looked at
+ADOPTED_EXIT_GRACE_SECONDS = 15.0  # after its exit file, for the process to end by itself
 
 
 class LocalExecutor(Executor):
@@ -23,6 +29,7 @@ class LocalExecutor(Executor):
         self.on_exit = on_exit
         self.python = python
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._adopted: dict[str, int] = {}  # job id -> pid of a worker an earlier daemon started
         self._lock = threading.Lock()
 
     def start(self, job_id: str, folder: JobFolder, env: dict[str, str]) -> WorkerHandle:
@@ -53,13 +60,44 @@ class LocalExecutor(Executor):
             self._procs.pop(job_id, None)
         self.on_exit(job_id, rc)
 
+    def adopt(self, job_id: str, handle: WorkerHandle, folder: JobFolder) -> bool:
+        with self._lock:
+            self._adopted[job_id] = handle.pid
+        threading.Thread(target=self._watch_adopted, args=(handle, folder), daemon=True).start()
+        return True
+
+    def _watch_adopted(self, handle: WorkerHandle, folder: JobFolder) -> None:
+        def gone() -> bool:
+            return process_start_token(handle.pid) != handle.start_token or not process_alive(
+                handle.pid
+            )
+
+        rc = folder.exit_code()
+        while rc is None and not gone():
+            time.sleep(ADOPTED_POLL_SECONDS)
+            rc = folder.exit_code()
+        if rc is None:
+            rc = folder.exit_code()  # written just before it exited
+        deadline = time.monotonic() + ADOPTED_EXIT_GRACE_SECONDS
+        while not gone() and time.monotonic() < deadline:
+            time.sleep(ADOPTED_POLL_SECONDS)  # finishing its exit (a warm worker: its release)
+        if not gone():
+            kill_group(handle.pid)
+        with self._lock:
+            self._adopted.pop(handle.job_id, None)
+        # no exit file: it died before it could write one (killed)
+        self.on_exit(handle.job_id, rc if rc is not None else -signal.SIGKILL)
+
     def kill(self, job_id: str) -> None:
         with self._lock:
             proc = self._procs.get(job_id)
+            adopted = self._adopted.get(job_id)
         if proc is not None:
             kill_group(proc.pid)
+        elif adopted is not None:
+            kill_group(adopted)
 
     def running(self) -> set[str]:
         with self._lock:
-            return set(self._procs)
+            return set(self._procs) | set(self._adopted)
 

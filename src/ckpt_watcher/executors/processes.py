@@ -62,16 +62,13 @@ def process_groups(leaders: set[int]) -> set[int]:
     return found
 
 
-def is_our_worker(pid: int, start_token: str | None, job_id: str) -> bool:
-    """True only if `pid` is still the worker we started for `job_id` (not a reused pid)."""
-    if not start_token or process_start_token(pid) != start_token:
+def is_our_worker(pid: int, start_token: str | None) -> bool:
+    """True only if `pid` is still the worker process we started (its start time tells it from
+    a process that got the same pid later): a one-shot worker or a warm one."""
+    if not pid or not start_token or process_start_token(pid) != start_token:
         return False
     argv = _cmdline(pid)
-    return (
-        argv is not None
-        and WORKER_MODULE.encode() in argv
-        and any(job_id.encode() in part for part in argv)
-    )
+    return argv is not None and WORKER_MODULE.encode() in argv
 
 
 def find_workers(state_dir: Path) -> list[int]:

@@ -158,6 +158,11 @@ class WarmExecutor(Executor):
         except OSError:
             pass
 
+    def adopt(self, job_id: str, handle: WorkerHandle, folder: JobFolder) -> bool:
+        """A worker the last daemon started (one-shot or warm: a warm worker whose daemon died
+        finishes the job in hand, then exits, its stdin closed) is watched as a one-shot one."""
+        return self.cold.adopt(job_id, handle, folder)
+
     def kill(self, job_id: str) -> None:
         with self._lock:
             w = next((w for w in self._workers.values() if w.job_id == job_id), None)

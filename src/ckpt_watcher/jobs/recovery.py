@@ -1,16 +1,20 @@
-"""Recovery, once at start: what an earlier daemon left behind becomes jobs this one can run.
+"""Recovery, once at start: what an earlier daemon left behind becomes jobs this one runs.
 
-Workers of this state_dir still alive are killed (with their process groups). A job the earlier
-daemon left `running` first gets its finished outcomes filed, then `settle.recover` decides:
-done, back to the queue, or (a job that keeps taking the daemon down) failed. Queued jobs are
-trimmed to what is still due, and dropped when the eval settings changed since they were queued
-(their checkpoint is planned again under the new settings).
+A job the earlier daemon left `running` whose worker is still alive is adopted: this daemon
+waits for its outcome as if it had started it (`Executor.adopt`), so a kill -9 of the daemon
+costs no work at all. Every other worker of this state_dir (an idle warm worker, one no executor
+here can adopt) is killed with its process group. A job whose worker is gone first gets its
+finished outcomes filed, then `settle.recover` decides: done, back to the queue, or (a job under
+which the daemon keeps dying with nothing else to explain it) failed. Queued jobs are trimmed to
+what is still due, and dropped when the eval settings changed since they were queued (their
+checkpoint is planned again under the new settings).
 """
 
 from __future__ import annotations
 
 import structlog
 
+from ckpt_watcher.executors.base import Executor, WorkerHandle
 from ckpt_watcher.executors.processes import find_workers, is_our_worker, kill_group
 from ckpt_watcher.jobs import settle
 from ckpt_watcher.jobs.book import JobBook
@@ -18,18 +22,27 @@ from ckpt_watcher.jobs.book import JobBook
 log = structlog.get_logger("ckpt_watcher.jobs")
 
 
-def recover(book: JobBook, now: float) -> None:
+def recover(book: JobBook, executor: Executor, now: float) -> None:
     state = book.state
-    for pid in find_workers(book.cfg.state_dir):
-        log.warning("recovery.killing_stray_worker", pid=pid)
-        kill_group(pid)
+    adopted: set[int] = set()
     for job in state.jobs("running"):
-        if job.pid and is_our_worker(job.pid, job.pid_start, job.id):
+        alive = bool(job.pid and is_our_worker(job.pid, job.pid_start))
+        folder = book.folder(job)
+        if alive and job.pid and job.pid_start:
+            if executor.adopt(job.id, WorkerHandle(job.id, job.pid, job.pid_start), folder):
+                adopted.add(job.pid)
+                log.info("recovery.adopted", job_id=job.id, run=job.run, step=job.step, pid=job.pid)
+                continue
             kill_group(job.pid)
         book.harvest(job)
         remaining = book.due(job)
+        progressed = len(remaining) < len(job.tasks)  # a task finished since it last started
         verdict = settle.recover(
-            job.attempt, job.daemon_deaths, book.cfg.eval.max_attempts, remaining
+            job.attempt,
+            job.daemon_deaths,
+            book.cfg.eval.max_attempts,
+            remaining,
+            explained=alive or progressed,
         )
         state.update_job(job.id, daemon_deaths=verdict.daemon_deaths or job.daemon_deaths)
         if verdict.kind == "requeue":
@@ -40,6 +53,8 @@ def recover(book: JobBook, now: float) -> None:
                 run=job.run,
                 step=job.step,
                 daemon_deaths=verdict.daemon_deaths,
+                worker_outlived_daemon=alive,
+                progressed=progressed,
             )
         elif verdict.kind == "fail":
             log.error(
@@ -52,6 +67,10 @@ def recover(book: JobBook, now: float) -> None:
             book.fail(job, remaining, {}, verdict, now)
         else:
             book.finish(job, "ok", now)
+    for pid in find_workers(book.cfg.state_dir):
+        if pid not in adopted:
+            log.warning("recovery.killing_stray_worker", pid=pid)
+            kill_group(pid)
     for job in state.jobs("queued"):
         if job.settings_hash != book.settings_hash:
             state.update_job(job.id, state="skipped", error="eval settings changed")

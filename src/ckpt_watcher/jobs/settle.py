@@ -11,16 +11,19 @@
 | failed, attempts left                  | retry    | yes           | now + backoff * 2**(n-1)    |
 | failed, no attempts left               | fail     | yes           | `watcher requeue`           |
 
-`recover` (a job found `running` when the daemon starts):
+`recover` (a job found `running` when the daemon starts, whose worker was not adopted):
 
-| case                                   | verdict  | attempt spent |
-|----------------------------------------|----------|---------------|
-| every task has its ok line             | ok       | -             |
-| the daemon has now died N times while this job ran, N >= max(2, max_attempts) | fail | yes |
-| otherwise                              | requeue  | no            |
+| case                                   | verdict  | attempt spent | daemon death counted |
+|----------------------------------------|----------|---------------|----------------------|
+| every task has its ok line             | ok       | -             | -                    |
+| the death is explained: the job's worker outlived the daemon, or it finished a task since the daemon last died | requeue | no | no |
+| the daemon has now died N times while this job ran, N >= max(2, max_attempts) | fail | yes | yes |
+| otherwise                              | requeue  | no            | yes                  |
 
-A single kill -9 or crash of the daemon never costs a job an attempt; a job whose run keeps
-killing the daemon (memory pressure, say) stops the crash loop with a `failed` line.
+A kill -9 or crash of the daemon never costs a job an attempt (a worker still running is
+adopted, not even restarted: `jobs/recovery.py`); only a job under which the daemon keeps dying,
+with nothing else to explain it (memory pressure, say), stops the crash loop with a `failed`
+line.
 """
 
 from __future__ import annotations
@@ -99,10 +102,17 @@ def settle(a: Attempt) -> Verdict:
     return Verdict("fail", reason, attempt=a.attempt, error=error)
 
 
-def recover(attempt: int, daemon_deaths: int, max_attempts: int, remaining: list[Any]) -> Verdict:
-    """A job was `running` when the daemon died (`daemon_deaths` counts earlier deaths)."""
+def recover(
+    attempt: int, daemon_deaths: int, max_attempts: int, remaining: list[Any], explained: bool
+) -> Verdict:
+    """A job was `running` when the daemon died (`daemon_deaths` counts earlier deaths that
+    nothing explained; `explained`: this one is, see the table)."""
     if not remaining:
         return Verdict("ok", attempt=attempt)
+    if explained:
+        return Verdict(
+            "requeue", "daemon restarted", attempt=max(0, attempt - 1), daemon_deaths=daemon_deaths
+        )
     deaths = daemon_deaths + 1
     if deaths >= max(2, max_attempts):
         reason = f"the daemon died while this job ran ({deaths} times)"

@@ -39,9 +39,12 @@ def main(argv: list[str] | None = None) -> int:
             "       python -m ckpt_watcher.worker --serve HOME SETTINGS_JSON\n"
         )
         return 2
+    from ckpt_watcher.jobfolder import JobFolder
     from ckpt_watcher.worker.job import run_job
 
-    return run_job(Path(args[0]))
+    rc = run_job(Path(args[0]))
+    JobFolder(Path(args[0])).write_exit(rc)
+    return rc
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ files, same crash file) but keeps its engine between jobs (`evaluators/keeper.py
 each job's exit code as a status line on the file descriptor named by STATUS_FD_ENV (both in
 `jobfolder`). While a job runs, its stdout and stderr go to that job's `worker.log`.
 
-It releases its engine and exits when stdin closes (the daemon stopped or died), after
-`idle_seconds` without a job, and on SIGTERM. `HOME/engine.json` says what it holds, for
-`watcher status`.
+It releases its engine and exits when stdin closes (the daemon stopped or died: the job in
+hand is finished first, and a daemon started meanwhile adopts it), after `idle_seconds` without
+a job, and on SIGTERM. `HOME/engine.json` says what it holds, for `watcher status`.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
             if not line:
                 break
             job_dir = Path(line.strip())
-            _redirect_output(JobFolder(job_dir).log)
+            folder = JobFolder(job_dir)
+            _redirect_output(folder.log)
             _describe(home, keeper, device, "busy", job_dir.parent.name)
             in_job = True
             try:
@@ -125,10 +126,15 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
                 log.exception("worker.crashed")
                 keeper.drop()
                 rc = EXIT_CRASH
+            folder.write_exit(rc)
             in_job = False
             _redirect_output(own_log)
             _describe(home, keeper, device, "idle", None)
-            os.write(status_fd, status_line(rc, job_dir))
+            try:
+                os.write(status_fd, status_line(rc, job_dir))
+            except BrokenPipeError:  # the daemon died: a new one reads the job's exit file
+                reason = "the daemon is gone"
+                break
     except SystemExit:
         reason = "SIGTERM"
     finally:
