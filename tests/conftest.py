@@ -86,6 +86,37 @@ def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def derived_checkpoints(
+    trained: Path, out: Path, run: str, steps: tuple[int, ...], tie: bool = False
+) -> list[Path]:
+    """Checkpoints `{run}_step{N}` made from the trained one without training: its weights, each
+    moved by a little noise of its own (seeded by the step), so each is other content with other
+    scores. `tie`: the output head becomes the input embedding (`tie_word_embeddings`, the file
+    then holds no `lm_head.weight`), as Qwen3's small models save it. Saved with the naming bug,
+    as the trainer saves."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ckpt_watcher.demo.tiny import save_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    paths = []
+    for step in steps:
+        model = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32)
+        if tie:
+            model.config.tie_word_embeddings = True
+            model.lm_head.weight = model.model.embed_tokens.weight
+        noise = torch.Generator().manual_seed(step)
+        with torch.no_grad():
+            for param in model.parameters():
+                scale = 0.02 * float(param.abs().mean()) + 1e-4
+                param.add_(torch.randn(param.shape, generator=noise) * scale)
+        path = out / f"{run}_step{step}"
+        save_checkpoint(model, tokenizer, path)
+        paths.append(path)
+    return paths
+
+
 @pytest.fixture
 def copy_checkpoint(tmp_path_factory: pytest.TempPathFactory, trained_checkpoint: Path):
     """Copy the trained checkpoint into a new place under a new name (the copy is yours). Its

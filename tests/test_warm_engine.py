@@ -19,7 +19,14 @@ import pytest
 
 from ckpt_watcher.checkpoints.namefix import apply_fix
 
-from .conftest import VLLM_EVAL, WATCHER, base_config, read_ledger, write_config
+from .conftest import (
+    VLLM_EVAL,
+    WATCHER,
+    base_config,
+    derived_checkpoints,
+    read_ledger,
+    write_config,
+)
 from .helpers import alive, wait_for, watcher_once
 
 pytestmark = pytest.mark.e2e
@@ -47,21 +54,14 @@ TASKS = [{"task": "addition", "num_fewshot": 0}, {"task": "addition_ll", "num_fe
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Path]]:
-    """Two tiny models (vLLM-shaped heads), tied and untied embeddings, 3 checkpoints each."""
-    from ckpt_watcher.demo.tiny import VLLM_HEADS
-    from ckpt_watcher.demo.train import train
-
-    out = tmp_path_factory.mktemp("warm_runs")
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, trained_checkpoint: Path
+) -> dict[str, list[Path]]:
+    """Two runs of the trained model (vLLM-shaped heads), tied and untied embeddings, 3
+    checkpoints each (steps 30, 60, 90), each other content."""
+    out = tmp_path_factory.mktemp("warm_runs") / "watch"
     return {
-        run: train(
-            out / "watch",
-            run=run,
-            steps=90,
-            save_every=30,
-            heads=VLLM_HEADS,
-            tie_word_embeddings=run == "tied",
-        )
+        run: derived_checkpoints(trained_checkpoint, out, run, (30, 60, 90), tie=run == "tied")
         for run in ("tied", "untied")
     }
 
@@ -75,9 +75,11 @@ def tasks_dir(tmp_path_factory: pytest.TempPathFactory, addition_tasks: Path) ->
     return folder
 
 
-def _config(tmp: Path, watch: Path, tasks_dir: Path, **over: Any) -> Path:
+def _config(tmp: Path, watch: Path, tasks_dir: Path, slots: int = 1, **over: Any) -> Path:
     ev = VLLM_EVAL | {"max_attempts": 1, "tasks": TASKS} | over
-    return write_config(tmp / "w.yaml", base_config(tmp, watch, tasks_dir, **ev))
+    raw = base_config(tmp, watch, tasks_dir, **ev)
+    raw["devices"]["cpu_slots"] = slots
+    return write_config(tmp / "w.yaml", raw)
 
 
 def _metrics(lines: list[dict[str, Any]]) -> dict[tuple[int, str], dict[str, Any]]:
@@ -104,7 +106,9 @@ def _cold_then_warm(
         d = tmp / f"{run}-{mode}"
         for ck in some:
             shutil.copytree(ck, d / "watch" / ck.name)
-        cfg = _config(d, d / "watch", tasks_dir, warm_engine=mode == "warm", **over)
+        # the cold references side by side, a worker each: one slot per checkpoint
+        slots = len(some) if mode == "cold" else 1
+        cfg = _config(d, d / "watch", tasks_dir, slots, warm_engine=mode == "warm", **over)
         out.append(watcher_once(cfg, d / "ledgers", run))
     warm, cold = out
     return cold, warm, tmp / f"{run}-warm" / "state"
