@@ -59,9 +59,9 @@ def test_trainer_and_watcher_side_by_side_match_lm_eval(
                 "--run",
                 "e2e",
                 "--steps",
-                "300",
+                "150",
                 "--save-every",
-                "100",
+                "50",
             ],
             capture_output=True,
             text=True,
@@ -85,7 +85,7 @@ def test_trainer_and_watcher_side_by_side_match_lm_eval(
     lines = read_ledger(tmp_path / "ledgers", "e2e")
     assert all(ln["status"] == "ok" for ln in lines)
     counts = Counter((ln["step"], ln["task"], ln["num_fewshot"]) for ln in lines)
-    assert counts == {(s, "addition", k): 1 for s in (100, 200, 300) for k in (0, 2)}
+    assert counts == {(s, "addition", k): 1 for s in (50, 100, 150) for k in (0, 2)}
     for ln in lines:
         assert ln["device"] == "cpu:0" and ln["backend"] == "hf" and ln["seed"] == 42
         assert ln["n_samples"] == 100 and ln["clamped_requests"] == 0
@@ -95,9 +95,9 @@ def test_trainer_and_watcher_side_by_side_match_lm_eval(
     # fidelity: the same numbers as lm_eval itself, run directly on the same checkpoint
     for shots in (0, 2):
         direct = lm_eval_cli(
-            watch / "e2e_step300", addition_tasks, "addition", shots, tmp_path / f"direct{shots}"
+            watch / "e2e_step150", addition_tasks, "addition", shots, tmp_path / f"direct{shots}"
         )
-        ours = next(ln for ln in lines if ln["step"] == 300 and ln["num_fewshot"] == shots)
+        ours = next(ln for ln in lines if ln["step"] == 150 and ln["num_fewshot"] == shots)
         expected = {k: v for k, v in direct["results"]["addition"].items() if "," in k}
         assert ours["metrics"] == expected
     assert any(
