@@ -264,3 +264,22 @@ def addition_accuracy(checkpoint: Path) -> float:
 def alive(pid: int) -> bool:
     """True if `pid` is a process that has not exited (a zombie has)."""
     return process_alive(pid)
+
+
+def check_pass_at_k_from_records(line: dict[str, Any], recs: list[dict[str, Any]], n: int) -> None:
+    """A sampled line's figures (n samples a document) are the unbiased estimator recomputed
+    from the per-sample scores saved in its records."""
+    import pytest
+
+    from ckpt_watcher.evaluators.passk import pass_at_k
+
+    scores = [r["scores"]["exact_match,none"] for r in recs]
+    assert len(scores) == line["n_samples"] and all(len(s) == n for s in scores)
+    m = line["metrics"]
+    assert m["exact_match,none"] == pytest.approx(sum(map(sum, scores)) / (n * len(scores)))
+    for k in line["pass_at"]:
+        per = [pass_at_k(n, int(sum(s)), k) for s in scores]
+        assert m[f"exact_match_pass@{k},none"] == pytest.approx(sum(per) / len(per)), k
+    # sampling really happened: answers differ between the samples of a document
+    assert any(len(set(r["responses"])) > 1 for r in recs)
+    assert m[f"exact_match_pass@{n},none"] > m["exact_match,none"]

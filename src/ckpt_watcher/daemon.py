@@ -324,7 +324,8 @@ class Daemon:
                 log.info("eval.placed", job_id=job.id, run=job.run, step=job.step, node=host)
 
     def _update_metrics(self) -> None:
-        running = {j.device for j in self.state.jobs("running") if j.device}
+        jobs = self.state.jobs("running")
+        running = {j.device for j in jobs if j.device}
         devices = self.inventory.devices()
         self.metrics.loop_pass(
             self.state.job_counts(),
@@ -332,6 +333,12 @@ class Daemon:
             {d.label for d in devices if d.id in running},
             [(r["name"], r["last_ok_at"]) for r in self.state.sources()],
         )
+        ratios = {}
+        for job in jobs:
+            p = self.book.folder(job).progress()
+            if p is not None and p.total:
+                ratios[(job.id, p.task)] = p.done / p.total
+        self.metrics.job_progress(ratios)
 
     def _watch_zombies(self, now: float) -> None:
         """Report processes not ours that sit on GPU memory at 0% utilisation; kill them only

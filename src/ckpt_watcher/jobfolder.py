@@ -9,6 +9,7 @@ folder. One attempt of one job has its own folder, `jobs/<job id>/attempt-<n>/`:
 | `spec.json`          | daemon     | the `JobSpec`: which checkpoint, device, tasks and settings  |
 | `outcome-<i>.json`   | worker     | task i's `TaskOutcome`, as soon as that task ends            |
 | `crash.json`         | worker     | what stopped the whole job (staging, loading the model)      |
+| `progress.json`      | worker     | the task being evaluated: units done of its total (`Progress`) |
 | `exit.json`          | worker     | the job's exit code, written last (`EXIT_*`)                 |
 | `worker.log`         | worker     | its log (stdout and stderr); the daemon quotes its tail      |
 
@@ -34,6 +35,7 @@ from typing import Any
 
 from ckpt_watcher.checkpoints.naming import safe_component
 from ckpt_watcher.durable import write_json_atomic
+from ckpt_watcher.journal import JournalRef
 
 # `python -m WORKER_MODULE JOB_DIR` runs one job; recovery recognises our workers by it
 WORKER_MODULE = "ckpt_watcher.worker"
@@ -48,6 +50,7 @@ ENGINE_FILE = "engine.json"  # in a warm worker's home: the engine it holds
 SPEC_FILE = "spec.json"
 CRASH_FILE = "crash.json"
 EXIT_FILE = "exit.json"
+PROGRESS_FILE = "progress.json"
 LOG_FILE = "worker.log"
 _OUTCOME_GLOB = "outcome-*.json"
 LOG_TAIL_LINES = 25
@@ -66,16 +69,17 @@ class TaskRun:
     gen_kwargs: dict[str, Any] | None = None
     pass_at: list[int] | None = None  # set: a sampled task
     apply_chat_template: bool = False
+    journal: JournalRef | None = None  # where finished units are kept (None: not kept)
 
     @property
     def sampled(self) -> bool:
         return self.pass_at is not None
 
     @classmethod
-    def from_entry(cls, entry: dict[str, Any]) -> TaskRun:
+    def from_entry(cls, entry: dict[str, Any], journal: JournalRef | None = None) -> TaskRun:
         """From a task entry as the config dumps it (keys this version does not know dropped)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in entry.items() if k in known})
+        known = {f.name for f in dataclasses.fields(cls)} - {"journal"}
+        return cls(**{k: v for k, v in entry.items() if k in known}, journal=journal)
 
 
 @dataclass
@@ -123,7 +127,10 @@ class JobSpec:
     def from_json(cls, text: str) -> JobSpec:
         raw = json.loads(text)
         request = dict(raw["request"])
-        request["tasks"] = [TaskRun.from_entry(t) for t in request["tasks"]]
+        request["tasks"] = [
+            TaskRun.from_entry(t, JournalRef(**t["journal"]) if t.get("journal") else None)
+            for t in request["tasks"]
+        ]
         stage = raw.get("stage")
         return cls(
             job_id=raw["job_id"],
@@ -154,6 +161,7 @@ class TaskOutcome:
     lm_eval_version: str = ""
     engine: str | None = None  # cold: loaded for this job; warm: swapped into a kept engine
     engine_seconds: float | None = None  # to have the model ready for this job
+    resumed: int = 0  # units of work taken from the task's journal instead of computed again
 
     @property
     def key(self) -> tuple[str, int | None]:
@@ -163,6 +171,26 @@ class TaskOutcome:
     def from_dict(cls, raw: dict[str, Any]) -> TaskOutcome:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+@dataclass(frozen=True)
+class Progress:
+    """`progress.json`: how far the task being evaluated is."""
+
+    task: str
+    done: int  # units done (responses of a generation task, requests of a likelihood task)
+    total: int
+    unit: str  # "responses" | "requests"
+    since: float  # when the worker began the task (Unix time)
+    done_since: int  # units already done then (taken from the journal)
+    at: float  # when this was written
+
+    def eta_s(self) -> float | None:
+        """Seconds left at the rate since the task began (None until there is a rate)."""
+        made, took = self.done - self.done_since, self.at - self.since
+        if made <= 0 or took <= 0:
+            return None
+        return round((self.total - self.done) * took / made, 1)
 
 
 @dataclass(frozen=True)
@@ -227,6 +255,16 @@ class JobFolder:
             data = json.loads((self.path / CRASH_FILE).read_text(encoding="utf-8"))
             return Crash(str(data["error"]), bool(data["heals"]))
         except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def write_progress(self, progress: Progress) -> None:
+        write_json_atomic(self.path / PROGRESS_FILE, dataclasses.asdict(progress), indent=None)
+
+    def progress(self) -> Progress | None:
+        try:
+            raw = json.loads((self.path / PROGRESS_FILE).read_text(encoding="utf-8"))
+            return Progress(**raw)
+        except (OSError, ValueError, TypeError):
             return None
 
     def write_exit(self, rc: int) -> None:

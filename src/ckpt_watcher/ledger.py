@@ -140,6 +140,8 @@ def result_line(
             "lm_eval_version": outcome.lm_eval_version or None,
             "engine": outcome.engine,
             "engine_seconds": outcome.engine_seconds,
+            "resumed": outcome.resumed,
+            "devices": [job.device_label] if job.device_label else [],
             "results_file": _run_relative(outcome.results_file, ledger_dir, job) if ok else None,
             "samples_file": _run_relative(outcome.samples_file, ledger_dir, job) if ok else None,
             "error": error,

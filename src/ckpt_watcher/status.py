@@ -14,7 +14,7 @@ from typing import Any
 from ckpt_watcher import ledger as ledger_mod
 from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.executors.processes import process_alive
-from ckpt_watcher.jobfolder import ENGINE_FILE, warm_root
+from ckpt_watcher.jobfolder import ENGINE_FILE, JobFolder, warm_root
 from ckpt_watcher.ledger import LedgerIndex, Subject
 from ckpt_watcher.report.table import newest_versions
 from ckpt_watcher.sinks.alerts import Regression
@@ -110,6 +110,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
                 "attempt": j.attempt,
                 "tasks": [t["task"] for t in j.tasks],
                 "running_s": round(now - j.started_at, 1) if j.started_at else None,
+                "progress": _progress(JobFolder.of(cfg.state_dir, j.id, j.attempt)),
             }
             for j in state.jobs("running")
         ]
@@ -157,6 +158,31 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         "warm_engines": warm_engines(cfg.state_dir),
         "latest_results": latest_results(cfg),
     }
+
+
+def _progress(folder: JobFolder) -> dict[str, Any] | None:
+    """The running job's task and units done of its total, with an ETA (None before the worker
+    has said: it is still loading, or the task keeps no journal)."""
+    p = folder.progress()
+    if p is None:
+        return None
+    return {"task": p.task, "done": p.done, "total": p.total, "unit": p.unit, "eta_s": p.eta_s()}
+
+
+def _progress_text(p: dict[str, Any] | None) -> str:
+    if p is None:
+        return ""
+    left = f", ~{_duration(p['eta_s'])} left" if p["eta_s"] is not None else ""
+    return f"; {p['task']}: {p['done']}/{p['total']} {p['unit']}{left}"
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
 def warm_engines(state_dir: Path) -> list[dict[str, Any]]:
@@ -273,7 +299,7 @@ def render(data: dict[str, Any]) -> str:
         pid = f"pid {r['pid']}, " if r["pid"] else ""
         lines.append(
             f"  {r['device']}{node}: {r['label']} ({pid}attempt {r['attempt']}, "
-            f"{r['running_s']}s, tasks {', '.join(r['tasks'])})"
+            f"{r['running_s']}s, tasks {', '.join(r['tasks'])}{_progress_text(r['progress'])})"
         )
     lines.append(f"failures: {len(data['failures'])}")
     for f in data["failures"]:

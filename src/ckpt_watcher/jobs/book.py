@@ -8,15 +8,17 @@ it, so a job ends the same way whoever ends it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import structlog
 
-from ckpt_watcher import planner
-from ckpt_watcher.config import WatcherConfig
+from ckpt_watcher import journal, planner
+from ckpt_watcher.config import WatcherConfig, task_settings_hash
 from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.jobfolder import JobFolder, TaskOutcome
 from ckpt_watcher.jobs.settle import Verdict
+from ckpt_watcher.journal import JournalRef
 from ckpt_watcher.ledger import LedgerIndex, Subject, result_line
 from ckpt_watcher.state import Job, State
 
@@ -60,6 +62,19 @@ class JobBook:
             log.error("eval.outcome_unreadable", job_id=job.id, error=problem)
         return {o.key: o for o in found}
 
+    def journal_ref(self, job: Job, task: dict[str, Any]) -> JournalRef | None:
+        """Where the units of `task` on the job's checkpoint are journaled (None without a
+        fingerprint: content not identified, so nothing could be replayed safely)."""
+        if not job.fingerprint:
+            return None
+        ident = journal.identity(
+            job.fingerprint,
+            task_settings_hash(job.settings_hash, task),
+            task["task"],
+            task["num_fewshot"],
+        )
+        return JournalRef(str(journal.folder_for(self.cfg.state_dir, ident)), ident)
+
     def source_name(self, job: Job) -> str:
         row = self.state.checkpoint(job.location)
         return row.source if row is not None else ""
@@ -81,7 +96,13 @@ class JobBook:
             eval_cfg=self.cfg.eval,
             ledger_dir=self.cfg.ledger_dir,
         )
-        if not self.ledger.append(line):
+        written = self.ledger.append(line)
+        if status == "ok":  # in the ledger now (or already): its journal is done with
+            entry = next((t for t in job.tasks if task_key(t) == outcome.key), None)
+            ref = self.journal_ref(job, entry) if entry is not None else None
+            if ref is not None:
+                journal.remove(Path(ref.folder))
+        if not written:
             return
         log.info(
             "eval.finished" if status == "ok" else "eval.failed",

@@ -101,7 +101,7 @@ class Dispatcher:
             checkpoint=job.location,
             backend=ev.backend,
             model_args=ev.model_args,
-            tasks=[TaskRun.from_entry(task) for task in job.tasks],
+            tasks=[TaskRun.from_entry(t, self.book.journal_ref(job, t)) for t in job.tasks],
             seed=ev.seed,
             gen_kwargs=ev.gen_kwargs,
             max_gen_toks=ev.max_gen_toks,

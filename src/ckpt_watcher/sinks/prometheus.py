@@ -68,6 +68,13 @@ class DaemonMetrics:
         self.ledger_lines = Counter(
             "ckpt_watcher_ledger_lines", "Ledger lines written, by status", ["status"], registry=r
         )
+        self.progress = Gauge(
+            "watcher_job_progress_ratio",
+            "Share of the running job's current task done (units from its journal count)",
+            ["job_id", "task"],
+            registry=r,
+        )
+        self._progress_labels: set[tuple[str, str]] = set()
         for s in JOB_STATES:
             self.jobs.labels(s).set(0)
         for s in ("busy", "free"):
@@ -114,6 +121,14 @@ class DaemonMetrics:
                 if name not in self._last_ok:
                     self.source_age.labels(name).set_function(functools.partial(self._age, name))
                 self._last_ok[name] = last_ok if last_ok is not None else float("nan")
+
+    def job_progress(self, ratios: dict[tuple[str, str], float]) -> None:
+        """Each running job's (job id, task) -> share done; series of jobs gone are removed."""
+        for labels in self._progress_labels - ratios.keys():
+            self.progress.remove(*labels)
+        for labels, ratio in ratios.items():
+            self.progress.labels(*labels).set(ratio)
+        self._progress_labels = set(ratios)
 
     def _age(self, name: str) -> float:
         with self._lock:

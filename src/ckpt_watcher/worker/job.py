@@ -18,7 +18,9 @@ from ckpt_watcher.jobfolder import EXIT_CRASH, EXIT_OK, EXIT_TASK_FAILED, Crash,
 
 if TYPE_CHECKING:
     from ckpt_watcher.evaluators.keeper import EngineKeeper
-    from ckpt_watcher.jobfolder import TaskOutcome
+    from ckpt_watcher.jobfolder import Progress, TaskOutcome
+
+PROGRESS_EVERY_SECONDS = 1.0
 
 log = structlog.get_logger("ckpt_watcher.worker")
 
@@ -66,6 +68,13 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
         req = dataclasses.replace(req, checkpoint=str(local))
     index = {(t.task, t.num_fewshot): i for i, t in enumerate(req.tasks)}
 
+    last_progress = [0.0]
+
+    def progress(now: Progress) -> None:  # at most once a second, and at each task's end
+        if now.done >= now.total or now.at - last_progress[0] >= PROGRESS_EVERY_SECONDS:
+            folder.write_progress(now)
+            last_progress[0] = now.at
+
     def record(outcome: TaskOutcome) -> None:
         folder.write_outcome(index[outcome.key], outcome)
         log.info(
@@ -80,7 +89,7 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
         engine = keeper.acquire(req) if keeper is not None else None
         if engine is not None:
             log.info("worker.engine", engine=engine.kind, seconds=round(engine.seconds, 3))
-        outcomes = run_tasks(req, record, engine)
+        outcomes = run_tasks(req, record, engine, progress)
         failed = [o for o in outcomes if o.status != "ok" and o.heals]
         if keeper is not None and engine is not None and engine.kind == "warm" and failed:
             # a task that failed on a swapped engine (and might not fail again) gets a cold
@@ -91,7 +100,7 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
             sub = dataclasses.replace(
                 req, tasks=[t for t in req.tasks if (t.task, t.num_fewshot) in retry]
             )
-            again = {o.key: o for o in run_tasks(sub, record, keeper.acquire(sub))}
+            again = {o.key: o for o in run_tasks(sub, record, keeper.acquire(sub), progress)}
             outcomes = [again.get(o.key, o) for o in outcomes]
     except Exception as e:
         log.exception("worker.crashed")

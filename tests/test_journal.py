@@ -1,0 +1,125 @@
+"""The journal of finished units and the resume on top of it, without an engine: records
+survive a kill, a torn record is skipped, a journal is never replayed into other weights or
+other settings, and a resumed task computes only what is missing, in the backend's order."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from ckpt_watcher import journal
+from ckpt_watcher.evaluators.resume import TaskJournal
+from ckpt_watcher.journal import JournalRef
+
+
+def _ref(state: Path, fingerprint: str = "sampled:aa", settings: str = "s1") -> JournalRef:
+    ident = journal.identity(fingerprint, settings, "addition", 0)
+    return JournalRef(str(journal.folder_for(state, ident)), ident)
+
+
+def test_records_round_trip_and_a_torn_last_record_is_skipped(tmp_path: Path) -> None:
+    ref = _ref(tmp_path)
+    w = journal.Writer(ref, "w1")
+    assert w.append([("a", "12+3=015"), ("b", [-1.5, True])]) == 2
+    w.close()
+    path = next(Path(ref.folder).glob("*.jsonl"))
+    with open(path, "ab") as f:
+        f.write(b'{"k": "c", "v": "cut sh')  # a kill in the middle of a write
+    got = journal.read(ref)
+    assert got.values == {"a": "12+3=015", "b": [-1.5, True]} and got.torn == 1
+    # the same writer's file, appended again: the torn record stays alone on its line
+    w = journal.Writer(ref, "w1")
+    w.append([("d", "x")])
+    w.close()
+    got = journal.read(ref)
+    assert got.values == {"a": "12+3=015", "b": [-1.5, True], "d": "x"} and got.torn == 1
+
+
+def test_a_journal_is_never_replayed_into_other_weights_or_other_settings(tmp_path: Path) -> None:
+    ref = _ref(tmp_path)
+    journal.Writer(ref, "w1").append([("a", "old weights' answer")])
+    rewritten = _ref(tmp_path, fingerprint="sampled:bb")  # the checkpoint was saved again
+    other = _ref(tmp_path, settings="s2")  # another max_gen_toks, seed, template...
+    assert rewritten.folder != ref.folder and other.folder != ref.folder
+    assert journal.read(rewritten).values == {} and journal.read(other).values == {}
+    # a file that found its way into the folder with another identity is passed over too
+    stray = JournalRef(ref.folder, rewritten.identity)
+    journal.Writer(stray, "w2").append([("a", "not ours")])
+    got = journal.read(ref)
+    assert got.values == {"a": "old weights' answer"} and len(got.foreign) == 1
+    journal.remove(Path(ref.folder))
+    assert journal.read(ref).values == {}
+
+
+WRITE_UNTIL_KILLED = """
+import sys
+from ckpt_watcher import journal
+from ckpt_watcher.journal import JournalRef
+ref = JournalRef(sys.argv[1], {"fingerprint": "f", "settings": "s", "task": "t", "num_fewshot": 0})
+w = journal.Writer(ref, "victim")
+i = 0
+while True:
+    w.append([(f"k{i}", "v" * 200)])
+    print(i, flush=True)
+    i += 1
+"""
+
+
+def test_every_record_acknowledged_before_a_kill_9_is_read_back(tmp_path: Path) -> None:
+    folder = tmp_path / "j"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITE_UNTIL_KILLED, str(folder)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    acknowledged = -1
+    for line in proc.stdout:
+        acknowledged = int(line)
+        if acknowledged >= 300:
+            break
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    ref = JournalRef(
+        str(folder), {"fingerprint": "f", "settings": "s", "task": "t", "num_fewshot": 0}
+    )
+    got = journal.read(ref).values
+    assert all(f"k{i}" in got for i in range(acknowledged + 1))  # each append was fsynced first
+
+
+def test_a_resumed_task_computes_only_what_is_missing_in_the_backends_order(
+    tmp_path: Path,
+) -> None:
+    ref = _ref(tmp_path)
+    units = [(f"k{i}", f"req{i}") for i in range(10)]
+    order = {f"req{i}": -i for i in range(10)}  # the backend's order: longest prompt first
+    asked: list[list[str]] = []
+
+    def compute(reqs: list[str]) -> list[str]:
+        asked.append(reqs)
+        return [r.upper() for r in reqs]
+
+    seen: list[tuple[int, int]] = []
+    first = TaskJournal(ref, "w1", chunk=4, progress=lambda d, t, u: seen.append((d, t)))
+    assert first.answer(units[:6], order.__getitem__, compute, "responses") == [
+        f"REQ{i}" for i in range(6)
+    ]
+    first.close()
+    assert asked == [["req5", "req4", "req3", "req2"], ["req1", "req0"]]  # chunks in order
+    assert seen == [(0, 6), (4, 6), (6, 6)]
+    # killed after that call; the next attempt asks for all 10 and computes only 4
+    asked.clear()
+    again = TaskJournal(ref, "w2", chunk=4)
+    out = again.answer(units, order.__getitem__, compute, "responses")
+    again.close()
+    assert out == [f"REQ{i}" for i in range(10)]
+    assert asked == [["req9", "req8", "req7", "req6"]]
+    assert (again.resumed, again.computed) == (6, 4)
+    records = [
+        json.loads(line)
+        for f in sorted(Path(ref.folder).glob("*.jsonl"))
+        for line in f.read_text().splitlines()[1:]
+    ]
+    assert sorted(r["k"] for r in records) == sorted(k for k, _ in units)  # each unit once
