@@ -83,7 +83,8 @@ from pathlib import Path
 from ckpt_watcher.demo.train import train
 out, threads = Path(sys.argv[1]), int(sys.argv[2])
 for seed in map(int, sys.argv[3].split(",")):
-    train(out / f"t{threads}-seed{seed}", run="demo", seed=seed, threads=threads)
+    # the demo's recipe (600 steps), to its middle: where a run that stalls shows it
+    train(out / f"t{threads}-seed{seed}", run="demo", seed=seed, threads=threads, stop_after=300)
 """
 
 
@@ -100,8 +101,10 @@ def _train_seeds(out: Path, threads: int, seeds: list[int]) -> subprocess.Popen:
 def test_the_demo_recipe_learns_with_any_seed_and_thread_count(tmp_path: Path) -> None:
     """The demo's point is a rising curve: float kernels and seeds differ between machines, so
     the recipe must get there from other seeds and with 1 or 2 threads, not only on the
-    default (seed 0, which the demo test above trains). Each seed once, each thread count
-    twice: seeds 1 and 2 on 1 thread, side by side, then seeds 3 and 4 on 2 threads."""
+    default (seed 0, which the demo test above trains to the end). Each seed once, each thread
+    count twice: seeds 1 and 2 on 1 thread, side by side, then seeds 3 and 4 on 2 threads; each
+    to the middle of the recipe, step 300, where the demo reads 0.90-0.95 (a recipe that
+    stalled stayed below 0.15 there: see the README)."""
     plan = {1: [1, 2], 2: [3, 4]}  # threads -> seeds
     for batch in ([(1, [seed]) for seed in plan[1]], [(2, plan[2])]):
         for proc in [_train_seeds(tmp_path, threads, some) for threads, some in batch]:
@@ -111,7 +114,8 @@ def test_the_demo_recipe_learns_with_any_seed_and_thread_count(tmp_path: Path) -
     for threads, seeds in plan.items():
         for seed in seeds:
             folder = tmp_path / f"t{threads}-seed{seed}"
-            first, last = folder / "demo_step150", folder / "demo_step600"
+            first, last = folder / "demo_step150", folder / "demo_step300"
             scores[threads, seed] = (addition_accuracy(first), addition_accuracy(last))
-    bad = {k: v for k, v in scores.items() if not (v[1] >= 0.6 and v[1] > v[0])}
+    # here: 0.74-0.91 at step 300 from 0.06-0.16 at step 150; a stalled recipe stayed below 0.15
+    bad = {k: v for k, v in scores.items() if not (v[1] >= 0.5 and v[1] > v[0])}
     assert not bad, f"(threads, seed): (first, last) that did not learn: {bad}; all: {scores}"

@@ -26,8 +26,10 @@ def train(
     final: bool = False,
     heads: int = DEMO_HEADS,
     tie_word_embeddings: bool = False,
+    stop_after: int | None = None,
 ) -> list[Path]:
-    """Train and save checkpoints; returns their paths in the order written."""
+    """Train and save checkpoints; returns their paths in the order written. `stop_after`: end
+    at that step, on the learning-rate schedule of all `steps` (a run cut short)."""
     import torch
 
     from ckpt_watcher.demo.tiny import answer, build_model, build_tokenizer, save_checkpoint
@@ -42,7 +44,7 @@ def train(
     pad = tok.pad_token_id
     saved = []
     model.train()
-    for step in range(1, steps + 1):
+    for step in range(1, min(steps, stop_after or steps) + 1):
         prompts, answers = [], []
         for _ in range(64):
             a, b = rng.randint(10, 99), rng.randint(10, 99)
