@@ -43,8 +43,11 @@ def test_trainer_and_watcher_side_by_side_match_lm_eval(
     watch = tmp_path / "ckpts"
     watch.mkdir()
     tasks = [{"task": "addition", "num_fewshot": 0}, {"task": "addition", "num_fewshot": 2}]
+    # batch size 4: the journal asks the engine for 32 responses at a time (4 chunks of the
+    # 100 documents), in lm-eval's own order, so the numbers must still equal lm_eval's
     cfg = write_config(
-        tmp_path / "w.yaml", base_config(tmp_path, watch, addition_tasks, tasks=tasks)
+        tmp_path / "w.yaml",
+        base_config(tmp_path, watch, addition_tasks, tasks=tasks, batch_size=4),
     )
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
@@ -88,14 +91,19 @@ def test_trainer_and_watcher_side_by_side_match_lm_eval(
     assert counts == {(s, "addition", k): 1 for s in (50, 100, 150) for k in (0, 2)}
     for ln in lines:
         assert ln["device"] == "cpu:0" and ln["backend"] == "hf" and ln["seed"] == 42
-        assert ln["n_samples"] == 100 and ln["clamped_requests"] == 0
+        assert ln["n_samples"] == 100 and ln["clamped_requests"] == 0 and ln["resumed"] == 0
         assert (tmp_path / "ledgers" / "e2e" / ln["results_file"]).is_file()
         assert Path(ln["checkpoint"], "model-00001-of-00001.safetensors").exists()  # naming fix
 
     # fidelity: the same numbers as lm_eval itself, run directly on the same checkpoint
     for shots in (0, 2):
         direct = lm_eval_cli(
-            watch / "e2e_step150", addition_tasks, "addition", shots, tmp_path / f"direct{shots}"
+            watch / "e2e_step150",
+            addition_tasks,
+            "addition",
+            shots,
+            tmp_path / f"direct{shots}",
+            batch_size="4",
         )
         ours = next(ln for ln in lines if ln["step"] == 150 and ln["num_fewshot"] == shots)
         expected = {k: v for k, v in direct["results"]["addition"].items() if "," in k}
