@@ -74,6 +74,24 @@ def test_task_entries_sampling_settings_validate_and_enter_the_settings_hash() -
     assert len(hashes) == 4
 
 
+def test_samples_with_greedy_decoding_are_refused_naming_the_fix(tmp_path: Path) -> None:
+    """K greedy responses are K equal ones: pass@k would be pass@1 at K times the compute."""
+    from ckpt_watcher.config import load_config
+
+    def load(task: dict[str, Any], **eval_over: Any) -> None:
+        raw = base_config(tmp_path, tmp_path, tmp_path, tasks=[task], **eval_over)
+        load_config(write_config(tmp_path / "w.yaml", raw))
+
+    fix = r"give the entry gen_kwargs: \{temperature: 0.6\}"
+    with pytest.raises(ConfigError, match=r"task 'addition': samples: 4 with greedy .*" + fix):
+        load({"task": "addition", "samples": 4})  # eval.gen_kwargs: temperature 0, the default
+    with pytest.raises(ConfigError, match="identical responses"):
+        load({"task": "addition", "samples": 4, "gen_kwargs": {"do_sample": False}})
+    load({"task": "addition", "samples": 4, "gen_kwargs": {"temperature": 0.6}})
+    load({"task": "addition", "samples": 4}, gen_kwargs={"temperature": 0.7})
+    load({"task": "addition", "samples": 1})  # one greedy response is a plain result
+
+
 def test_a_bad_pass_at_is_a_config_error_naming_the_task(tmp_path: Path) -> None:
     from ckpt_watcher.config import load_config
 

@@ -153,6 +153,18 @@ class TaskSpec(_Model):
         return self
 
 
+def _greedy(gen_kwargs: dict[str, Any]) -> bool:
+    """Whether these generation kwargs decode greedily (as lm-eval's backends read them: a
+    temperature of 0 turns sampling off unless do_sample says otherwise)."""
+    if gen_kwargs.get("do_sample") is not None:
+        return not gen_kwargs["do_sample"]
+    temperature = gen_kwargs.get("temperature")
+    try:
+        return temperature is not None and float(temperature) == 0.0
+    except (TypeError, ValueError):
+        return False
+
+
 def task_settings_hash(settings_hash: str, task: dict[str, Any]) -> str:
     """The settings hash of one task entry (a `TaskSpec` dump): `eval`'s own hash, extended by
     what the entry adds (samples, pass_at, its gen_kwargs, the chat template). A plain entry keeps `eval`'s hash,
@@ -283,6 +295,15 @@ class EvalConfig(_Model):
                     "(perhaps once in a suite: `watcher suites` lists their tasks)"
                 )
             seen.add(key)
+            gen = self.gen_kwargs | (t.gen_kwargs or {})
+            if t.samples > 1 and _greedy(gen):
+                raise ValueError(
+                    f"task {t.task!r}: samples: {t.samples} with greedy decoding "
+                    f"(gen_kwargs {gen}) gives {t.samples} identical responses, so pass@k is "
+                    f"pass@1 at {t.samples}x the compute; give the entry "
+                    "gen_kwargs: {temperature: 0.6} (or another temperature above 0), "
+                    "or drop samples"
+                )
         return self
 
     def settings(self) -> dict[str, Any]:
