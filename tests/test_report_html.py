@@ -25,12 +25,12 @@ ACC, SE = "exact_match,none", "exact_match_stderr,none"
 
 
 def write_run(ledgers: Path) -> None:
-    """Run `r`: addition (0-shot) at steps 100-400 with per-document records for 300 and 400,
+    """Run `r`: addition (0-shot) at steps 100-400 with per-document records for 200-400,
     gsm8k (8-shot) at 100-300, and one failure at step 400 that stays open."""
     scores = {100: 0.1, 200: 0.3, 300: 0.5, 400: 0.8}
     for step, acc in scores.items():
         name = f"step_{step}/samples_addition.jsonl.gz"
-        if step >= 300:
+        if step >= 200:
             path = ledgers / "r" / name
             path.parent.mkdir(parents=True, exist_ok=True)
             right = int(acc * 10)
@@ -47,7 +47,7 @@ def write_run(ledgers: Path) -> None:
                 for i in range(10)
             ]
             path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in recs).encode()))
-        append(ledgers, line(step, "addition", 0, acc, samples_file=name if step >= 300 else None))
+        append(ledgers, line(step, "addition", 0, acc, samples_file=name if step >= 200 else None))
         if step <= 300:
             append(ledgers, line(step, "gsm8k", 8, acc / 2))
     append(ledgers, line(400, "gsm8k", 8, 0, status="failed", error="CUDA out of memory\nmore"))
@@ -79,7 +79,8 @@ def test_the_page_holds_every_part_and_failures_close_when_a_later_result_is_ok(
     assert 'data-points="4"' in page and 'data-points="3"' in page
     assert page.count('class="baseline"') == 1 and "teacher 0.9" in page
     assert "CUDA out of memory" in page and "more" not in page.split("CUDA out of memory")[1][:20]
-    assert "5 learned, 0 forgot" not in page and "3 learned, 0 forgot" in page
+    # first and last steps with records (200 -> 400), not the last two (300 -> 400: 3 learned)
+    assert "step 200 → step 400: 5 learned, 0 forgot" in page and "3 learned" not in page
     assert "<script" not in page and "http" not in page.replace("http-equiv", "")
     # the failure closes once the same checkpoint's task has an ok line after it
     later = line(400, "gsm8k", 8, 0.4)
@@ -146,8 +147,8 @@ def test_watcher_report_renders_in_chromium(tmp_path: Path) -> None:
         assert "0.8000" in table.inner_text()
         assert "CUDA out of memory" in page.locator("ul.failures").inner_text()
         flips = page.locator("table.flips tbody tr")
-        assert flips.count() == 3  # docs 5, 6, 7 learned between steps 300 and 400
-        assert "3 learned, 0 forgot" in page.inner_text("body")
+        assert flips.count() == 5  # docs 3 to 7 learned between steps 200 and 400
+        assert "5 learned, 0 forgot" in page.inner_text("body")
         page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
         browser.close()
     assert (tmp_path / "report.png").stat().st_size > 10_000

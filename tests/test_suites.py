@@ -192,6 +192,18 @@ def test_results_suite_columns_baseline_row_and_delta_marked_beyond_two_stderr(
         main, ["results", "-c", str(cfg), "r", "--suite", "base-model", "--format", "md"]
     )
     assert md.exit_code == 0 and md.output.splitlines()[2].startswith("| Qwen3-1.7B-Base |")
+    # --stderr: each metric's stderr right beside it, then its Δ
+    with_se = CliRunner().invoke(
+        main,
+        ["results", "-c", str(cfg), "r", "--suite", "base-model", "--format", "csv", "--stderr"],
+    )
+    assert with_se.exit_code == 0, with_se.output
+    assert next(csv.reader(io.StringIO(with_se.output)))[:4] == [
+        "step",
+        flex,
+        "gsm8k (4-shot) exact_match_stderr,flexible-extract",
+        f"Δ {flex}",
+    ]
     # without --suite: every metric, the baseline's Δ where it has a number
     full = json.loads(
         CliRunner().invoke(main, ["results", "-c", str(cfg), "r", "--format", "json"]).output

@@ -1,6 +1,6 @@
 """`watcher report`: one self-contained HTML page for a run (no script, no network: inline CSS
 and SVG), with a chart per metric by step (stderr band, baseline line), the results table, the
-failures still open, and for the latest two steps a few documents that flipped.
+failures still open, and per task a few documents that flipped between its first and last step.
 
 The daemon writes the same page to `<ledger_dir>/<run_path>/report.html` after each ledger
 append (`sinks/page.py`), and the ledger mirror uploads it beside the ledger.
@@ -17,7 +17,7 @@ from ckpt_watcher.durable import write_atomic
 from ckpt_watcher.errors import WatcherError
 from ckpt_watcher.ledger import REPORT_NAME, ledger_path, read_lines
 from ckpt_watcher.report import samples as samples_mod
-from ckpt_watcher.report.table import metric_series, metric_table, newest_versions
+from ckpt_watcher.report.table import metric_series, metric_table, newest_versions, task_label
 
 FLIPS_PER_TASK = 5
 W, H = 560, 240  # one chart's size in px
@@ -149,24 +149,28 @@ def _failures(lines: list[dict[str, Any]]) -> str:
     items = []
     for ln in failed:
         error = (ln.get("error") or "").strip().splitlines()
+        step = ln.get("step") if ln.get("step") is not None else ln.get("label")
+        when = f", {ln['finished_at']}" if ln.get("finished_at") else ""
         items.append(
-            f'<li class="failure"><b>step {_e(ln.get("step") if ln.get("step") is not None else ln.get("label"))}'
-            f"</b> {_e(ln['task'])} ({_e(ln.get('num_fewshot'))}-shot), "
-            f"{_e(ln.get('finished_at') or '')}: <code>{_e(error[0] if error else '')}</code></li>"
+            f'<li class="failure"><b>step {_e(step)}</b> {_e(task_label(ln))}{_e(when)}: '
+            f"<code>{_e(error[0] if error else '')}</code></li>"
         )
     return f'<ul class="failures">{"".join(items)}</ul>'
 
 
 def _flips(ledger_dir: Path, run_path: str, lines: list[dict[str, Any]]) -> str:
-    ok = [ln for ln in newest_versions(lines) if ln.get("status") == "ok"]
-    steps = sorted({ln["step"] for ln in ok if isinstance(ln.get("step"), int)})
-    if len(steps) < 2:
-        return '<p class="none">Flips need two evaluated steps.</p>'
-    a_step, b_step = steps[-2], steps[-1]
+    """Per task, the documents that flipped between its first and its last step with
+    per-document records: what training changed (two neighbouring steps often differ in none)."""
+    by_task: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    for ln in newest_versions(lines):
+        if ln.get("status") == "ok" and ln.get("samples_file") and isinstance(ln.get("step"), int):
+            by_task.setdefault((ln["task"], ln.get("num_fewshot")), []).append(ln)
     sections = []
-    for b in (ln for ln in ok if ln["step"] == b_step and ln.get("samples_file")):
+    for group in by_task.values():
+        if len(group) < 2:
+            continue
+        a, b = min(group, key=lambda ln: ln["step"]), max(group, key=lambda ln: ln["step"])
         try:
-            a = samples_mod.find_line(lines, a_step, b["task"], b.get("num_fewshot"))
             ra = samples_mod.read_records(ledger_dir, run_path, a)
             rb = samples_mod.read_records(ledger_dir, run_path, b)
             key = samples_mod.headline_metric(rb, None)
@@ -185,19 +189,20 @@ def _flips(ledger_dir: Path, run_path: str, lines: list[dict[str, Any]]) -> str:
                 f"<td>{'learned' if now_right else 'forgot'}</td></tr>"
             )
         sections.append(
-            f"<h3>{_e(b['task'])} ({_e(b.get('num_fewshot'))}-shot), {_e(key)}: "
+            f"<h3>{_e(task_label(b))}, {_e(key)}, "
+            f"step {a['step']} → step {b['step']}: "
             f"{learned} learned, {len(pairs) - learned} forgot</h3>"
             + (
                 '<table class="flips"><thead><tr><th>doc</th><th>prompt</th><th>target</th>'
-                f"<th>step {a_step}</th><th>step {b_step}</th><th></th></tr></thead>"
+                f"<th>step {a['step']}</th><th>step {b['step']}</th><th></th></tr></thead>"
                 f"<tbody>{''.join(rows)}</tbody></table>"
                 if rows
                 else '<p class="none">No document flipped.</p>'
             )
         )
     if not sections:
-        return '<p class="none">No per-document records for the latest two steps.</p>'
-    return f"<p>Step {a_step} → step {b_step}.</p>" + "".join(sections)
+        return '<p class="none">Flips need per-document records at two evaluated steps.</p>'
+    return "".join(sections)
 
 
 def _first(rec: dict[str, Any]) -> str:

@@ -15,7 +15,8 @@ class Table:
     rows: list[list[Any]]
 
 
-def _task_label(line: dict[str, Any]) -> str:
+def task_label(line: dict[str, Any]) -> str:
+    """`gsm8k (4-shot)`; `gsm8k (default-shot)` where the task kept its own default."""
     shots = line.get("num_fewshot")
     return f"{line['task']} ({shots if shots is not None else 'default'}-shot)"
 
@@ -40,7 +41,7 @@ def newest_versions(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def column(task: str, shots: int | None, metric: str) -> str:
     """A metric's column name: `gsm8k (4-shot) exact_match,strict-match`."""
-    return f"{_task_label({'task': task, 'num_fewshot': shots})} {metric}"
+    return f"{task_label({'task': task, 'num_fewshot': shots})} {metric}"
 
 
 def baseline_values(
@@ -91,7 +92,7 @@ def metric_table(
         where.setdefault(key, line.get("checkpoint", ""))
         cells.setdefault(key, {})
         if line.get("status") != "ok":
-            failed.setdefault(key, set()).add(_task_label(line))
+            failed.setdefault(key, set()).add(task_label(line))
             continue
         row = cells[key]
         for metric, value in line.get("metrics", {}).items():
@@ -148,13 +149,19 @@ def _delta(value: Any, base: Any, se: float | None, se_base: float | None) -> An
 def _with_baseline(
     table: Table, head: int, base: dict[str, Any], name: str, errs: list[dict[str, float]]
 ) -> Table:
-    """The baseline's row first, and a `Δ` column after each metric column."""
+    """The baseline's row first, and a `Δ` column after each metric column (after its stderr
+    column, where that is shown: a metric and its stderr stay side by side)."""
+    shown = set(table.columns[head:])
     metrics = [c for c in table.columns[head:] if c in base and not is_stderr_column(c)]
     columns = table.columns[:head]
     for c in table.columns[head:]:
         columns.append(c)
-        if c in metrics:
+        if c in metrics and stderr_column(c) not in shown:
             columns.append(f"Δ {c}")
+        elif is_stderr_column(c):
+            metric = next((m for m in metrics if stderr_column(m) == c), None)
+            if metric is not None:
+                columns.append(f"Δ {metric}")
     first = [name] + [None] * (head - 1)
     rows = [first + [base.get(c) if not c.startswith("Δ ") else None for c in columns[head:]]]
     for row, err in zip(table.rows, errs, strict=True):
