@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 from pathlib import Path
@@ -198,7 +199,14 @@ def test_doctor_reports_each_check_and_fails_on_a_missing_source(tmp_path: Path)
 
     from .conftest import WATCHER
 
-    cfg = idle_config(tmp_path, eval={"backend": "hf", "tasks": [{"task": "gsm8k"}]})
+    cfg = idle_config(
+        tmp_path,
+        eval={"backend": "hf", "tasks": [{"task": "gsm8k"}]},
+        sinks=[
+            {"kind": "webhook", "url": "http://hooks.example:8080/x"},
+            {"kind": "wandb", "project": "p", "mode": "offline"},
+        ],
+    )
     r = subprocess.run(
         [*WATCHER, "doctor", "-c", str(cfg)], capture_output=True, text=True, timeout=300
     )
@@ -210,9 +218,13 @@ def test_doctor_reports_each_check_and_fails_on_a_missing_source(tmp_path: Path)
         "lm-eval",
         "tasks",
         "sources[0]",
+        "sinks[0]",
+        "sinks[1]",
         "state_dir",
         "ledger_dir",
     ]
+    assert "ok    sinks[0]: webhook to hooks.example:8080" in r.stdout
+    assert "ok    sinks[1]: wandb installed; project p, mode offline" in r.stdout
     r = subprocess.run(
         [*WATCHER, "doctor", "-c", str(cfg), "--set", f"sources.0.path={tmp_path / 'gone'}"],
         capture_output=True,
@@ -289,3 +301,122 @@ def test_results_of_a_run_with_only_failures_shows_them(tmp_path: Path) -> None:
     rows = [line.split() for line in result.output.strip().splitlines()]
     assert rows[0] == ["step", "gsm8k", "(8-shot)"]
     assert rows[2:] == [["100", "FAILED"], ["200", "FAILED"]]
+
+
+def test_doctor_fails_a_wandb_sink_without_the_wandb_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon would refuse to start; doctor says so first (a None in sys.modules is
+    Python's own way to make a package unimportable)."""
+    import sys
+
+    from ckpt_watcher.config import load_config
+    from ckpt_watcher.doctor import check_sinks
+
+    cfg = load_config(idle_config(tmp_path, sinks=[{"kind": "wandb", "project": "p"}]))
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    (check,) = check_sinks(cfg)
+    assert not check.ok
+    assert check.line() == (
+        "FAIL  sinks[0]: config field sinks: kind wandb needs the wandb package: "
+        "pip install -e '.[wandb]' (or pip install wandb)"
+    )
+
+
+def test_once_on_a_source_folder_that_does_not_exist_says_so_and_exits_2(tmp_path: Path) -> None:
+    cfg = idle_config(tmp_path)
+    gone = tmp_path / "no-such-run"
+    result = CliRunner().invoke(main, ["once", "-c", str(cfg), "--set", f"sources.0.path={gone}"])
+    assert result.exit_code == 2, result.output
+    assert f"sources[0].path {gone} does not exist: nothing there to evaluate" in result.output
+
+
+@pytest.mark.e2e
+def test_log_options_work_after_the_subcommand_too(tmp_path: Path) -> None:
+    import subprocess
+
+    from .conftest import WATCHER
+
+    cfg = idle_config(tmp_path)
+
+    def stderr(*args: str) -> list[str]:
+        r = subprocess.run([*WATCHER, *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stderr.splitlines()
+
+    for args in (
+        ["--log-pretty", "once", "-c", str(cfg)],
+        ["once", "-c", str(cfg), "--log-pretty"],
+    ):
+        lines = stderr(*args)
+        assert not [line for line in lines if line.startswith('{"')], lines
+        assert any("[info" in line and "daemon.started" in line for line in lines), lines
+    lines = stderr("once", "-c", str(cfg), "--log-json")
+    events = [json.loads(line)["event"] for line in lines if line.startswith('{"')]
+    assert "daemon.started" in events, lines
+    lines = stderr("once", "-c", str(cfg), "--log-json", "--log-level", "WARNING")
+    assert not [line for line in lines if "daemon.started" in line], lines
+
+
+def test_samples_json_gives_each_response_its_step_and_flips_as_before_and_after(
+    tmp_path: Path,
+) -> None:
+    import gzip
+
+    cfg = _ledger(tmp_path)
+    scores = {400: [1.0, 0.0, 1.0], 500: [0.0, 0.0, 1.0]}  # document 0 flips from right to wrong
+    for step, by_doc in scores.items():
+        name = f"step_{step}/samples_gsm8k.jsonl.gz"
+        (tmp_path / "l" / "r" / f"step_{step}").mkdir(parents=True)
+        with gzip.open(tmp_path / "l" / "r" / name, "wt") as f:
+            for doc_id, score in enumerate(by_doc):
+                rec = {"task": "gsm8k", "doc_id": doc_id, "resps": [f"r{step}"]}
+                f.write(json.dumps(rec | {"scores": {"exact_match,strict-match": [score]}}) + "\n")
+        append(
+            tmp_path / "l",
+            {
+                "run": "r",
+                "step": step,
+                "label": f"r_step{step}",
+                "task": "gsm8k",
+                "num_fewshot": 8,
+                "status": "ok",
+                "metrics": {"exact_match,strict-match": sum(by_doc) / 3},
+                "samples_file": name,
+            },
+        )
+    args = ["samples", "-c", str(cfg), "r", "--task", "gsm8k", "--step", "500", "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    docs = [json.loads(line) for line in result.output.splitlines()]
+    assert [(d["step"], d["doc_id"], d["resps"]) for d in docs] == [
+        (500, i, ["r500"]) for i in range(3)
+    ]
+    result = CliRunner().invoke(main, [*args, "--vs", "400"])
+    assert result.exit_code == 0, result.output
+    (flip,) = [json.loads(line) for line in result.output.splitlines()]
+    assert (flip["task"], flip["doc_id"]) == ("gsm8k", 0)
+    assert (flip["before"]["step"], flip["before"]["resps"]) == (400, ["r400"])
+    assert (flip["after"]["step"], flip["after"]["resps"]) == (500, ["r500"])
+
+
+def test_commands_the_demo_prints_name_a_watcher_the_shell_finds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where `.venv/bin/watcher demo` runs without activating the venv, the commands
+    the demo then prints must not say a bare `watcher` that the shell cannot find."""
+    import shutil
+    import sys
+
+    from ckpt_watcher.demo.runner import watcher_command
+
+    ours = Path(sys.executable).parent / "watcher"
+    assert ours.exists()
+    monkeypatch.setenv("PATH", str(tmp_path))  # no watcher on PATH
+    assert watcher_command() == str(ours.absolute())
+    other = tmp_path / "watcher"  # another install's watcher first on PATH
+    other.write_text("#!/bin/sh\n")
+    other.chmod(0o755)
+    assert watcher_command() == str(ours.absolute())
+    monkeypatch.setenv("PATH", f"{ours.parent}{os.pathsep}{tmp_path}")  # an activated venv
+    assert shutil.which("watcher") == str(ours) and watcher_command() == "watcher"

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ckpt_watcher.demo.runner import watcher_command
 
 from .conftest import WATCHER, read_ledger
 from .helpers import addition_accuracy
@@ -40,14 +43,18 @@ def test_watcher_demo_learns_prints_its_table_and_leaves_a_usable_config(tmp_pat
         )
     config = workdir / "watcher.yaml"
     assert config.is_file()
-    suggested = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("watcher ")]
-    assert {c.split()[1] for c in suggested} >= {"status", "results", "plot", "report"}, r.stdout
-    assert any(c.split()[1] == "run" for c in suggested)  # not run here: it watches until stopped
-    for command in (c for c in suggested if c.split()[1] != "run"):
-        argv = command.split("#")[0].split()
+    # the suggested commands run as printed: this install's `watcher` by its full path, since
+    # the tests' PATH does not hold it (`watcher` alone where it does: test_cli)
+    w = shlex.split(watcher_command())
+    suggested = [shlex.split(ln.split("#")[0]) for ln in r.stdout.splitlines() if " -c " in ln]
+    suggested = [argv[len(w) - 1 :] for argv in suggested if argv[: len(w)] == w]
+    assert {c[1] for c in suggested} >= {"status", "results", "plot", "report"}, r.stdout
+    assert any(c[1] == "run" for c in suggested)  # not run here: it watches until stopped
+    for argv in (c for c in suggested if c[1] != "run"):
+        command = " ".join(argv)
         assert str(config) in argv, command
         out = subprocess.run(
-            [*WATCHER, *argv[1:]], capture_output=True, text=True, timeout=120, cwd=workdir
+            [*w, *argv[1:]], capture_output=True, text=True, timeout=120, cwd=workdir
         )
         # status exits 3: the demo's daemon has stopped, as it says
         assert out.returncode in ((0, 3) if argv[1] == "status" else (0,)), command + out.stderr
@@ -66,7 +73,9 @@ def test_watcher_demo_learns_prints_its_table_and_leaves_a_usable_config(tmp_pat
                 timeout=120,
                 cwd=workdir,
             )
-            pairs = [json.loads(x) for x in flips.stdout.splitlines()]
+            flipped = [json.loads(x) for x in flips.stdout.splitlines()]
+            pairs = [(f["before"], f["after"]) for f in flipped]
+            assert {(a["step"], b["step"]) for a, b in pairs} == {(min(scores), max(scores))}
             learned = sum(1 for a, b in pairs if b["scores"]["exact_match,none"] == [1.0])
             forgot = len(pairs) - learned
             # every flip is a real one, and they account for the score's change exactly

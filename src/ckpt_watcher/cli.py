@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import click
 
 from ckpt_watcher import __version__, logs
-from ckpt_watcher.config import WatcherConfig, load_config
+from ckpt_watcher.config import LocalSource, WatcherConfig, load_config
 from ckpt_watcher.errors import ConfigError, StateError, WatcherError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -95,23 +95,33 @@ def _run_ledger(config_path: Path, run_name: str) -> tuple[str, list[dict[str, A
     return run_path, report.lines
 
 
+LOG_LEVEL_HELP = (
+    "DEBUG, INFO, WARNING or ERROR (default INFO; WARNING for `demo`, which prints its own "
+    "progress)."
+)
+LOG_FORMAT_HELP = "Log format (default: JSON unless stderr is a terminal)."
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="watcher")
-@click.option(
-    "--log-level",
-    default=None,
-    help="DEBUG, INFO, WARNING or ERROR (default INFO; WARNING for `demo`, which prints its own progress).",
-)
-@click.option(
-    "--log-json/--log-pretty",
-    default=None,
-    help="Log format (default: JSON unless stderr is a terminal).",
-)
+@click.option("--log-level", default=None, help=LOG_LEVEL_HELP)
+@click.option("--log-json/--log-pretty", default=None, help=LOG_FORMAT_HELP)
 @click.pass_context
 def main(ctx: click.Context, log_level: str | None, log_json: bool | None) -> None:
     """ckpt-watcher: evaluate LLM checkpoints while they train."""
     quiet = ctx.invoked_subcommand == "demo"
+    ctx.meta["logs"] = {"log_level": log_level or ("WARNING" if quiet else "INFO")}
+    ctx.meta["logs"]["log_json"] = log_json
     logs.configure(log_level or ("WARNING" if quiet else "INFO"), log_json)
+
+
+def _log_option(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """The log options given after the subcommand (`watcher run --log-pretty`) win."""
+    if value is None or ctx.resilient_parsing or param.name is None:
+        return
+    settings = ctx.meta.setdefault("logs", {"log_level": "INFO", "log_json": None})
+    settings[param.name] = value
+    logs.configure(settings["log_level"], settings["log_json"])
 
 
 @main.command()
@@ -142,6 +152,16 @@ def once(config_path: Path, overrides: tuple[str, ...]) -> None:
     from ckpt_watcher.preflight import require_known_tasks
 
     cfg = _load(config_path, overrides)
+    missing = [
+        f"sources[{i}].path {s.path}"
+        for i, s in enumerate(cfg.sources)
+        if isinstance(s, LocalSource) and not s.path.exists()
+    ]
+    if missing:  # `run` waits for such a folder (training may not have started); `once` cannot
+        raise ConfigError(
+            f"{'; '.join(missing)} does not exist: nothing there to evaluate; check the path "
+            "(`watcher run` would wait for it to appear)"
+        )
     require_known_tasks(cfg)
     sys.exit(run_daemon(cfg, once=True))
 
@@ -265,6 +285,19 @@ def suites_cmd(config_path: Path | None) -> None:
             )
 
 
+def _with_steps(entry: Any, step: int, vs_step: int | None) -> dict[str, Any]:
+    """`samples --json`: a record with its step, or a flip as `{task, doc_id, before, after}`."""
+    if vs_step is None:
+        return {"step": step, **entry}
+    then, now = entry
+    return {
+        "task": now.get("task"),
+        "doc_id": now.get("doc_id"),
+        "before": {"step": vs_step, **then},
+        "after": {"step": step, **now},
+    }
+
+
 @main.command()
 @config_option
 @click.argument("run_name", metavar="RUN")
@@ -329,9 +362,11 @@ def samples(
     total = len(shown)
     if max_docs:
         shown = shown[:max_docs]
-    if as_json:
-        for item in shown:
-            click.echo(json.dumps(item, default=str, ensure_ascii=False))
+    if as_json:  # one JSON object a line, each response's record with its step
+        for entry in shown:
+            click.echo(
+                json.dumps(_with_steps(entry, step, vs_step), default=str, ensure_ascii=False)
+            )
         return
     click.echo(head)
     click.echo("\n".join(render(shown)))
@@ -467,3 +502,23 @@ def doctor(config_path: Path, overrides: tuple[str, ...]) -> None:
     for c in checks:
         click.echo(c.line())
     sys.exit(0 if all(c.ok for c in checks) else 1)
+
+
+# every subcommand takes the log options too, where users put them
+for _command in main.commands.values():
+    _command.params += [
+        click.Option(
+            ["--log-level"],
+            default=None,
+            expose_value=False,
+            callback=_log_option,
+            help=LOG_LEVEL_HELP,
+        ),
+        click.Option(
+            ["--log-json/--log-pretty"],
+            default=None,
+            expose_value=False,
+            callback=_log_option,
+            help=LOG_FORMAT_HELP,
+        ),
+    ]

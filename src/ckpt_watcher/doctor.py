@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt_watcher.config import LocalSource, WatcherConfig
+from ckpt_watcher.config import LocalSource, WandbSink, WatcherConfig
 from ckpt_watcher.devices import build_inventory, foreign_busy
 from ckpt_watcher.errors import WatcherError
 
@@ -144,6 +144,26 @@ def check_baseline(cfg: WatcherConfig) -> list[Check]:
     return [Check("baseline", True, f"{where} found; evaluated once as run `baseline`")]
 
 
+def check_sinks(cfg: WatcherConfig) -> list[Check]:
+    """Each sink as the daemon will start it (the daemon refuses to start without what one
+    needs)."""
+    from urllib.parse import urlsplit
+
+    from ckpt_watcher.sinks.wandb import wandb_missing
+
+    out = []
+    for i, sink in enumerate(cfg.sinks):
+        name = f"sinks[{i}]"
+        if isinstance(sink, WandbSink):
+            missing = wandb_missing()
+            where = f"project {sink.project}" + (f", mode {sink.mode}" if sink.mode else "")
+            out.append(Check(name, missing is None, missing or f"wandb installed; {where}"))
+        else:
+            host = urlsplit(sink.url).netloc
+            out.append(Check(name, True, f"webhook to {host} (nothing is sent by doctor)"))
+    return out
+
+
 def _s3_check(name: str, uri: str, endpoint_url: str | None, timeout: float) -> Check:
     """Credentials and reachability: one listing request, at most one retry."""
     from ckpt_watcher.s3client import Retry
@@ -217,5 +237,6 @@ def run_checks(cfg: WatcherConfig) -> list[Check]:
     checks.append(check_tasks(cfg))
     checks += check_sources(cfg)
     checks += check_baseline(cfg)
+    checks += check_sinks(cfg)
     checks += check_disk(cfg)
     return checks

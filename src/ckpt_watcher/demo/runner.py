@@ -4,6 +4,8 @@ checkpoint it writes (hf backend, one CPU slot), then return the results table."
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -69,6 +71,18 @@ def _all_evaluated(cfg: WatcherConfig, written: int) -> bool:
     finally:
         state.close()
     return len(mine) >= written and all(r.state in TERMINAL for r in mine) and not busy
+
+
+def watcher_command() -> str:
+    """How to call this watcher from the user's shell, so the commands it prints run as printed:
+    `watcher` when that is on PATH and is this install, else the full path of this install's."""
+    here = Path(sys.executable).parent / "watcher"
+    found = shutil.which("watcher")
+    if found and (not here.exists() or Path(found).resolve() == here.resolve()):
+        return "watcher"
+    if here.exists():
+        return shlex.quote(str(here.absolute()))
+    return f"{shlex.quote(sys.executable)} -m ckpt_watcher"
 
 
 def run_demo(
@@ -150,19 +164,18 @@ def run_demo(
     config = workdir / CONFIG_NAME
     echo(f"\nthe demo's config is {config} (edit it, or point `sources` at your own checkpoints)")
     echo("next, try:")
-    echo(f"  watcher status -c {config}")
-    echo(f"  watcher results -c {config} {RUN} --format md")
-    echo(f"  watcher plot -c {config} {RUN} -o {workdir / 'demo.png'}")
-    echo(
-        f"  watcher report -c {config} {RUN} -o {workdir / 'report.html'}   # open it in a browser"
-    )
+    w = watcher_command()
+    echo(f"  {w} status -c {config}")
+    echo(f"  {w} results -c {config} {RUN} --format md")
+    echo(f"  {w} plot -c {config} {RUN} -o {workdir / 'demo.png'}")
+    echo(f"  {w} report -c {config} {RUN} -o {workdir / 'report.html'}   # open it in a browser")
     steps_done = sorted(ln["step"] for ln in lines if ln.get("status") == "ok")
     if len(steps_done) >= 2:
         echo(
-            f"  watcher samples -c {config} {RUN} --step {steps_done[-1]} --task addition "
+            f"  {w} samples -c {config} {RUN} --step {steps_done[-1]} --task addition "
             f"--vs {steps_done[0]}   # the problems it learned"
         )
-    echo(f"  watcher run -c {config}   # keep watching the folder (Ctrl-C stops it)")
+    echo(f"  {w} run -c {config}   # keep watching the folder (Ctrl-C stops it)")
     failed = [ln for ln in lines if ln.get("status") != "ok"]
     if failed:
         echo(f"{len(failed)} eval(s) failed; see `watcher status` and the ledger's error field")

@@ -62,13 +62,21 @@ def own_run_id(project: str, run_path: str) -> str:
     return "ckptw-" + hashlib.sha256(f"{project}\0{run_path}".encode()).hexdigest()[:16]
 
 
+def wandb_missing() -> str | None:
+    """What to do when the wandb package is not installed (None when it is)."""
+    if importlib.util.find_spec("wandb") is None:
+        return (
+            "config field sinks: kind wandb needs the wandb package: "
+            "pip install -e '.[wandb]' (or pip install wandb)"
+        )
+    return None
+
+
 class WandbSinkWorker:
     def __init__(self, sink: WandbSink, ledger_dir: Path, state_dir: Path) -> None:
-        if importlib.util.find_spec("wandb") is None:
-            raise ConfigError(
-                "config field sinks: kind wandb needs the wandb package: "
-                "pip install -e '.[wandb]' (or pip install wandb)"
-            )
+        missing = wandb_missing()
+        if missing is not None:
+            raise ConfigError(missing)
         self.sink = sink
         self.ledger_dir = ledger_dir
         self.dir = sink.dir or state_dir / "wandb"
