@@ -80,6 +80,23 @@ def test_the_classification_table(exc: BaseException, heals: bool, says: str) ->
         assert failure.error.endswith("then `watcher requeue`)")
 
 
+def test_a_truncated_weights_file_is_not_retried_and_says_what_to_check(tmp_path: Path) -> None:
+    """What safetensors itself raises on a file cut short (behind a completion marker the
+    watcher takes it as complete): three attempts would fail alike."""
+    from safetensors import safe_open
+
+    from .conftest import write_safetensors
+
+    path = tmp_path / "model.safetensors"
+    write_safetensors(path, {"w": 1024}, truncate_by=100)
+    with pytest.raises(Exception) as caught:
+        with safe_open(str(path), "pt") as f:
+            f.get_tensor("w")
+    failure = classify(caught.value)
+    assert failure.error.startswith("SafetensorError: ") and not failure.heals
+    assert "truncated or corrupt: check that the trainer finished writing it" in failure.error
+
+
 @pytest.mark.e2e
 def test_a_vanished_data_file_and_an_unloadable_checkpoint_get_one_attempt_each(
     tmp_path: Path, addition_tasks: Path, copy_checkpoint

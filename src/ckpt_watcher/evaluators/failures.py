@@ -61,6 +61,13 @@ CANNOT_HEAL: list[tuple[str, Callable[[BaseException, str], bool], str]] = [
         f"fix the task's YAML (doc_to_text / doc_to_target); {REQUEUE}",
     ),
     (
+        "weights file truncated or corrupt",
+        lambda e, t: _is(("SafetensorError",))(e),
+        "a safetensors file of the checkpoint is truncated or corrupt: check that the trainer "
+        "finished writing it (disk full? killed mid-save?); once rewritten it is a new version "
+        "of the checkpoint and is evaluated by itself",
+    ),
+    (
         "checkpoint cannot be loaded",
         lambda e, t: (
             isinstance(e, OSError | ValueError)
