@@ -420,3 +420,33 @@ def test_commands_the_demo_prints_name_a_watcher_the_shell_finds(
     assert watcher_command() == str(ours.absolute())
     monkeypatch.setenv("PATH", f"{ours.parent}{os.pathsep}{tmp_path}")  # an activated venv
     assert shutil.which("watcher") == str(ours) and watcher_command() == "watcher"
+
+
+def test_status_exits_5_while_a_source_has_been_unreachable_for_3_polls(tmp_path: Path) -> None:
+    """Running but degraded: only Prometheus used to tell that a source had been down for
+    minutes. A failed scan or two is a blip (exit 0); 3 polls and 30 s of them is an outage."""
+    import time
+
+    from ckpt_watcher import status as status_mod
+    from ckpt_watcher.config import load_config
+
+    cfg = load_config(idle_config(tmp_path, sources=[{"kind": "local", "path": str(tmp_path)}]))
+    name = cfg.sources[0].name  # polled every 30 s (the default)
+    now = time.time()
+    state = State(cfg.state_dir)
+    state.record_scan(name, now - 60, "PermissionError: [Errno 13] denied", None)
+    state.close()
+    alive = {"alive": True, "stale": False}
+    data = status_mod.gather(cfg, now=now)
+    assert data["degraded"] == [] and status_mod.exit_code(data | {"daemon": alive}) == 0
+    data = status_mod.gather(cfg, now=now + 31)  # 91 s: 3 polls
+    assert data["degraded"] == [
+        f"source {name} unreachable for 91s: PermissionError: [Errno 13] denied"
+    ]
+    assert status_mod.exit_code(data | {"daemon": alive}) == status_mod.EXIT_DEGRADED == 5
+    assert status_mod.exit_code(data) == 3  # not running at all: down, whatever its sources
+    page = status_mod.render(data | {"daemon": data["daemon"] | alive | _RUNNING})
+    assert f"DEGRADED: source {name} unreachable for 91s" in page
+
+
+_RUNNING = {"pid": 1, "started_at": "t", "heartbeat_age_s": 1.0, "stopping": False}

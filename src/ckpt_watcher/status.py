@@ -26,6 +26,11 @@ STALE_AFTER = 10 * HEARTBEAT_SECONDS
 EXIT_RUNNING = 0
 EXIT_DOWN = 3
 EXIT_STALE = 4
+EXIT_DEGRADED = 5  # running, but a source has been unreachable for a while
+# a source counts as down (not a passing blip) once unreachable for this many of its polls,
+# and at least this long
+DEGRADED_POLLS = 3
+DEGRADED_MIN_SECONDS = 30.0
 # Non-final states listed one by one (done/skipped only counted).
 _LISTED = ("incomplete", "invalid", "unrecognised", "ready", "planned", "failed", "missed")
 
@@ -67,6 +72,13 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         if cfg.baseline is not None and cfg.baseline.checkpoint is not None:
             names.append(source_name(cfg.baseline.checkpoint))
         sources = [_source(scanned.get(name), name, now) for name in names]
+        polls = {s.name: s.poll_seconds for s in cfg.sources}
+        degraded = [
+            f"source {src['name']} unreachable for {age:.0f}s: {src['error']}"
+            for src in sources
+            if (age := src.pop("_unreachable_s")) is not None
+            and age >= max(DEGRADED_MIN_SECONDS, DEGRADED_POLLS * polls.get(src["name"], 30.0))
+        ]
         checkpoints = [
             {
                 "location": r.location,
@@ -143,6 +155,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         state.close()
     return {
         "daemon": daemon,
+        "degraded": degraded,  # why a running daemon is not doing all it should (exit 5)
         "sources": sources,
         "checkpoint_counts": counts,
         "checkpoints": checkpoints,
@@ -211,6 +224,7 @@ def _source(row: Any, name: str, now: float) -> dict[str, Any]:
             "error": None,
             "unreachable_since": None,
             "checkpoints": None,
+            "_unreachable_s": None,
         }
     return {
         "name": name,
@@ -219,6 +233,7 @@ def _source(row: Any, name: str, now: float) -> dict[str, Any]:
         "error": row["last_error"],
         "unreachable_since": _iso_or_none(row["unreachable_since"]),
         "checkpoints": row["n_checkpoints"],
+        "_unreachable_s": now - row["unreachable_since"] if row["unreachable_since"] else None,
     }
 
 
@@ -255,7 +270,9 @@ def exit_code(data: dict[str, Any]) -> int:
     d = data["daemon"]
     if not d["alive"]:
         return EXIT_DOWN
-    return EXIT_STALE if d["stale"] else EXIT_RUNNING
+    if d["stale"]:
+        return EXIT_STALE
+    return EXIT_DEGRADED if data.get("degraded") else EXIT_RUNNING
 
 
 def render(data: dict[str, Any]) -> str:
@@ -272,6 +289,8 @@ def render(data: dict[str, Any]) -> str:
             lines.append(f"metrics: {d['metrics_url']}")
     else:
         lines.append(f"daemon: DOWN since {d['stopped_at'] or 'unknown'}")
+    if d["alive"]:
+        lines += [f"DEGRADED: {why}" for why in data.get("degraded", [])]
     lines.append("sources:")
     for s in data["sources"]:
         if s["unreachable_since"]:
