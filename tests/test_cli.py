@@ -225,6 +225,7 @@ def test_doctor_reports_each_check_and_fails_on_a_missing_source(tmp_path: Path)
     ]
     assert "ok    sinks[0]: webhook to hooks.example:8080" in r.stdout
     assert "ok    sinks[1]: wandb installed; project p, mode offline" in r.stdout
+    assert "tasks.checked" not in r.stderr and '{"' not in r.stderr  # no log lines amid it
     r = subprocess.run(
         [*WATCHER, "doctor", "-c", str(cfg), "--set", f"sources.0.path={tmp_path / 'gone'}"],
         capture_output=True,

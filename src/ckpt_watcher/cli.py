@@ -96,8 +96,8 @@ def _run_ledger(config_path: Path, run_name: str) -> tuple[str, list[dict[str, A
 
 
 LOG_LEVEL_HELP = (
-    "DEBUG, INFO, WARNING or ERROR (default INFO; WARNING for `demo`, which prints its own "
-    "progress)."
+    "DEBUG, INFO, WARNING or ERROR (default INFO; WARNING for `demo` and `doctor`, which print "
+    "their own progress)."
 )
 LOG_FORMAT_HELP = "Log format (default: JSON unless stderr is a terminal)."
 
@@ -109,7 +109,10 @@ LOG_FORMAT_HELP = "Log format (default: JSON unless stderr is a terminal)."
 @click.pass_context
 def main(ctx: click.Context, log_level: str | None, log_json: bool | None) -> None:
     """ckpt-watcher: evaluate LLM checkpoints while they train."""
-    quiet = ctx.invoked_subcommand == "demo"
+    # the demo and doctor print for a person: only warnings are logged, and never as JSON
+    quiet = ctx.invoked_subcommand in ("demo", "doctor")
+    if log_json is None and quiet:
+        log_json = False
     ctx.meta["logs"] = {"log_level": log_level or ("WARNING" if quiet else "INFO")}
     ctx.meta["logs"]["log_json"] = log_json
     logs.configure(log_level or ("WARNING" if quiet else "INFO"), log_json)
