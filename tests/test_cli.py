@@ -273,6 +273,16 @@ def test_plot_draws_stderr_bars_the_baseline_and_an_accuracy_axis_from_0_to_1() 
     assert list(dashed.get_ydata()) == [0.3, 0.3] and dashed.get_color() == data_line.get_color()
     assert [t.get_text() for t in ax.get_legend().get_texts()][0].startswith("base (dashed")
     plt.close(fig)
+    # two series with the same values (and points at 0 and 1) both stay visible
+    same = [(100, 0.0), (200, 1.0)]
+    lines = [line(s, t, {"acc,none": v}) for s, v in same for t in ("a", "b")]
+    fig, drawn = figure(lines, "r")
+    first, second = (c.lines[0] for c in fig.axes[0].containers)
+    assert drawn == 2 and list(first.get_ydata()) == list(second.get_ydata()) == [0.0, 1.0]
+    assert first.get_marker() != second.get_marker()
+    assert first.get_markersize() > second.get_markersize()  # the later one, on top, smaller
+    assert not first.get_clip_on() and not second.get_clip_on()  # not cut in half at 0 and 1
+    plt.close(fig)
     # a metric beyond [0, 1] (perplexity, say) keeps matplotlib's own limits
     fig, _ = figure([line(100, "b", {"ppl,none": 12.0}), line(200, "b", {"ppl,none": 9.0})], "r")
     assert fig.axes[0].get_ylim()[1] > 12

@@ -8,6 +8,9 @@ from typing import Any
 
 from ckpt_watcher.report.table import metric_series
 
+MARKERS = "osD^v<>ph"
+LINESTYLES = ("-", ":", "-.")  # "--" is the baseline's
+
 
 def plot_run(
     lines: list[dict[str, Any]],
@@ -41,9 +44,23 @@ def figure(
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     drawn, values, based = 0, list[float](), False
-    for column, points in metric_series(lines).items():
+    for i, (column, points) in enumerate(metric_series(lines).items()):
         xs, ys, errs = zip(*points, strict=True)
-        bars = ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=column)
+        # series with equal values stay visible: each its own hollow marker and line style,
+        # each later one smaller (rings inside rings); points at 0 or 1 are drawn whole
+        bars = ax.errorbar(
+            xs,
+            ys,
+            yerr=errs,
+            marker=MARKERS[i % len(MARKERS)],
+            markersize=max(3.0, 10.0 - 2.5 * (i % 4)),
+            markerfacecolor="none",
+            markeredgewidth=1.5,
+            linestyle=LINESTYLES[i % len(LINESTYLES)],
+            capsize=3,
+            label=column,
+            clip_on=False,
+        )
         values += ys
         base = (baseline or {}).get(column)
         if isinstance(base, int | float):
