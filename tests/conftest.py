@@ -214,6 +214,21 @@ def upload_dir(client, folder: Path, bucket: str, prefix: str, skip: tuple[str, 
 
 @pytest.fixture(scope="module")  # a fresh cluster per module, as test_ray's timing checks expect
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # One cluster on the machine at a time, also across pytest-xdist workers (.ci/run runs two):
+    # `ray stop --force` below stops every Ray process on the machine, another module's too.
+    import fcntl
+    import tempfile
+
+    lock = open(Path(tempfile.gettempdir()) / "ckpt-watcher-tests-ray.lock", "w")  # noqa: SIM115
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        yield from _ray_cluster(tmp_path_factory)
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+
+def _ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ray = str(Path(os.sys.executable).parent / "ray")
     tmp = tmp_path_factory.mktemp("ray")
     # Ray's workers inherit this environment: dummy AWS credentials let them stage from the
