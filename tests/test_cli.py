@@ -43,21 +43,22 @@ def _ledger(tmp_path: Path) -> Path:
         },
     )
     for step, acc, status in [(200, 0.5, "ok"), (100, 0.25, "ok"), (300, 0.0, "failed")]:
-        append(
-            tmp_path / "l",
-            {
-                "run": "r",
-                "step": step,
-                "label": f"r_step{step}",
-                "task": "gsm8k",
-                "num_fewshot": 8,
-                "status": status,
-                "metrics": {"exact_match,strict-match": acc, "exact_match_stderr,strict-match": 0.1}
-                if status == "ok"
-                else {},
-            },
-        )
+        metrics = {"exact_match,strict-match": acc, "exact_match_stderr,strict-match": 0.1}
+        append(tmp_path / "l", _gsm8k_line(step, metrics if status == "ok" else {}, status))
     return cfg
+
+
+def _gsm8k_line(step: int, metrics: dict[str, float], status: str = "ok", **extra: Any) -> dict:
+    """A ledger line of run `r`: gsm8k 8-shot at `step`."""
+    return {
+        "run": "r",
+        "step": step,
+        "label": f"r_step{step}",
+        "task": "gsm8k",
+        "num_fewshot": 8,
+        "status": status,
+        "metrics": metrics,
+    } | extra
 
 
 @pytest.mark.parametrize("fmt", ["table", "md", "csv", "json"])
@@ -383,19 +384,8 @@ def test_samples_json_gives_each_response_its_step_and_flips_as_before_and_after
             for doc_id, score in enumerate(by_doc):
                 rec = {"task": "gsm8k", "doc_id": doc_id, "resps": [f"r{step}"]}
                 f.write(json.dumps(rec | {"scores": {"exact_match,strict-match": [score]}}) + "\n")
-        append(
-            tmp_path / "l",
-            {
-                "run": "r",
-                "step": step,
-                "label": f"r_step{step}",
-                "task": "gsm8k",
-                "num_fewshot": 8,
-                "status": "ok",
-                "metrics": {"exact_match,strict-match": sum(by_doc) / 3},
-                "samples_file": name,
-            },
-        )
+        metrics = {"exact_match,strict-match": sum(by_doc) / 3}
+        append(tmp_path / "l", _gsm8k_line(step, metrics, samples_file=name))
     args = ["samples", "-c", str(cfg), "r", "--task", "gsm8k", "--step", "500", "--json"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
