@@ -96,7 +96,10 @@ def run_demo(
     workdir = workdir.resolve()
     (workdir / "checkpoints").mkdir(parents=True, exist_ok=True)
     if ledger_mod.ledger_path(workdir / "ledgers", RUN).exists():
-        echo(f"note: {workdir} has results from an earlier demo; they are kept, not redone")
+        echo(
+            f"note: {workdir} holds an earlier demo: the model trains again; a checkpoint that "
+            "comes out the same keeps its result, one that differs is evaluated again"
+        )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
