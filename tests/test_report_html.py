@@ -153,3 +153,12 @@ def test_watcher_report_renders_in_chromium(tmp_path: Path) -> None:
         browser.close()
     assert (tmp_path / "report.png").stat().st_size > 10_000
     assert requests == [out.as_uri()]  # self-contained: nothing else fetched
+
+
+def test_a_failure_without_a_finish_time_or_shots_reads_cleanly(tmp_path: Path) -> None:
+    failed = line(100, "addition", 0, 0, status="failed", error="SafetensorError: truncated")
+    del failed["finished_at"]
+    failed["num_fewshot"] = None
+    page = render_page([failed], "r", tmp_path)
+    assert "addition (default-shot): <code>SafetensorError: truncated</code>" in page
+    assert ", :" not in page and "None-shot" not in page
