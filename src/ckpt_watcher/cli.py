@@ -113,9 +113,9 @@ def main(ctx: click.Context, log_level: str | None, log_json: bool | None) -> No
     quiet = ctx.invoked_subcommand in ("demo", "doctor")
     if log_json is None and quiet:
         log_json = False
-    ctx.meta["logs"] = {"log_level": log_level or ("WARNING" if quiet else "INFO")}
-    ctx.meta["logs"]["log_json"] = log_json
-    logs.configure(log_level or ("WARNING" if quiet else "INFO"), log_json)
+    level = log_level or ("WARNING" if quiet else "INFO")
+    ctx.meta["logs"] = {"log_level": level, "log_json": log_json}  # `_log_option` may change them
+    logs.configure(level, log_json)
 
 
 def _log_option(ctx: click.Context, param: click.Parameter, value: Any) -> None:
@@ -511,18 +511,9 @@ def doctor(config_path: Path, overrides: tuple[str, ...]) -> None:
 # every subcommand takes the log options too, where users put them
 for _command in main.commands.values():
     _command.params += [
-        click.Option(
-            ["--log-level"],
-            default=None,
-            expose_value=False,
-            callback=_log_option,
-            help=LOG_LEVEL_HELP,
-        ),
-        click.Option(
-            ["--log-json/--log-pretty"],
-            default=None,
-            expose_value=False,
-            callback=_log_option,
-            help=LOG_FORMAT_HELP,
-        ),
+        click.Option(decls, default=None, expose_value=False, callback=_log_option, help=text)
+        for decls, text in (
+            (["--log-level"], LOG_LEVEL_HELP),
+            (["--log-json/--log-pretty"], LOG_FORMAT_HELP),
+        )
     ]

@@ -74,10 +74,13 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         sources = [_source(scanned.get(name), name, now) for name in names]
         polls = {s.name: s.poll_seconds for s in cfg.sources}
         degraded = [
-            f"source {src['name']} unreachable for {age:.0f}s: {src['error']}"
-            for src in sources
-            if (age := src.pop("_unreachable_s")) is not None
-            and age >= max(DEGRADED_MIN_SECONDS, DEGRADED_POLLS * polls.get(src["name"], 30.0))
+            f"source {name} unreachable for {now - row['unreachable_since']:.0f}s: "
+            f"{row['last_error']}"
+            for name in names
+            if (row := scanned.get(name)) is not None
+            and row["unreachable_since"]
+            and now - row["unreachable_since"]
+            >= max(DEGRADED_MIN_SECONDS, DEGRADED_POLLS * polls.get(name, 30.0))
         ]
         checkpoints = [
             {
@@ -224,7 +227,6 @@ def _source(row: Any, name: str, now: float) -> dict[str, Any]:
             "error": None,
             "unreachable_since": None,
             "checkpoints": None,
-            "_unreachable_s": None,
         }
     return {
         "name": name,
@@ -233,7 +235,6 @@ def _source(row: Any, name: str, now: float) -> dict[str, Any]:
         "error": row["last_error"],
         "unreachable_since": _iso_or_none(row["unreachable_since"]),
         "checkpoints": row["n_checkpoints"],
-        "_unreachable_s": now - row["unreachable_since"] if row["unreachable_since"] else None,
     }
 
 

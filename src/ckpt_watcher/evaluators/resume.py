@@ -11,9 +11,8 @@ own filters and aggregations over the complete set of responses, as for any task
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -40,7 +39,6 @@ class TaskJournal:
     computed: int = 0  # units asked of the engine
     _replay: dict[str, Any] | None = None
     _writer: journal.Writer | None = None
-    _seconds: list[float] = field(default_factory=list)
 
     @property
     def replay(self) -> dict[str, Any]:
@@ -75,9 +73,7 @@ class TaskJournal:
         self._report(done, len(units), unit)
         for start in range(0, len(missing), self.chunk):
             part = missing[start : start + self.chunk]
-            began = time.monotonic()
             values = compute([units[i][1] for i in part])
-            self._seconds.append(time.monotonic() - began)
             self.writer.append((units[i][0], v) for i, v in zip(part, values, strict=True))
             for i, v in zip(part, values, strict=True):
                 out[i] = v

@@ -153,15 +153,13 @@ def _with_baseline(
     column, where that is shown: a metric and its stderr stay side by side)."""
     shown = set(table.columns[head:])
     metrics = [c for c in table.columns[head:] if c in base and not is_stderr_column(c)]
+    # the column each Δ follows: its metric's stderr where shown, else the metric itself
+    delta_after = {stderr_column(m) if stderr_column(m) in shown else m: m for m in metrics}
     columns = table.columns[:head]
     for c in table.columns[head:]:
         columns.append(c)
-        if c in metrics and stderr_column(c) not in shown:
-            columns.append(f"Δ {c}")
-        elif is_stderr_column(c):
-            metric = next((m for m in metrics if stderr_column(m) == c), None)
-            if metric is not None:
-                columns.append(f"Δ {metric}")
+        if c in delta_after:
+            columns.append(f"Δ {delta_after[c]}")
     first = [name] + [None] * (head - 1)
     rows = [first + [base.get(c) if not c.startswith("Δ ") else None for c in columns[head:]]]
     for row, err in zip(table.rows, errs, strict=True):
