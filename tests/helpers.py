@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ckpt_watcher.executors.processes import process_alive
+from ckpt_watcher.proctable import process_alive
 
 from .conftest import WATCHER, read_ledger
 

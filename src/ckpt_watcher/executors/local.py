@@ -17,14 +17,17 @@ import threading
 import time
 
 from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
-from ckpt_watcher.executors.processes import kill_group, process_alive, process_start_token
+from ckpt_watcher.executors.processes import kill_group
 from ckpt_watcher.jobfolder import WORKER_MODULE, JobFolder
+from ckpt_watcher.proctable import process_alive, process_start_token
 
 ADOPTED_POLL_SECONDS = 0.5  # how often an adopted worker's exit file and process are looked at
 ADOPTED_EXIT_GRACE_SECONDS = 15.0  # after its exit file, for the process to end by itself
 
 
 class LocalExecutor(Executor):
+    shares_journals = True
+
     def __init__(self, on_exit: ExitCallback, python: str = sys.executable) -> None:
         self.on_exit = on_exit
         self.python = python

@@ -1,6 +1,6 @@
-"""This host's process table (/proc), as the daemon needs it: is a worker still ours and alive,
-which processes belong to our workers' groups, which workers an earlier daemon left behind, and
-how to kill a worker with everything it started."""
+"""This host's process table (/proc), as the daemon needs it: is a worker still ours, which
+processes belong to our workers' groups, which workers an earlier daemon left behind, and how to
+kill a worker with everything it started. (Whether a pid is alive, and since when: `proctable`.)"""
 
 from __future__ import annotations
 
@@ -11,19 +11,9 @@ from pathlib import Path
 import structlog
 
 from ckpt_watcher.jobfolder import WORKER_MODULE, jobs_root
+from ckpt_watcher.proctable import proc_stat, process_start_token
 
 log = structlog.get_logger("ckpt_watcher.executors.processes")
-
-
-def proc_stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name (so [0] is field 3, the state), or None
-    when there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # the command name (field 2) is in parentheses and may contain spaces: split after it
-    return stat.rsplit(")", 1)[-1].split()
 
 
 def _pids() -> list[int]:
@@ -35,18 +25,6 @@ def _cmdline(pid: int) -> list[bytes] | None:
         return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return None
-
-
-def process_alive(pid: int) -> bool:
-    """True if `pid` is a process that has not exited (a zombie has)."""
-    fields = proc_stat(pid) if pid > 0 else None
-    return fields is not None and bool(fields) and fields[0] != "Z"
-
-
-def process_start_token(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), or None."""
-    fields = proc_stat(pid)
-    return fields[19] if fields is not None and len(fields) > 19 else None
 
 
 def process_groups(leaders: set[int]) -> set[int]:

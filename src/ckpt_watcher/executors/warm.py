@@ -26,7 +26,7 @@ import structlog
 
 from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
 from ckpt_watcher.executors.local import LocalExecutor
-from ckpt_watcher.executors.processes import kill_group, process_start_token
+from ckpt_watcher.executors.processes import kill_group
 from ckpt_watcher.jobfolder import (
     LOG_FILE,
     STATUS_FD_ENV,
@@ -35,6 +35,7 @@ from ckpt_watcher.jobfolder import (
     parse_status_line,
     warm_home,
 )
+from ckpt_watcher.proctable import process_start_token
 
 log = structlog.get_logger("ckpt_watcher.executors.warm")
 
@@ -54,6 +55,8 @@ class _Warm:
 
 class WarmExecutor(Executor):
     """The Executor for `eval.warm_engine: true` on this host."""
+
+    shares_journals = True
 
     def __init__(
         self,

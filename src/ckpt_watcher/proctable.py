@@ -1,0 +1,30 @@
+"""Whether a process of this host is alive, and since when (/proc): a pid with its start time
+names one process for good, where a pid alone may be reused. Both sides of the job folder use it
+(the daemon for its workers, workers for each other's chunk claims)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (so [0] is field 3, the state), or None
+    when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may contain spaces: split after it
+    return stat.rsplit(")", 1)[-1].split()
+
+
+def process_alive(pid: int) -> bool:
+    """True if `pid` is a process that has not exited (a zombie has)."""
+    fields = proc_stat(pid) if pid > 0 else None
+    return fields is not None and bool(fields) and fields[0] != "Z"
+
+
+def process_start_token(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), or None."""
+    fields = proc_stat(pid)
+    return fields[19] if fields is not None and len(fields) > 19 else None
