@@ -123,3 +123,121 @@ def test_a_resumed_task_computes_only_what_is_missing_in_the_backends_order(
         for line in f.read_text().splitlines()[1:]
     ]
     assert sorted(r["k"] for r in records) == sorted(k for k, _ in units)  # each unit once
+
+
+# --- one task, several workers: the chunk queue ---------------------------------------------
+
+HOLD_A_CLAIM = """
+import sys, time
+from ckpt_watcher import journal
+from ckpt_watcher.journal import JournalRef
+ref = JournalRef(sys.argv[1], {})
+q = journal.ChunkQueue(ref, journal.Holder.me("cpu:9"))
+print(q.claim(sys.argv[2]), flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(ref: JournalRef, chunk: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD_A_CLAIM, ref.folder, chunk], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "True"
+    return proc
+
+
+def test_a_chunk_has_one_live_holder_and_a_dead_holders_chunk_is_taken_over(
+    tmp_path: Path,
+) -> None:
+    ref = _ref(tmp_path)
+    Path(ref.folder).mkdir(parents=True)
+    me = journal.ChunkQueue(ref, journal.Holder.me("cpu:0"))
+    other = _holder(ref, "00001-x")
+    try:
+        assert not me.claim("00001-x") and me.busy_elsewhere("00001-x")
+        assert me.claim("00002-y") and me.claim("00002-y")  # mine stays mine
+        me.release("00002-y")  # given back undone: free again
+        assert me.holder("00002-y") is None
+    finally:
+        os.kill(other.pid, signal.SIGKILL)
+        other.wait()
+    assert not me.busy_elsewhere("00001-x") and me.claim("00001-x")  # its holder died
+    me.done("00001-x", 16)
+    assert me.is_done("00001-x") and not me.claim("00001-x")
+    assert me.devices() == ["cpu:0"]
+    journal.remove(Path(ref.folder))  # the result is in the ledger
+    assert not me.claim("00003-z")  # nothing to join any more; nothing is created
+    assert not Path(ref.folder).exists()
+
+
+HELP_WITH = """
+import sys, time
+from ckpt_watcher.evaluators.resume import Helped, TaskJournal
+from ckpt_watcher.journal import JournalRef
+ref = JournalRef(sys.argv[1], {"fingerprint": "sampled:aa", "settings": "s1", "task": "addition",
+                               "num_fewshot": 0})
+units = [(f"k{i}", f"req{i}") for i in range(40)]
+def compute(reqs):
+    time.sleep(0.05)
+    print("helper", *reqs, flush=True)
+    return [r.upper() for r in reqs]
+helper = TaskJournal(ref, "helper", chunk=4, device="cpu:1", helper=True)
+print("ready", flush=True)
+try:
+    helper.answer(units, lambda r: int(r[3:]), compute, "responses")
+except Helped:
+    print("helped", helper.computed, flush=True)
+"""
+
+
+def test_two_workers_share_one_task_and_the_jobs_own_worker_gets_every_answer(
+    tmp_path: Path,
+) -> None:
+    ref = _ref(tmp_path)
+    Path(ref.folder).mkdir(parents=True)  # the daemon makes it before a helper starts
+    helper = subprocess.Popen(
+        [sys.executable, "-c", HELP_WITH, ref.folder], stdout=subprocess.PIPE, text=True
+    )
+    assert helper.stdout is not None and helper.stdout.readline().strip() == "ready"
+    units = [(f"k{i}", f"req{i}") for i in range(40)]
+    mine: list[str] = []
+
+    def compute(reqs: list[str]) -> list[str]:
+        import time
+
+        time.sleep(0.05)
+        mine.extend(reqs)
+        return [r.upper() for r in reqs]
+
+    own = TaskJournal(ref, "own", chunk=4, device="cpu:0")
+    out = own.answer(units, lambda r: int(r[3:]), compute, "responses")
+    own.close()
+    stdout, _ = helper.communicate(timeout=60)
+    theirs = [
+        r for line in stdout.splitlines() if line.startswith("helper ") for r in line.split()[1:]
+    ]
+    assert out == [f"REQ{i}" for i in range(40)]
+    assert stdout.splitlines()[-1] == f"helped {len(theirs)}"
+    assert theirs and mine, "both computed"
+    assert sorted(mine + theirs) == sorted(r for _, r in units), "each unit computed once"
+    assert own.devices() == ["cpu:0", "cpu:1"]
+    assert own.resumed == 0 and own.computed == len(mine)
+
+
+def test_the_jobs_own_worker_waits_for_a_held_chunk_and_takes_it_when_its_holder_dies(
+    tmp_path: Path,
+) -> None:
+    import threading
+
+    from ckpt_watcher.evaluators.resume import _chunk_name
+
+    ref = _ref(tmp_path)
+    Path(ref.folder).mkdir(parents=True)
+    units = [(f"k{i}", f"req{i}") for i in range(8)]
+    held = _chunk_name(1, [f"k{i}" for i in range(4, 8)])  # the second chunk
+    other = _holder(ref, held)
+    threading.Timer(1.0, lambda: os.kill(other.pid, signal.SIGKILL)).start()
+    own = TaskJournal(ref, "own", chunk=4, device="cpu:0")
+    out = own.answer(units, lambda r: int(r[3:]), lambda rs: [r.upper() for r in rs], "responses")
+    other.wait()
+    assert out == [f"REQ{i}" for i in range(8)] and own.computed == 8

@@ -2,7 +2,9 @@
 
 The daemon and its workers share nothing but files under `<state_dir>/jobs/`, and this module is
 the only place that names them. Both sides import it; nothing else spells a file name of a job
-folder. One attempt of one job has its own folder, `jobs/<job id>/attempt-<n>/`:
+folder. One attempt of one job has its own folder, `jobs/<job id>/attempt-<n>/`
+(a helper of that attempt, a worker on another device that joins its tasks, has
+`attempt-<n>-help-<device>/`, with the same files):
 
 | file                 | written by | what                                                         |
 |----------------------|------------|--------------------------------------------------------------|
@@ -99,6 +101,7 @@ class EvalRequest:
     results_dir: str
     device: str  # "cpu", "cuda", or "auto" (a Ray slot: whatever the node has)
     tensor_parallel_size: int = 1
+    helps: str | None = None  # set: this worker joins that job's journaled tasks (see resume.py)
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,7 @@ class TaskOutcome:
 
     task: str
     num_fewshot: int | None
-    status: str  # ok | failed
+    status: str  # ok | failed | helped (a helper's part of another job's task is journaled)
     metrics: dict[str, Any] = field(default_factory=dict)
     n_samples: int | None = None
     clamped_requests: int = 0
@@ -162,6 +165,7 @@ class TaskOutcome:
     engine: str | None = None  # cold: loaded for this job; warm: swapped into a kept engine
     engine_seconds: float | None = None  # to have the model ready for this job
     resumed: int = 0  # units of work taken from the task's journal instead of computed again
+    devices: list[str] = field(default_factory=list)  # that computed its units (journaled tasks)
 
     @property
     def key(self) -> tuple[str, int | None]:
@@ -211,6 +215,13 @@ class JobFolder:
     def of(cls, state_dir: Path, job_id: str, attempt: int) -> JobFolder:
         return cls(jobs_root(state_dir) / job_id / f"attempt-{attempt}")
 
+    @classmethod
+    def helper(cls, state_dir: Path, job_id: str, attempt: int, device_label: str) -> JobFolder:
+        """A helper's folder: a worker on another device that joins the attempt's tasks."""
+        return cls(
+            jobs_root(state_dir) / job_id / f"attempt-{attempt}-help-{safe_component(device_label)}"
+        )
+
     def __str__(self) -> str:
         return str(self.path)
 
@@ -233,7 +244,10 @@ class JobFolder:
     # --- the worker writes, the daemon reads -------------------------------------------------
     def write_outcome(self, index: int, outcome: TaskOutcome) -> None:
         write_json_atomic(
-            self.path / f"outcome-{index}.json", dataclasses.asdict(outcome), default=str, indent=None
+            self.path / f"outcome-{index}.json",
+            dataclasses.asdict(outcome),
+            default=str,
+            indent=None,
         )
 
     def outcomes(self) -> tuple[list[TaskOutcome], list[str]]:

@@ -17,27 +17,38 @@ another fingerprint, so another folder, and starts fresh). Each record is one li
 `{"k": KEY, "v": VALUE}`, where KEY is a digest of what was asked (the task, the document, the
 sample's index, the request's own arguments: prompt and generation settings). A torn last line
 (a kill in the middle of a write) is skipped, never fatal.
+
+Several workers may evaluate one task together (one task spread over idle devices): they pull
+its chunks from one queue, `claims/` in the journal's folder (`ChunkQueue`). A worker claims a
+chunk by creating its claim file (O_EXCL: one winner), journals the chunk's units, then marks it
+done. A claim whose holder died (its pid gone, or another start time) is taken over, so a killed
+worker gives its chunk back; a done mark names the device that computed it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
+import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from time import time_ns
 from typing import Any
 
 import structlog
 
 from ckpt_watcher.durable import fsync_dir
+from ckpt_watcher.proctable import process_alive, process_start_token
 
 log = structlog.get_logger("ckpt_watcher.journal")
 
 JOURNAL_FORMAT = 1
 _SUFFIX = ".jsonl"
+CLAIMS_FOLDER = "claims"
 
 
 def journals_root(state_dir: Path) -> Path:
@@ -146,6 +157,130 @@ class Writer:
 
     def close(self) -> None:
         self._file.close()
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A worker process that claims chunks: it is alive while its pid has its start time."""
+
+    host: str
+    pid: int
+    start: str
+    device: str
+
+    @classmethod
+    def me(cls, device: str) -> Holder:
+        pid = os.getpid()
+        return cls(socket.gethostname(), pid, process_start_token(pid) or "", device)
+
+    def alive(self) -> bool:
+        """Seen from this host: a holder on another host is taken for gone (spreading is only
+        over one host's devices, whose workers share the journal's folder)."""
+        return (
+            self.host == socket.gethostname()
+            and process_alive(self.pid)
+            and process_start_token(self.pid) == self.start
+        )
+
+
+class ChunkQueue:
+    """A task's chunks, for the workers that evaluate it together (see the module's doc).
+
+    `claim` is true for one live worker at a time (two that take over one dead holder's chunk
+    at the same moment may both compute it: the same values, journaled twice); `done` is
+    written after the chunk's records are in the journal (a worker killed in between loses that
+    one chunk, which is computed again)."""
+
+    def __init__(self, ref: JournalRef, me: Holder) -> None:
+        self.folder = Path(ref.folder) / CLAIMS_FOLDER
+        self.me = me
+
+    def _claim_path(self, chunk: str) -> Path:
+        return self.folder / f"{chunk}.claim"
+
+    def _done_path(self, chunk: str) -> Path:
+        return self.folder / f"{chunk}.done"
+
+    def claim(self, chunk: str) -> bool:
+        """Take `chunk` for this worker: True if it is ours now (free, or its holder died)."""
+        if self.is_done(chunk):
+            return False
+        try:
+            self.folder.mkdir(exist_ok=True)
+        except FileNotFoundError:  # the journal is gone: its result is in the ledger
+            return False
+        path = self._claim_path(chunk)
+        mine = self.folder / f".{chunk}.{self.me.pid}.{time_ns()}"
+        try:
+            mine.write_text(json.dumps(dataclasses.asdict(self.me)), encoding="utf-8")
+        except FileNotFoundError:  # removed just now
+            return False
+        try:
+            for _ in range(2):  # a dead holder's claim is moved aside once, then tried again
+                try:  # a hard link appears whole or not at all, and never over another claim
+                    os.link(mine, path)
+                except FileExistsError:
+                    holder = self.holder(chunk)
+                    if holder == self.me:  # a task this worker runs again (a warm engine's retry)
+                        return True
+                    if holder is not None and holder.alive():
+                        return False
+                    try:  # one of several takers moves it aside; the others find it gone
+                        os.rename(path, path.with_suffix(f".stale-{self.me.pid}-{time_ns()}"))
+                    except FileNotFoundError:
+                        pass
+                    continue
+                if self.is_done(chunk):  # done (mark, then claim removed) since the first look
+                    path.unlink(missing_ok=True)
+                    return False
+                return True
+            return False
+        finally:
+            mine.unlink(missing_ok=True)
+
+    def holder(self, chunk: str) -> Holder | None:
+        """Who holds `chunk`'s claim (None: nobody, or an unreadable claim, taken for dead)."""
+        try:
+            return Holder(**json.loads(self._claim_path(chunk).read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def done(self, chunk: str, units: int) -> None:
+        """The chunk's records are in the journal."""
+        mark = self.folder / f".{chunk}.done.{self.me.pid}.{time_ns()}"
+        try:
+            mark.write_text(json.dumps({"device": self.me.device, "units": units}), "utf-8")
+            os.replace(mark, self._done_path(chunk))
+            self._claim_path(chunk).unlink(missing_ok=True)
+        except FileNotFoundError:  # the journal is gone: its result is in the ledger
+            pass
+
+    def release(self, chunk: str) -> None:
+        """Give a claimed chunk back undone (its computation failed)."""
+        if self.holder(chunk) == self.me:
+            self._claim_path(chunk).unlink(missing_ok=True)
+
+    def undo(self, chunk: str) -> None:
+        """Forget a done mark whose records the journal does not have (a torn write)."""
+        self._done_path(chunk).unlink(missing_ok=True)
+
+    def is_done(self, chunk: str) -> bool:
+        return self._done_path(chunk).exists()
+
+    def busy_elsewhere(self, chunk: str) -> bool:
+        """Another live worker holds `chunk`."""
+        holder = self.holder(chunk)
+        return holder is not None and holder != self.me and holder.alive()
+
+    def devices(self) -> list[str]:
+        """The devices that computed this task's chunks (every done mark of the journal)."""
+        found = set()
+        for path in self.folder.glob("*.done"):
+            try:
+                found.add(str(json.loads(path.read_text(encoding="utf-8"))["device"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return sorted(found)
 
 
 def remove(folder: Path) -> None:

@@ -141,7 +141,7 @@ def result_line(
             "engine": outcome.engine,
             "engine_seconds": outcome.engine_seconds,
             "resumed": outcome.resumed,
-            "devices": [job.device_label] if job.device_label else [],
+            "devices": _devices(job.device_label, outcome.devices),
             "results_file": _run_relative(outcome.results_file, ledger_dir, job) if ok else None,
             "samples_file": _run_relative(outcome.samples_file, ledger_dir, job) if ok else None,
             "error": error,
@@ -153,6 +153,13 @@ def result_line(
         | (sampled if entry.get("pass_at") is not None else {})
         | ({"apply_chat_template": True} if entry.get("apply_chat_template") else {})
     )
+
+
+def _devices(first: str | None, computed: list[str]) -> list[str]:
+    """The devices that computed a result: the job's own first (it is `device`), then any that
+    helped it (a task spread over idle devices)."""
+    head = [first] if first else []
+    return head + sorted(set(computed) - set(head))
 
 
 def _run_relative(path: str | None, ledger_dir: Path, job: Any) -> str | None:

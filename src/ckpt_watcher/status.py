@@ -13,9 +13,9 @@ from typing import Any
 
 from ckpt_watcher import ledger as ledger_mod
 from ckpt_watcher.config import WatcherConfig
-from ckpt_watcher.executors.processes import process_alive
 from ckpt_watcher.jobfolder import ENGINE_FILE, JobFolder, warm_root
 from ckpt_watcher.ledger import LedgerIndex, Subject
+from ckpt_watcher.proctable import process_alive
 from ckpt_watcher.report.table import newest_versions
 from ckpt_watcher.sinks.alerts import Regression
 from ckpt_watcher.sources.baseline import source_name
@@ -113,6 +113,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
             }
             for j in state.jobs("queued")
         ]
+        helping = state.get_meta("helpers") or []
         running = [
             {
                 "job_id": j.id,
@@ -126,6 +127,8 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
                 "tasks": [t["task"] for t in j.tasks],
                 "running_s": round(now - j.started_at, 1) if j.started_at else None,
                 "progress": _progress(JobFolder.of(cfg.state_dir, j.id, j.attempt)),
+                # devices that joined its tasks (one task spread over idle devices)
+                "helpers": [h["device"] for h in helping if h["job_id"] == j.id],
             }
             for j in state.jobs("running")
         ]
@@ -320,6 +323,7 @@ def render(data: dict[str, Any]) -> str:
         lines.append(
             f"  {r['device']}{node}: {r['label']} ({pid}attempt {r['attempt']}, "
             f"{r['running_s']}s, tasks {', '.join(r['tasks'])}{_progress_text(r['progress'])})"
+            + (f", helped by {', '.join(r['helpers'])}" if r.get("helpers") else "")
         )
     lines.append(f"failures: {len(data['failures'])}")
     for f in data["failures"]:

@@ -42,7 +42,7 @@ from ckpt_watcher.evaluators.lm_eval_internals import (
     task_metrics,
 )
 from ckpt_watcher.evaluators.passk import sampled_metrics
-from ckpt_watcher.evaluators.resume import TaskJournal
+from ckpt_watcher.evaluators.resume import Helped, TaskJournal
 from ckpt_watcher.jobfolder import EvalRequest, Progress, TaskOutcome, TaskRun
 from ckpt_watcher.tasks import task_paths
 from ckpt_watcher.timestamps import utcnow
@@ -143,9 +143,12 @@ def run_tasks(
     on_outcome: Callable[[TaskOutcome], None],
     engine: Engine | None = None,
     on_progress: Callable[[Progress], None] | None = None,
+    device_label: str = "",
 ) -> list[TaskOutcome]:
     """Run every task on one loaded model (`engine`, or loaded here); `on_outcome` is called as
-    each task finishes, `on_progress` as each chunk of a journaled task does."""
+    each task finishes, `on_progress` as each chunk of a journaled task does. A request that
+    helps another job (`req.helps`) computes chunks of its journaled tasks and leaves each
+    task `helped` (that job's own worker computes the metrics)."""
     version = importlib.metadata.version("lm-eval")
     lmi.reuse_env_info()
     if engine is None:
@@ -171,8 +174,18 @@ def run_tasks(
         )
         if t.journal is not None:
             lm.journal = TaskJournal(
-                t.journal, _writer_name(), chunk_units(req, lm), _reporter(t, on_progress)
+                t.journal,
+                _writer_name(),
+                chunk_units(req, lm),
+                _reporter(t, on_progress),
+                device=device_label,
+                helper=req.helps is not None,
             )
+        elif req.helps is not None:  # nothing to share: the job's own worker does it all
+            outcome.status = "helped"
+            outcomes.append(outcome)
+            on_outcome(outcome)
+            continue
         try:
             results, records = _evaluate(lm, req, t, task_manager)
             shots = "default" if t.num_fewshot is None else f"{t.num_fewshot}shot"
@@ -192,6 +205,9 @@ def run_tasks(
             outcome.truncated_prompts = truncated
             outcome.results_file = str(rfile)
             outcome.samples_file = str(sfile)
+        except Helped:
+            lm.clamp_counts.take()
+            outcome.status = "helped"
         except Exception as e:  # one task's failure must not lose the others' results
             lm.clamp_counts.take()
             failure = classify(e)
@@ -201,6 +217,7 @@ def run_tasks(
             lm.sampling = None
             if lm.journal is not None:
                 outcome.resumed = lm.journal.resumed
+                outcome.devices = lm.journal.devices()
                 lm.journal.close()
                 lm.journal = None
         outcome.finished_at = utcnow()

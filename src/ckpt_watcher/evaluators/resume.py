@@ -1,5 +1,7 @@
-"""Resume: a task's requests answered from its journal where an earlier attempt answered them,
-the rest asked of the engine in chunks, each chunk's answers journaled as it comes back.
+"""Resume and spread: a task's requests answered from its journal where an earlier attempt (or
+another worker) answered them, the rest asked of the engine in chunks, each chunk's answers
+journaled as it comes back. Chunks are claimed from the journal's queue, so workers on several
+devices can evaluate one task together.
 
 Chunks follow the backend's own order (lm-eval sorts a call's requests longest prompt first,
 grouped by generation settings, and cuts them into batches), and a chunk is a whole number of
@@ -11,8 +13,11 @@ own filters and aggregations over the complete set of responses, as for any task
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import hashlib
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -26,25 +31,53 @@ log = structlog.get_logger("ckpt_watcher.evaluators.resume")
 Unit = tuple[str, Any]
 ProgressFn = Callable[[int, int, str], None]  # (units done, units in all, what a unit is)
 
+WAIT_SECONDS = 0.5  # how often the job's own worker looks at chunks that others hold
+
+
+class Helped(Exception):  # noqa: N818 - not an error: how a helper's part of a task ends
+    """A helper (a worker that joined another job's task) found nothing left to claim: the job's
+    own worker computes the metrics once every chunk is in the journal."""
+
 
 @dataclass
 class TaskJournal:
-    """One task's journal, as the backend (`lm_eval_internals.ClampMixin`) uses it."""
+    """One task's journal, as the backend (`lm_eval_internals.ClampMixin`) uses it.
+
+    The task's units are cut into chunks in the backend's order, the same chunks for every
+    worker, and claimed one at a time from the journal's `ChunkQueue`, so any number of workers
+    can evaluate the task together. The job's own worker then waits for chunks others still hold
+    and reads their records; a helper (`helper`) leaves when nothing is left to claim."""
 
     ref: JournalRef
     writer_name: str
     chunk: int  # units per chunk (a whole number of the backend's batches)
     progress: ProgressFn | None = None
-    resumed: int = 0  # units taken from the journal
-    computed: int = 0  # units asked of the engine
+    device: str = ""  # the device label this worker computes on (named in done marks)
+    helper: bool = False
+    resumed: int = 0  # units taken from the journal when the task began
+    computed: int = 0  # units this worker asked of its engine
     _replay: dict[str, Any] | None = None
     _writer: journal.Writer | None = None
+    _queue: journal.ChunkQueue | None = None
 
     @property
     def replay(self) -> dict[str, Any]:
         if self._replay is None:
             self._replay = journal.read(self.ref).values
         return self._replay
+
+    @property
+    def queue(self) -> journal.ChunkQueue:
+        if self._queue is None:
+            self._queue = journal.ChunkQueue(self.ref, journal.Holder.me(self.device))
+        return self._queue
+
+    def devices(self) -> list[str]:
+        """The devices that computed this task's units (done marks, and this worker's own)."""
+        found = set(self.queue.devices())
+        if self.computed:
+            found.add(self.device)
+        return sorted(found)
 
     def answer(
         self,
@@ -55,32 +88,83 @@ class TaskJournal:
         decode: Callable[[Any], Any] = lambda v: v,
     ) -> list[Any]:
         """One value per unit, in the units' order: from the journal, or computed by `compute`
-        (a list of requests -> their values, in order) in chunks taken in `order`. `unit`
-        names a unit for progress ("responses", "requests")."""
+        (a list of requests -> their values, in order) one claimed chunk at a time, chunks
+        taken in `order`. `unit` names a unit for progress ("responses", "requests")."""
+        ranked = sorted(range(len(units)), key=lambda i: (order(units[i][1]), i))
+        chunks = [ranked[s : s + self.chunk] for s in range(0, len(ranked), self.chunk)]
+        names = [_chunk_name(n, [units[i][0] for i in c]) for n, c in enumerate(chunks)]
         out: list[Any] = [None] * len(units)
-        missing = []
-        for i, (key, _) in enumerate(units):
-            if key in self.replay:
-                out[i] = decode(self.replay[key])
-            else:
-                missing.append(i)
-        found = len(units) - len(missing)
+        filled = [False] * len(units)
+
+        def fill(values: dict[str, Any]) -> int:
+            n = 0
+            for i, (key, _) in enumerate(units):
+                if not filled[i] and key in values:
+                    out[i], filled[i] = decode(values[key]), True
+                    n += 1
+            return n
+
+        def open_chunks(among: Iterable[int]) -> list[int]:
+            return [c for c in among if not all(filled[i] for i in chunks[c])]
+
+        def report(todo: list[int]) -> None:
+            elsewhere = sum(
+                sum(not filled[i] for i in chunks[c]) for c in todo if self.queue.is_done(names[c])
+            )
+            self._report(sum(filled) + elsewhere, len(units), unit)
+
+        found = fill(self.replay)
         self.resumed += found
         if found:
             log.info("journal.replayed", task=self.ref.identity.get("task"), units=found)
-        missing.sort(key=lambda i: order(units[i][1]))
-        done = found
-        self._report(done, len(units), unit)
-        for start in range(0, len(missing), self.chunk):
-            part = missing[start : start + self.chunk]
-            values = compute([units[i][1] for i in part])
-            self.writer.append((units[i][0], v) for i, v in zip(part, values, strict=True))
-            for i, v in zip(part, values, strict=True):
-                out[i] = v
-            self.computed += len(part)
-            done += len(part)
-            self._report(done, len(units), unit)
+        if not self.helper:  # helpers only join a journal the job's own worker has
+            Path(self.ref.folder).mkdir(parents=True, exist_ok=True)
+        todo = open_chunks(range(len(chunks)))
+        report(todo)
+        while todo:
+            waiting = []
+            for c in todo:
+                if not self.queue.claim(names[c]):
+                    waiting.append(c)  # done or held by another worker
+                    continue
+                part = [i for i in chunks[c] if not filled[i]]
+                try:
+                    values = compute([units[i][1] for i in part])
+                    self.writer.append((units[i][0], v) for i, v in zip(part, values, strict=True))
+                except BaseException:
+                    self.queue.release(names[c])
+                    raise
+                self.queue.done(names[c], len(part))
+                for i, v in zip(part, values, strict=True):
+                    out[i], filled[i] = v, True
+                self.computed += len(part)
+                report(waiting + todo[todo.index(c) + 1 :])
+            if not waiting:
+                break
+            if self.helper:
+                raise Helped(f"{self.ref.identity.get('task')}: no chunk left to claim")
+            todo = self._wait_for(waiting, names, fill, open_chunks)
+            report(todo)
         return out
+
+    def _wait_for(
+        self,
+        waiting: list[int],
+        names: list[str],
+        fill: Callable[[dict[str, Any]], int],
+        open_chunks: Callable[[Iterable[int]], list[int]],
+    ) -> list[int]:
+        """Chunks other workers hold: wait a moment, read what they journaled, and give back
+        the open ones (a dead holder's chunk is then claimed again; a done mark whose records
+        are not in the journal, a torn write, is dropped so that its chunk is computed again)."""
+        time.sleep(WAIT_SECONDS)
+        done = [c for c in waiting if self.queue.is_done(names[c])]
+        if done:
+            fill(journal.read(self.ref).values)
+            for c in open_chunks(done):
+                log.warning("journal.done_without_records", chunk=names[c])
+                self.queue.undo(names[c])
+        return open_chunks(waiting)
 
     @property
     def writer(self) -> journal.Writer:
@@ -96,3 +180,9 @@ class TaskJournal:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def _chunk_name(n: int, keys: list[str]) -> str:
+    """A chunk's name in the queue: its place and a digest of its units (workers that somehow
+    cut different chunks never mistake one for another)."""
+    return f"{n:05d}-{hashlib.sha256(''.join(keys).encode()).hexdigest()[:12]}"

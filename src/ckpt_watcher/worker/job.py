@@ -89,8 +89,8 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
         engine = keeper.acquire(req) if keeper is not None else None
         if engine is not None:
             log.info("worker.engine", engine=engine.kind, seconds=round(engine.seconds, 3))
-        outcomes = run_tasks(req, record, engine, progress)
-        failed = [o for o in outcomes if o.status != "ok" and o.heals]
+        outcomes = run_tasks(req, record, engine, progress, spec.device_label)
+        failed = [o for o in outcomes if o.status == "failed" and o.heals]
         if keeper is not None and engine is not None and engine.kind == "warm" and failed:
             # a task that failed on a swapped engine (and might not fail again) gets a cold
             # engine before its failure counts
@@ -100,7 +100,10 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
             sub = dataclasses.replace(
                 req, tasks=[t for t in req.tasks if (t.task, t.num_fewshot) in retry]
             )
-            again = {o.key: o for o in run_tasks(sub, record, keeper.acquire(sub), progress)}
+            again = {
+                o.key: o
+                for o in run_tasks(sub, record, keeper.acquire(sub), progress, spec.device_label)
+            }
             outcomes = [again.get(o.key, o) for o in outcomes]
     except Exception as e:
         log.exception("worker.crashed")
@@ -108,4 +111,4 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
         if keeper is not None:  # whatever broke may have broken the engine: start cold next
             keeper.drop()
         return EXIT_CRASH
-    return EXIT_OK if all(o.status == "ok" for o in outcomes) else EXIT_TASK_FAILED
+    return EXIT_OK if all(o.status != "failed" for o in outcomes) else EXIT_TASK_FAILED
