@@ -55,6 +55,24 @@ def test_gpus_are_used_before_cpu_slots_and_busy_gpus_skipped() -> None:
     ]  # 999 is ours
 
 
+def test_spare_devices_help_the_least_helped_running_job_once_per_attempt() -> None:
+    a, b, plain = job("a", 100), job("b", 200), job("plain", 300)
+    a.fingerprint, b.fingerprint = "sampled:a", "sampled:b"  # `plain` keeps no journal
+    a.started_at, b.started_at, plain.started_at = 10.0, 20.0, 5.0
+    devs = cpu_slots(4)[1:]  # cpu:1..3
+    plan = scheduler.help_plan([a, b, plain], devs, {}, set())
+    # the longest running job with a journal first, then the other, then back to the first
+    assert [(j.id, d.label) for j, d in plan] == [("a", "cpu:1"), ("b", "cpu:2"), ("a", "cpu:3")]
+    # a job already helped by one device: the other job gets the next
+    plan = scheduler.help_plan([a, b], devs[:1], {"a": 1}, set())
+    assert [(j.id, d.label) for j, d in plan] == [("b", "cpu:1")]
+    # a device that helped this attempt of a job does not again; the job's next attempt may
+    tried = {("a", 0, "cpu:1"), ("b", 0, "cpu:1")}
+    assert scheduler.help_plan([a, b], devs[:1], {}, tried) == []
+    a.attempt = 1
+    assert [j.id for j, _ in scheduler.help_plan([a, b], devs[:1], {}, tried)] == ["a"]
+
+
 def test_every_n_steps_and_finals() -> None:
     assert scheduler.step_due(200, False, 100)
     assert not scheduler.step_due(250, False, 100)

@@ -115,8 +115,9 @@ class Daemon:
         self.dispatcher = Dispatcher(
             cfg, self.state, self.executor, self.discovery, self.book, clock
         )
+        self.helpers = self.dispatcher.helpers
         self.supervisor = Supervisor(
-            cfg, self.state, self.executor, self.exits, self.discovery, self.book
+            cfg, self.state, self.executor, self.exits, self.discovery, self.book, self.helpers
         )
         self.zombies = ZombieWatch(cfg.devices.zombie_after_seconds)
         self.notifier = Notifier()
@@ -142,6 +143,7 @@ class Daemon:
         try:
             return self._run()
         finally:
+            self.helpers.stop_all()  # they help jobs of this daemon only
             self.executor.close()  # warm engines are released with the daemon
             self.sinks.flush_pages()  # before the mirror's last uploads, which carry them
             if self.mirror is not None:
@@ -168,6 +170,7 @@ class Daemon:
             stopping=False,
             daemon_stopped_at=None,
             metrics_url=None,
+            helpers=[],
         )
         for w in self.inventory_warnings:
             log.warning("devices.warning", message=w)
@@ -289,7 +292,7 @@ class Daemon:
         running = self.state.jobs("running")
         free = free_devices(
             self.inventory,
-            in_use=[j.device for j in running if j.device],
+            in_use=[j.device for j in running if j.device] + self.helpers.device_ids(),
             our_pids=self._our_pids(running),
             idle_memory_mib=self.cfg.devices.idle_memory_mib,
         )
@@ -298,6 +301,7 @@ class Daemon:
     def _our_pids(self, running: list[Job]) -> set[int]:
         """Our workers, their engine processes, and the warm workers waiting for a job."""
         leaders = {j.pid for j in running if j.pid} | self.executor.worker_pids()
+        leaders |= self.helpers.pids()
         if not any(d.kind == "cuda" for d in self.inventory.devices()):
             return leaders  # no GPU processes to tell apart: spare the loop a scan of /proc
         return process_groups(leaders)
@@ -325,7 +329,7 @@ class Daemon:
 
     def _update_metrics(self) -> None:
         jobs = self.state.jobs("running")
-        running = {j.device for j in jobs if j.device}
+        running = {j.device for j in jobs if j.device} | set(self.helpers.device_ids())
         devices = self.inventory.devices()
         self.metrics.loop_pass(
             self.state.job_counts(),

@@ -71,6 +71,31 @@ def split_plan(
     return plan
 
 
+def help_plan(
+    running: Sequence[Job],
+    spare: Sequence[Device],
+    helping: dict[str, int],
+    tried: set[tuple[str, int, str]],
+) -> list[tuple[Job, Device]]:
+    """Devices still free once every eligible job has one join a running job's tasks (one
+    task spread over idle devices): each to the job with the fewest helpers (then the one
+    running longest). Only jobs with a journal (a content fingerprint) can be shared; a device
+    helps one attempt of a job at most once (`tried`: job id, attempt, device id), so a helper
+    that found nothing left is not started again."""
+    count = dict(helping)
+    plan = []
+    for device in sorted(spare, key=lambda d: (d.kind != "cuda", d.id)):
+        options = [
+            j for j in running if j.fingerprint and (j.id, j.attempt, device.id) not in tried
+        ]
+        if not options:
+            continue
+        job = min(options, key=lambda j: (count.get(j.id, 0), j.started_at or 0.0, j.id))
+        count[job.id] = count.get(job.id, 0) + 1
+        plan.append((job, device))
+    return plan
+
+
 def next_retry_at(jobs: Sequence[Job], now: float) -> float | None:
     """When the earliest backed-off job becomes eligible (None if none is waiting)."""
     waits = [j.not_before for j in jobs if j.state == "queued" and j.not_before > now]

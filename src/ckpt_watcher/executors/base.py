@@ -25,6 +25,10 @@ class Executor(ABC):
     Every executor reports each started job's exit exactly once through its `ExitCallback`
     (from a thread of its own), with the worker's exit code (negative: killed by that signal)."""
 
+    # True where workers on different devices share this host's files (a task's journal), so
+    # idle devices can join a running job's task (jobs/helpers.py)
+    shares_journals: bool = False
+
     @abstractmethod
     def start(self, job_id: str, folder: JobFolder, env: dict[str, str]) -> WorkerHandle:
         """Run `python -m ckpt_watcher.worker FOLDER` (or hand the folder to a warm worker) with

@@ -3,13 +3,16 @@
 A job starts in three steps, in this order: its attempt's folder gets the spec (what to
 evaluate, where, how); the job row goes `running` (committed: a crash from here on leaves a job
 for recovery to find); then the executor starts its worker. When more devices are free than
-jobs wait, a checkpoint's tasks are first split over the spare devices (`scheduler.split_plan`).
+jobs wait, a checkpoint's tasks are first split over the spare devices (`scheduler.split_plan`);
+devices still free then help running jobs (`helpers.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import structlog
 
@@ -20,6 +23,7 @@ from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.executors.base import Executor
 from ckpt_watcher.jobfolder import EvalRequest, JobFolder, JobSpec, TaskRun
 from ckpt_watcher.jobs.book import JobBook
+from ckpt_watcher.jobs.helpers import Helpers
 from ckpt_watcher.state import Job, State
 
 log = structlog.get_logger("ckpt_watcher.jobs")
@@ -41,6 +45,7 @@ class Dispatcher:
         self.discovery = discovery
         self.book = book
         self.clock = clock
+        self.helpers = Helpers(state, executor, cfg.state_dir, clock)
 
     def queue(self, q: planner.QueueJob, now: float) -> Job:
         """Carry out a planner QueueJob."""
@@ -64,21 +69,26 @@ class Dispatcher:
         return job
 
     def dispatch(self, now: float, free: list[Device]) -> None:
-        """Give free devices their next jobs (splitting a checkpoint over spare devices)."""
+        """Give free devices their next jobs (splitting a checkpoint over spare devices); the
+        devices still free then join running jobs' tasks (helpers); helpers give their devices
+        back to queued jobs that have none."""
+        queued = self.state.jobs("queued")
+        eligible = scheduler.eligible(queued, now)
+        self.helpers.reap(devices_wanted=len(eligible) - len(free))
         if not free:
             return
-        queued = self.state.jobs("queued")
-        if self._split(scheduler.eligible(queued, now), len(free), now):
+        if self._split(eligible, len(free), now):
             queued = self.state.jobs("queued")
         assignments = scheduler.assign(queued, free, now, self.cfg.policy.order)
-        if not assignments:
-            return
-        needed: dict[str, list[str]] = {}
-        for job in queued + self.state.jobs("running"):
-            needed.setdefault(self.book.source_name(job), []).append(job.location)
-        self.discovery.make_room(needed)  # staged copies of jobs that are due stay
-        for job, device in assignments:
-            self._start(job, device)
+        if assignments:
+            needed: dict[str, list[str]] = {}
+            for job in queued + self.state.jobs("running"):
+                needed.setdefault(self.book.source_name(job), []).append(job.location)
+            self.discovery.make_room(needed)  # staged copies of jobs that are due stay
+            for job, device in assignments:
+                self._start(job, device)
+        taken = {device.id for _, device in assignments}
+        self.helpers.start([d for d in free if d.id not in taken], self.helper_spec)
 
     def _split(self, eligible: list[Job], free: int, now: float) -> bool:
         """Spread one checkpoint's tasks over spare devices (see scheduler.split_plan)."""
@@ -93,7 +103,18 @@ class Dispatcher:
             log.info("job.split", job_id=job.id, parts=[[t["task"] for t in g] for g in groups])
         return bool(plan)
 
-    def spec(self, job: Job, device: Device) -> JobSpec:
+    def helper_spec(self, job: Job, device: Device) -> JobSpec | None:
+        """What a helper of `job` runs on `device`: the job's tasks still due that keep a
+        journal (None: none)."""
+        spec = self.spec(job, device, self.book.due(job))
+        shared = [t for t in spec.request.tasks if t.journal is not None]
+        if not shared:
+            return None
+        for t in shared:  # the job's worker may not have begun it: give helpers a queue to join
+            Path(t.journal.folder).mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
+        return dataclasses.replace(spec, request=dataclasses.replace(spec.request, tasks=shared))
+
+    def spec(self, job: Job, device: Device, tasks: list[dict] | None = None) -> JobSpec:
         """What the job's worker is asked to do on `device`."""
         ev = self.cfg.eval
         folder = f"step_{job.step}" if job.step is not None else job.label
@@ -101,7 +122,10 @@ class Dispatcher:
             checkpoint=job.location,
             backend=ev.backend,
             model_args=ev.model_args,
-            tasks=[TaskRun.from_entry(t, self.book.journal_ref(job, t)) for t in job.tasks],
+            tasks=[
+                TaskRun.from_entry(t, self.book.journal_ref(job, t))
+                for t in (job.tasks if tasks is None else tasks)
+            ],
             seed=ev.seed,
             gen_kwargs=ev.gen_kwargs,
             max_gen_toks=ev.max_gen_toks,

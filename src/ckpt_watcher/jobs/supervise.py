@@ -20,6 +20,7 @@ from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.executors.base import Executor
 from ckpt_watcher.jobs import settle
 from ckpt_watcher.jobs.book import JobBook, task_key
+from ckpt_watcher.jobs.helpers import Helpers
 from ckpt_watcher.state import Job, State
 
 log = structlog.get_logger("ckpt_watcher.jobs")
@@ -46,8 +47,10 @@ class Supervisor:
         exits: queue.Queue[tuple[str, int]],
         discovery: Discovery,
         book: JobBook,
+        helpers: Helpers,
     ) -> None:
         self.cfg = cfg
+        self.helpers = helpers
         self.state = state
         self.executor = executor
         self.exits = exits  # (job id, exit code), queued by the executor's threads
@@ -84,6 +87,8 @@ class Supervisor:
                 job_id, rc = self.exits.get_nowait()
             except queue.Empty:
                 break
+            if self.helpers.exited(job_id, rc):
+                continue
             job = self.state.job(job_id)
             if job is None or job.state != "running":
                 continue
@@ -169,6 +174,7 @@ class Supervisor:
     def kill_for_stop(self) -> None:
         """The stop's second stage: kill every running worker now; their jobs are re-queued,
         never marked ok."""
+        self.helpers.stop_all()
         for job in self.state.jobs("running"):
             if job.id in self.killed_for_stop:
                 continue
