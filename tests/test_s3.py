@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -87,6 +89,46 @@ def test_completeness_over_s3_reads_headers_only_and_waits_for_the_last_shard(
     # the newest object's LastModified (for the detection-latency metric), from the listing
     last = src.view(loc).last_write()
     assert last is not None and abs(time.time() - last) < 60
+
+
+STAGE_ONE = """
+import sys, time
+from pathlib import Path
+from ckpt_watcher.sources.staging import stage
+go = Path(sys.argv[4])
+while not go.exists():  # both start together
+    time.sleep(0.01)
+print(stage(sys.argv[1], Path(sys.argv[2]), sys.argv[3]))
+"""
+
+
+def test_two_workers_staging_one_checkpoint_at_once_both_get_it_whole(
+    s3_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    """A split job's parts, or a job and its helper, stage one S3 checkpoint at the same time."""
+    client = make_client(s3_endpoint)
+    ck = write_fake_checkpoint(tmp_path / "src" / "r_step3", naming_bug=True)
+    write_safetensors(ck / "model.safetensors", {"a.weight": 6 << 20, "b.weight": 8})  # 24 MiB
+    upload_dir(client, ck, bucket, "two/r_step3/")
+    cache, go = tmp_path / "cache", tmp_path / "go"
+    location = f"s3://{bucket}/two/r_step3/"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", STAGE_ONE, location, str(cache), s3_endpoint, str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    time.sleep(3)  # both imported and waiting
+    go.touch()
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    (dest,) = {Path(out.strip().splitlines()[-1]) for out, _ in outs}  # after its log lines
+    assert (dest / "model.safetensors").read_bytes() == (ck / "model.safetensors").read_bytes()
+    assert not list(dest.glob(".*.part"))
+    assert json.loads((dest / "model.safetensors.index.json").read_text())["weight_map"]
 
 
 def test_staging_fetches_only_what_an_eval_needs_and_fixes_names(

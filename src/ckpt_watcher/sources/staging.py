@@ -9,6 +9,7 @@ The naming fix is applied to the staged copy. Runs inside the worker process.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import time
@@ -57,8 +58,6 @@ def stage(
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
 ) -> Path:
     """Download what an eval of `location` needs into the cache; returns the local folder."""
-    from boto3.s3.transfer import TransferConfig
-
     client = client or make_client(endpoint_url, request_timeout)
     retry = retry or Retry()
     bucket, key = split_uri(location)
@@ -68,6 +67,19 @@ def stage(
         raise StagingError(f"{location}: no config.json under this prefix")
     dest = staged_path(cache_dir, location)
     dest.mkdir(parents=True, exist_ok=True)
+    # workers of one checkpoint on several devices (a split job, a helper) stage it one at a
+    # time: the second finds every file in place, checked, and names already fixed
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _stage_into(dest, location, client, retry, view, names)
+
+
+def _stage_into(
+    dest: Path, location: str, client: Any, retry: Retry, view: S3Files, names: list[str]
+) -> Path:
+    from boto3.s3.transfer import TransferConfig
+
+    bucket, key = split_uri(location)
     transfer = TransferConfig(
         multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=8
     )
@@ -140,7 +152,9 @@ def evict(cache_dir: Path, max_bytes: int, keep: set[Path]) -> list[Path]:
 
 def remove_staged(cache_dir: Path, location: str) -> None:
     """Delete a staged copy (after its job ended)."""
+    dest = staged_path(cache_dir, location)
     try:
-        shutil.rmtree(staged_path(cache_dir, location))
+        shutil.rmtree(dest)
     except FileNotFoundError:
         pass
+    (dest.parent / f".{dest.name}.lock").unlink(missing_ok=True)
