@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import WATCHER, base_config, idle_config, read_ledger, write_config
-from .helpers import status_json, wait_for, watcher_run
+from .helpers import alive, status_json, wait_for, watcher_run
 
 
 def fake_nvml(path: Path, foreign: list[list[int]]) -> None:
@@ -90,3 +90,49 @@ def test_suspected_zombies_are_reported_and_killed_only_when_allowed(
     finally:
         if zombie.poll() is None:
             zombie.kill()
+
+
+@pytest.mark.e2e
+def test_a_job_gives_its_gpu_back_when_training_wants_it_and_resumes_later_without_loss(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """devices.yield_to_others: training starts on the GPU our eval uses; the eval stops,
+    spends no attempt, waits while the GPU is held, then resumes from its journal."""
+    from .test_resume import HF, _cut_mid_task, _same_as_uninterrupted, _uninterrupted
+
+    reference = _uninterrupted(tmp_path / "ref", addition_tasks, copy_checkpoint, **HF)
+    tmp = tmp_path / "gpu"
+    nvml = tmp / "nvml.json"
+    nvml.parent.mkdir()
+    fake_nvml(nvml, [])
+    monkeypatch.setenv("CKPT_WATCHER_FAKE_NVML", str(nvml))
+    copy_checkpoint(tmp / "ckpts" / "r_step300", same_content=True)
+    raw = base_config(tmp, tmp / "ckpts", addition_tasks, **HF)
+    raw["devices"] = {"gpus": "all", "cpu_slots": 0, "yield_seconds": 2}
+    cfg = write_config(tmp / "w.yaml", raw)
+    log = tmp / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        job, _ = _cut_mid_task(tmp / "state", daemon, log)
+        fake_nvml(nvml, [[4242, 30000, 97]])  # training starts on cuda:6
+        assert job.pid is not None
+        wait_for(lambda: not alive(job.pid), 60, "the eval stopped", daemon, log)
+        st = wait_for(
+            lambda: (s := status_json(cfg)[1]) and s["queue"] and s, 30, "requeued", daemon, log
+        )
+        (queued,) = st["queue"]
+        assert st["running"] == [] and queued["attempt"] == 0, st
+        assert queued["last_error"].startswith("yielded cuda:6 (30000 MiB held"), queued
+        scans = st["sources"][0]["last_scan_at"]
+        wait_for(lambda: status_json(cfg)[1]["sources"][0]["last_scan_at"] != scans, 30, "a scan")
+        assert status_json(cfg)[1]["running"] == []  # the GPU stays training's while it holds it
+        fake_nvml(nvml, [])  # training let go
+        (line,) = wait_for(
+            lambda: read_ledger(tmp / "ledgers", "r"), 300, "the resumed result", daemon, log
+        )
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    assert line["attempt"] == 1 and line["device"] == "cuda:6", line  # no attempt spent
+    _same_as_uninterrupted(tmp, line, tmp_path / "ref", reference)
+    events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+    (yielded,) = [e for e in events if e.get("event") == "eval.yielded"]
+    assert yielded["device"] == "cuda:6" and yielded["job_id"] == job.id

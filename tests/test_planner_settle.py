@@ -242,6 +242,12 @@ def attempt(**over: Any) -> settle.Attempt:
             attempt(killed_for_stop=True, attempt=2),
             settle.Verdict("requeue", "interrupted by shutdown", attempt=1),
         ),
+        (  # killed to give its GPU back to training: no attempt spent
+            attempt(yielded="cuda:6 (30000 MiB held by other processes)", rc=-9),
+            settle.Verdict(
+                "requeue", "yielded cuda:6 (30000 MiB held by other processes)", attempt=0
+            ),
+        ),
         (
             attempt(checkpoint_gone=True),
             settle.Verdict("missed", "checkpoint deleted during evaluation", attempt=1),

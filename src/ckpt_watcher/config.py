@@ -104,6 +104,12 @@ class DevicesConfig(_Model):
     """Never kill processes we did not start unless this is true."""
     zombie_after_seconds: float = Field(1800.0, gt=0)
     """A process not ours that holds GPU memory at 0% utilisation this long is a suspected zombie."""
+    yield_to_others: bool = True
+    """Stop our eval on a GPU where a process not ours starts holding more than idle_memory_mib
+    (training needs it back); the job goes back to the queue, spends no attempt, and resumes
+    from its journal on the next free device."""
+    yield_seconds: float = Field(5.0, gt=0)
+    """How soon after such a process appears our eval is stopped."""
 
 
 class ExecutorConfig(_Model):

@@ -1,11 +1,11 @@
 """The daemon: its loop, signals, two-stage stop, heartbeat and systemd notify. Nothing else.
 
 Each pass: collect worker exits (jobs/supervise) -> apply finished scans and start due ones
-(discovery) -> plan (planner) -> time out (jobs/supervise), dispatch (jobs/dispatch) ->
-heartbeat; then sleep until the next deadline or a wake-up (inotify, a worker's exit, a scan's
-end, a signal). Nothing on this
-thread waits on the network: sources and the ledger mirror run their I/O on lanes of their own.
-The daemon never imports torch, vLLM or lm-eval: evals run in worker processes.
+(discovery) -> plan (planner) -> time out, give GPUs back to other processes (jobs/supervise),
+dispatch (jobs/dispatch) -> heartbeat; then sleep until the next deadline or a wake-up
+(inotify, a worker's exit, a scan's end, a signal). Nothing on this thread waits on the network:
+sources and the ledger mirror run their I/O on lanes of their own. The daemon never imports
+torch, vLLM or lm-eval: evals run in worker processes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,13 @@ import yaml
 
 from ckpt_watcher import planner, scheduler
 from ckpt_watcher.config import WatcherConfig
-from ckpt_watcher.devices import Inventory, ZombieWatch, build_inventory, free_devices
+from ckpt_watcher.devices import (
+    Inventory,
+    ZombieWatch,
+    build_inventory,
+    foreign_busy,
+    free_devices,
+)
 from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.durable import write_atomic
 from ckpt_watcher.errors import ConfigError
@@ -122,6 +128,7 @@ class Daemon:
         self.zombies = ZombieWatch(cfg.devices.zombie_after_seconds)
         self.notifier = Notifier()
         self._last_heartbeat = 0.0
+        self._next_give_back = 0.0
 
     # --- worker exits and signals arrive from other threads: they only queue, flag and wake ----
     def _on_worker_exit(self, job_id: str, rc: int) -> None:
@@ -205,6 +212,7 @@ class Daemon:
                 self.discovery.tick(now, force=first_pass, start=first_pass or not self.once)
                 self._plan(now)
                 self.supervisor.check_timeouts(now)
+                self._give_back(now)
                 self._dispatch(now)
             first_pass = False
             self._heartbeat(now)
@@ -243,6 +251,8 @@ class Daemon:
             deadlines.append(retry)
         if self.stop_deadline is not None:
             deadlines.append(self.stop_deadline)
+        if self.cfg.devices.yield_to_others and self._on_gpus():
+            deadlines.append(self._next_give_back)
         return max(0.0, min(deadlines) - now)
 
     # --- planning and dispatch: decisions from pure modules, carried out here ------------------
@@ -297,6 +307,38 @@ class Daemon:
             idle_memory_mib=self.cfg.devices.idle_memory_mib,
         )
         self.dispatcher.dispatch(now, free)
+
+    def _on_gpus(self) -> bool:
+        """Some of our workers (jobs or helpers) run on a GPU."""
+        gpus = {d.id for d in self.inventory.devices() if d.kind == "cuda"}
+        used = {j.device for j in self.state.jobs("running")} | set(self.helpers.device_ids())
+        return bool(gpus & used)
+
+    def _give_back(self, now: float) -> None:
+        """devices.yield_to_others: a GPU of ours that another process starts using (training
+        wants it back) is given back within devices.yield_seconds: its job is stopped and
+        queued again, with no attempt spent, to resume from its journal on the next free
+        device; its helpers go. The device stays avoided while the other process holds it."""
+        if not self.cfg.devices.yield_to_others or now < self._next_give_back:
+            return
+        if not self._on_gpus():
+            return
+        self._next_give_back = now + self.cfg.devices.yield_seconds / 2
+        try:
+            processes = self.inventory.gpu_processes()
+        except Exception as e:  # NVML hiccup: look again next time
+            log.warning("devices.query_failed", error=str(e))
+            return
+        running = self.state.jobs("running")
+        busy = foreign_busy(processes, self._our_pids(running), self.cfg.devices.idle_memory_mib)
+        if not busy:
+            return
+        labels = {d.id: d.label for d in self.inventory.devices()}
+        for job_id in self.supervisor.give_back(busy, labels):
+            job = self.state.job(job_id)
+            if job is not None and job.device_label:
+                self.metrics.yielded.labels(device=job.device_label).inc()
+        self.helpers.give_back(busy)
 
     def _our_pids(self, running: list[Job]) -> set[int]:
         """Our workers, their engine processes, and the warm workers waiting for a job."""

@@ -139,6 +139,12 @@ class Helpers:
         for h in rest[-wanted:] if wanted > 0 else []:
             self._kill(h, "a queued job needs the device")
 
+    def give_back(self, busy: dict[str, str]) -> None:
+        """devices.yield_to_others: helpers on a device another process now uses go."""
+        for h in list(self.active.values()):
+            if h.device.id in busy and h.id not in self.killed:
+                self._kill(h, f"another process uses the device ({busy[h.device.id]})")
+
     def stop_all(self) -> None:
         for h in list(self.active.values()):
             self._kill(h, "the daemon stops")

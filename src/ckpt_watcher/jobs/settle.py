@@ -6,6 +6,7 @@
 |----------------------------------------|----------|---------------|-----------------------------|
 | every task has its ok line             | ok       | -             | -                           |
 | killed by our own shutdown             | requeue  | no            | next start                  |
+| stopped to give its GPU back (another process started using it: devices.yield_to_others) | requeue | no | next free device |
 | checkpoint deleted meanwhile           | missed   | -             | never                       |
 | failed in a way that cannot heal (evaluators/failures.py: unknown task, missing data file, checkpoint that cannot load, code execution not allowed, broken template) | fail | yes | `watcher requeue` |
 | failed, attempts left                  | retry    | yes           | now + backoff * 2**(n-1)    |
@@ -46,6 +47,7 @@ class Attempt:
     now: float
     backoff_seconds: float = 30.0
     killed_for_stop: bool = False
+    yielded: str | None = None  # why it was stopped to give its device back
     timed_out_after: float | None = None  # eval.timeout_seconds, when the worker was timed out
     checkpoint_gone: bool = False
     task_errors: list[str] = field(default_factory=list)  # "task: error" from the worker
@@ -88,6 +90,8 @@ def settle(a: Attempt) -> Verdict:
         return Verdict("ok", attempt=a.attempt)
     if a.killed_for_stop:
         return Verdict("requeue", "interrupted by shutdown", attempt=max(0, a.attempt - 1))
+    if a.yielded is not None:
+        return Verdict("requeue", f"yielded {a.yielded}", attempt=max(0, a.attempt - 1))
     if a.checkpoint_gone:
         return Verdict("missed", "checkpoint deleted during evaluation", attempt=a.attempt)
     reason = failure_reason(a)

@@ -58,6 +58,7 @@ class Supervisor:
         self.book = book
         self.timed_out: set[str] = set()
         self.killed_for_stop: set[str] = set()
+        self.yielded: dict[str, str] = {}  # job id -> the device given back, and why
         self.asking: dict[str, _Asking] = {}
 
     def busy(self) -> bool:
@@ -93,7 +94,7 @@ class Supervisor:
             if job is None or job.state != "running":
                 continue
             self.book.harvest(job)
-            if not self.book.due(job) or job.id in self.killed_for_stop:
+            if not self.book.due(job) or job.id in self.killed_for_stop or job.id in self.yielded:
                 self._settle(job, rc, gone=False, now=now)
                 continue
             # a failure: was the checkpoint deleted meanwhile? Ask its source, off the loop.
@@ -121,6 +122,7 @@ class Supervisor:
         self.timed_out.discard(job.id)
         killed_for_stop = job.id in self.killed_for_stop
         self.killed_for_stop.discard(job.id)
+        yielded = self.yielded.pop(job.id, None)
         verdict = settle.settle(
             settle.Attempt(
                 attempt=job.attempt,
@@ -130,6 +132,7 @@ class Supervisor:
                 now=now,
                 backoff_seconds=self.cfg.eval.retry_backoff_seconds,
                 killed_for_stop=killed_for_stop,
+                yielded=yielded,
                 timed_out_after=self.cfg.eval.timeout_seconds if timed_out else None,
                 checkpoint_gone=gone,
                 task_errors=[
@@ -147,7 +150,7 @@ class Supervisor:
             log.info("job.ok", job_id=job.id, run=job.run, step=job.step)
         elif verdict.kind == "requeue":
             self.book.requeue(job, remaining, attempt=verdict.attempt, error=verdict.reason)
-            log.info("job.requeued", job_id=job.id, reason="shutdown")
+            log.info("job.requeued", job_id=job.id, reason=verdict.reason)
         elif verdict.kind == "missed":
             self.book.missed(job, verdict.reason, now)
         elif verdict.kind == "retry":
@@ -170,6 +173,27 @@ class Supervisor:
             )
         else:
             self.book.fail(job, remaining, outcomes, verdict, now)
+
+    def give_back(self, busy: dict[str, str], labels: dict[str, str]) -> list[str]:
+        """devices.yield_to_others: stop every running job on a device that another process now
+        uses (`busy`: device id -> why). Each goes back to the queue with its attempt given
+        back; its journal keeps what it finished. Returns the jobs stopped now."""
+        stopped = []
+        for job in self.state.jobs("running"):
+            if job.device not in busy or job.id in self.yielded or job.id in self.killed_for_stop:
+                continue
+            self.yielded[job.id] = f"{labels.get(job.device, job.device)} ({busy[job.device]})"
+            log.warning(
+                "eval.yielded",
+                job_id=job.id,
+                run=job.run,
+                step=job.step,
+                device=job.device_label,
+                why=busy[job.device],
+            )
+            self.executor.kill(job.id)
+            stopped.append(job.id)
+        return stopped
 
     def kill_for_stop(self) -> None:
         """The stop's second stage: kill every running worker now; their jobs are re-queued,

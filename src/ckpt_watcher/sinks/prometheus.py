@@ -46,6 +46,12 @@ class DaemonMetrics:
             ["device"],
             registry=r,
         )
+        self.yielded = Counter(
+            "ckpt_watcher_evals_yielded_total",
+            "Evals stopped to give their GPU back to another process (devices.yield_to_others)",
+            ["device"],
+            registry=r,
+        )
         self.eval_seconds = Histogram(
             "ckpt_watcher_eval_seconds",
             "Seconds one task took on one checkpoint (ok results)",
