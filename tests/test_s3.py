@@ -131,6 +131,31 @@ def test_two_workers_staging_one_checkpoint_at_once_both_get_it_whole(
     assert json.loads((dest / "model.safetensors.index.json").read_text())["weight_map"]
 
 
+def test_a_due_s3_checkpoint_is_held_so_a_deleted_prefix_costs_nothing(
+    s3_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    """S3Source.hold stages a due checkpoint at once; the trainer then deletes the prefix
+    (keep-last-k); the job's worker still gets the whole copy."""
+    client = make_client(s3_endpoint)
+    ck = write_fake_checkpoint(tmp_path / "src" / "r_step4", naming_bug=True)
+    upload_dir(client, ck, bucket, "held/r_step4/")
+    cache = tmp_path / "cache"
+    source = S3Source(f"s3://{bucket}/held/", endpoint_url=s3_endpoint, cache_dir=cache)
+    location = f"s3://{bucket}/held/r_step4/"
+    assert not source.held(location)
+    source.hold(location)
+    assert source.held(location)
+    for obj in client.list_objects_v2(Bucket=bucket, Prefix="held/")["Contents"]:
+        client.delete_object(Bucket=bucket, Key=obj["Key"])
+    assert not source.exists(location)
+    dest = stage(location, cache, client=client, retry=NO_WAIT)  # what the worker does
+    assert (dest / "model.safetensors").read_bytes() == (ck / "model.safetensors").read_bytes()
+    source.release(location)  # the job ended
+    assert not source.held(location)
+    with pytest.raises(StagingError, match="no config.json"):
+        stage(location, cache, client=client, retry=NO_WAIT)
+
+
 def test_staging_fetches_only_what_an_eval_needs_and_fixes_names(
     s3_endpoint: str, bucket: str, tmp_path: Path
 ) -> None:

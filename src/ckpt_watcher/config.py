@@ -390,6 +390,12 @@ class PolicyConfig(_Model):
     """Evaluate steps divisible by this; final checkpoints always."""
     skip_superseded: bool = False
     """Drop a queued checkpoint once a newer one of its run is ready (shown as skipped)."""
+    pin: bool = True
+    """Hold each due local checkpoint's files (hard links beside it, no bytes copied) until its
+    results are in, so a trainer's keep-last-k cannot delete them first."""
+    pin_max_gb: float | None = Field(500.0, gt=0)
+    """At most this much held by pins; beyond it the oldest pins of checkpoints whose eval has
+    not started are released (null: no limit)."""
 
 
 class AlertsConfig(_Model):

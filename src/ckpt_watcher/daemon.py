@@ -43,6 +43,7 @@ from ckpt_watcher.jobs.supervise import Supervisor
 from ckpt_watcher.ledger import LedgerIndex, iter_runs
 from ckpt_watcher.mirror import LedgerMirror
 from ckpt_watcher.notify import Notifier
+from ckpt_watcher.pins import Pins
 from ckpt_watcher.sinks import Sinks
 from ckpt_watcher.sinks.prometheus import DaemonMetrics
 from ckpt_watcher.sources import Source, build_sources
@@ -110,16 +111,21 @@ class Daemon:
         self.ledger.listen(self.sinks.ledger_line)
         if self.mirror is not None:
             self.ledger.listen(self.mirror.ledger_line)
+        max_gb = cfg.policy.pin_max_gb
+        self.pins = Pins(
+            self.state, int(max_gb * 2**30) if max_gb is not None else None, cfg.policy.pin
+        )
         self.discovery = Discovery(
             sources if sources is not None else build_sources(cfg),
             self.state,
             cfg.stable_seconds,
             self.wake.set,
             on_ready=self.metrics.checkpoint_ready,
+            pinned=lambda location: self.pins.path(location) is not None,
         )
-        self.book = JobBook(cfg, self.state, self.ledger, self.discovery)
+        self.book = JobBook(cfg, self.state, self.ledger, self.discovery, self.pins)
         self.dispatcher = Dispatcher(
-            cfg, self.state, self.executor, self.discovery, self.book, clock
+            cfg, self.state, self.executor, self.discovery, self.book, clock, self.pins
         )
         self.helpers = self.dispatcher.helpers
         self.supervisor = Supervisor(

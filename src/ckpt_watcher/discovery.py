@@ -99,6 +99,7 @@ class _Watched:
 
     source: Source
     lane: Lane
+    hold_lane: Lane  # holds due checkpoints (S3: staging) without delaying the scans
     snapshot: dict[str, Found] = field(default_factory=dict)
     next_scan: float = 0.0
     woken: bool = False
@@ -118,12 +119,17 @@ class Discovery:
         stable_seconds: float,
         wake: Callable[[], None],
         on_ready: Callable[[float], None] | None = None,
+        pinned: Callable[[str], bool] = lambda location: False,
     ) -> None:
         self.state = state
         self.stable_seconds = stable_seconds
         self._wake = wake
         self._on_ready = on_ready  # seconds from a checkpoint's last write to judging it ready
-        self.watched = [_Watched(s, Lane(f"source-{i}", wake)) for i, s in enumerate(sources)]
+        self._pinned = pinned  # its files are held for its eval (pins.py): a delete is no loss
+        self.watched = [
+            _Watched(s, Lane(f"source-{i}", wake), Lane(f"hold-{i}", wake))
+            for i, s in enumerate(sources)
+        ]
 
     # --- which source holds a location -----------------------------------------------------
     def source_named(self, name: str) -> Source | None:
@@ -143,6 +149,18 @@ class Discovery:
         if w is None:
             return None
         return w.lane.submit(functools.partial(w.source.exists, location))
+
+    def hold(self, source_name: str, location: str) -> None:
+        """`location` is due: its source holds what the eval reads (S3: stages it), on a lane
+        of its own so that a long download never delays the source's scans."""
+        w = self._lane_of(source_name)
+        if w is not None:
+            w.hold_lane.submit(_logged("source.hold_failed", w.source.hold, location))
+
+    def held(self, source_name: str, location: str) -> bool:
+        """Its source holds a complete copy of what the eval reads (a delete costs nothing)."""
+        src = self.source_named(source_name)
+        return src is not None and src.held(location)
 
     def release(self, source_name: str, location: str) -> None:
         """A checkpoint's jobs ended: the source may drop what it staged (on its lane)."""
@@ -180,6 +198,7 @@ class Discovery:
     def close(self) -> None:
         for w in self.watched:
             w.lane.close()
+            w.hold_lane.close()
             try:
                 w.source.close()
             except Exception as e:  # closing must never stop the shutdown
@@ -190,9 +209,7 @@ class Discovery:
         rows = self.state.checkpoints(source=name)
         settled = {r.location for r in rows if r.state not in (*RECHECK, "missed")}
         recheck = {
-            r.location: (r.write_mark, r.unchanged_since)
-            for r in rows
-            if r.state in RECHECK
+            r.location: (r.write_mark, r.unchanged_since) for r in rows if r.state in RECHECK
         }
         evaluated = self._due_for_recheck(w, rows, now)
         w.woken = False
@@ -388,6 +405,9 @@ class Discovery:
         row = self.state.checkpoint(f.location)
         if row is None or row.state not in MISSABLE:
             return
+        if self._pinned(f.location) or self.held(row.source, f.location):
+            log.info("checkpoint.deleted_pinned", location=f.location, run=row.run, step=row.step)
+            return
         for job in self.state.jobs("queued", location=f.location):
             self.state.update_job(
                 job.id, state="skipped", error="checkpoint deleted before evaluation"
@@ -452,9 +472,7 @@ class Discovery:
             write_mark=remark.write_mark,
             unchanged_since=now,
         )
-        log.warning(
-            "checkpoint.files_changed", location=row.location, run=row.run, step=row.step
-        )
+        log.warning("checkpoint.files_changed", location=row.location, run=row.run, step=row.step)
 
 
 def _logged(event: str, fn: Callable[[Any], Any], arg: Any) -> Callable[[], None]:

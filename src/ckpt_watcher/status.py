@@ -156,6 +156,10 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         failures = [f for f in history if not f["resolved"]]
         counts = state.checkpoint_counts()
         zombies = state.get_meta("suspected_zombies") or []
+        pinned = [
+            {"location": k, "path": v["path"], "bytes": v["bytes"]}
+            for k, v in sorted((state.get_meta("pins") or {}).items())
+        ]
         regressions = state.get_meta("regressions") or []
     finally:
         state.close()
@@ -174,6 +178,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         ],
         "failure_history": history,
         "suspected_zombies": zombies,
+        "pinned": pinned,  # checkpoints whose files are held until their results are in
         "warm_engines": warm_engines(cfg.state_dir),
         "latest_results": latest_results(cfg),
     }
@@ -331,6 +336,9 @@ def render(data: dict[str, Any]) -> str:
     if data["regressions"]:
         lines.append(f"regressions (the newest {len(data['regressions'])}, oldest first):")
         lines.extend(f"  {r['text'].removeprefix('regression: ')}" for r in data["regressions"])
+    if data["pinned"]:
+        held = sum(p["bytes"] for p in data["pinned"]) / 2**30
+        lines.append(f"pinned: {len(data['pinned'])} checkpoint(s), {held:.2f} GiB held")
     if data["suspected_zombies"]:
         lines.append(
             f"suspected zombies (not ours: never killed unless devices.reap_foreign_zombies): {len(data['suspected_zombies'])}"

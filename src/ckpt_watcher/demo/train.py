@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,9 +28,12 @@ def train(
     heads: int = DEMO_HEADS,
     tie_word_embeddings: bool = False,
     stop_after: int | None = None,
+    keep_last: int | None = None,
 ) -> list[Path]:
     """Train and save checkpoints; returns their paths in the order written. `stop_after`: end
-    at that step, on the learning-rate schedule of all `steps` (a run cut short)."""
+    at that step, on the learning-rate schedule of all `steps` (a run cut short). `keep_last`:
+    after each save, delete all but the newest that many checkpoints (HF `save_total_limit`,
+    torchtitan `keep_latest_k`)."""
     import torch
 
     from ckpt_watcher.demo.tiny import answer, build_model, build_tokenizer, save_checkpoint
@@ -73,6 +77,11 @@ def train(
             model.train()
             saved.append(path)
             print(f"step {step}: loss {loss.item():.3f}, saved {path}", flush=True)
+            if keep_last is not None:
+                for old in saved[:-keep_last]:
+                    if old.exists():
+                        shutil.rmtree(old)
+                        print(f"deleted {old} (keep last {keep_last})", flush=True)
     return saved
 
 
@@ -86,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-naming-bug", action="store_true")
     ap.add_argument("--final", action="store_true", help="name the last checkpoint {run}_final")
+    ap.add_argument(
+        "--keep-last", type=int, default=None, help="delete all but the newest N checkpoints"
+    )
     ap.add_argument(
         "--heads",
         type=int,
@@ -104,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         naming_bug=not args.no_naming_bug,
         final=args.final,
         heads=args.heads,
+        keep_last=args.keep_last,
     )
     print(f"training done in {time.monotonic() - t0:.1f}s", flush=True)
     return 0

@@ -103,4 +103,3 @@ class LocalExecutor(Executor):
     def running(self) -> set[str]:
         with self._lock:
             return set(self._procs) | set(self._adopted)
-

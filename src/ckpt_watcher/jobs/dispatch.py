@@ -17,13 +17,14 @@ from pathlib import Path
 import structlog
 
 from ckpt_watcher import planner, scheduler
-from ckpt_watcher.config import WatcherConfig
+from ckpt_watcher.config import BASELINE_RUN, WatcherConfig
 from ckpt_watcher.devices import Device
 from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.executors.base import Executor
 from ckpt_watcher.jobfolder import EvalRequest, JobFolder, JobSpec, TaskRun
 from ckpt_watcher.jobs.book import JobBook
 from ckpt_watcher.jobs.helpers import Helpers
+from ckpt_watcher.pins import Pins
 from ckpt_watcher.state import Job, State
 
 log = structlog.get_logger("ckpt_watcher.jobs")
@@ -38,6 +39,7 @@ class Dispatcher:
         discovery: Discovery,
         book: JobBook,
         clock: Callable[[], float],
+        pins: Pins,
     ) -> None:
         self.cfg = cfg
         self.state = state
@@ -46,6 +48,7 @@ class Dispatcher:
         self.book = book
         self.clock = clock
         self.helpers = Helpers(state, executor, cfg.state_dir, clock)
+        self.pins = pins
 
     def queue(self, q: planner.QueueJob, now: float) -> Job:
         """Carry out a planner QueueJob."""
@@ -66,13 +69,26 @@ class Dispatcher:
         log.info(
             "job.queued", job_id=job.id, run=q.run, step=q.step, tasks=[t["task"] for t in q.tasks]
         )
+        self._hold(job, now)
         return job
+
+    def _hold(self, job: Job, now: float) -> None:
+        """The job's checkpoint is due: hold its files until its results are in, so a trainer's
+        keep-last-k cannot take them (local: pins; S3: its source stages them now)."""
+        if job.run_path == BASELINE_RUN or not self.cfg.policy.pin:
+            return
+        if job.location.startswith("s3://"):
+            self.discovery.hold(self.book.source_name(job), job.location)
+        elif self.pins.pin(job.location, job.fingerprint, now) is not None:
+            started = {j.location for j in self.state.jobs("running")}
+            self.pins.keep_within_budget(started)
 
     def dispatch(self, now: float, free: list[Device]) -> None:
         """Give free devices their next jobs (splitting a checkpoint over spare devices); the
         devices still free then join running jobs' tasks (helpers); helpers give their devices
         back to queued jobs that have none."""
         queued = self.state.jobs("queued")
+        self.pins.sweep({j.location for j in queued + self.state.jobs("running")})
         eligible = scheduler.eligible(queued, now)
         self.helpers.reap(devices_wanted=len(eligible) - len(free))
         if not free:
@@ -119,7 +135,7 @@ class Dispatcher:
         ev = self.cfg.eval
         folder = f"step_{job.step}" if job.step is not None else job.label
         request = EvalRequest(
-            checkpoint=job.location,
+            checkpoint=self.pins.path(job.location) or job.location,
             backend=ev.backend,
             model_args=ev.model_args,
             tasks=[

@@ -94,7 +94,17 @@ class Supervisor:
             if job is None or job.state != "running":
                 continue
             self.book.harvest(job)
-            if not self.book.due(job) or job.id in self.killed_for_stop or job.id in self.yielded:
+            # its files are held for it (pins, a staged S3 copy): a failure is no delete
+            source = self.book.source_name(job)
+            pinned = self.book.pins.path(job.location) is not None or self.discovery.held(
+                source, job.location
+            )
+            if (
+                not self.book.due(job)
+                or pinned
+                or job.id in self.killed_for_stop
+                or job.id in self.yielded
+            ):
                 self._settle(job, rc, gone=False, now=now)
                 continue
             # a failure: was the checkpoint deleted meanwhile? Ask its source, off the loop.

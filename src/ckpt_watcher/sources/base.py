@@ -62,6 +62,15 @@ class Source(Protocol):
         """What a worker needs to stage a remote checkpoint locally (None: already local)."""
         ...
 
+    def hold(self, location: str) -> None:
+        """`location` is due: hold what its eval reads, so that a later delete at the source
+        costs nothing (S3: stage it now; a local folder is pinned by the daemon, pins.py)."""
+        ...
+
+    def held(self, location: str) -> bool:
+        """Is a complete copy of what the eval reads held (`hold` finished)?"""
+        ...
+
     def release(self, location: str) -> None:
         """A job on `location` ended: drop what was staged for it (unless kept)."""
         ...

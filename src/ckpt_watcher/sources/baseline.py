@@ -60,6 +60,12 @@ class BaselineSource:
     def stage_spec(self, location: str) -> Stage | None:
         return self.inner.stage_spec(location)
 
+    def hold(self, location: str) -> None:
+        return None  # the base model is nobody's to delete
+
+    def held(self, location: str) -> bool:
+        return False
+
     def release(self, location: str) -> None:
         self.inner.release(location)
 

@@ -19,6 +19,7 @@ from ckpt_watcher.checkpoints.files import LocalFiles
 from ckpt_watcher.checkpoints.fingerprint import Mode
 from ckpt_watcher.checkpoints.namefix import apply_fix
 from ckpt_watcher.checkpoints.naming import looks_like_checkpoint_name, parse_checkpoint_dir
+from ckpt_watcher.pins import PIN_FOLDER
 from ckpt_watcher.sources.base import UNRECOGNISED, Found
 
 log = structlog.get_logger("ckpt_watcher.sources.local")
@@ -90,8 +91,8 @@ class LocalSource:
                     if looks_like_checkpoint_name(entry.name) or self._model_like(child):
                         found.append(Found(printable(child), None, None, "symlink: not followed"))
                     continue
-                if not entry.is_dir(follow_symlinks=False):
-                    continue
+                if not entry.is_dir(follow_symlinks=False) or entry.name == PIN_FOLDER:
+                    continue  # files; and the watcher's own pinned copies (pins.py)
                 item = self._classify(child)
                 if item is not None:
                     found.append(item)
@@ -132,6 +133,12 @@ class LocalSource:
 
     def prepare(self, location: str) -> list[str]:
         return [a.describe() for a in apply_fix(Path(location))]
+
+    def hold(self, location: str) -> None:
+        return None  # the daemon pins local checkpoints itself (pins.py)
+
+    def held(self, location: str) -> bool:
+        return False
 
     def stage_spec(self, location: str) -> None:
         return None

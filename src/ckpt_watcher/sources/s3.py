@@ -27,7 +27,7 @@ from ckpt_watcher.s3client import (
     split_uri,
 )
 from ckpt_watcher.sources.base import UNRECOGNISED, Found
-from ckpt_watcher.sources.staging import evict, remove_staged, staged_path
+from ckpt_watcher.sources.staging import evict, is_staged, remove_staged, stage, staged_path
 
 # Evaluated checkpoints whose listing a scan re-reads to notice a rewrite: a poll then costs at
 # most this many extra LIST requests, and each checkpoint is looked at every n/16 polls.
@@ -143,6 +143,21 @@ class S3Source:
 
     def stage_spec(self, location: str) -> Stage:
         return Stage(location, str(self.cache_dir), self.endpoint_url, self.request_timeout)
+
+    def hold(self, location: str) -> None:
+        """Stage the due checkpoint now, into the cache its job's worker stages into: the worker
+        then finds every file in place, and a prefix deleted meanwhile costs nothing."""
+        stage(
+            location,
+            self.cache_dir,
+            self.endpoint_url,
+            client=self.client,
+            retry=self.retry,
+            request_timeout=self.request_timeout,
+        )
+
+    def held(self, location: str) -> bool:
+        return is_staged(self.cache_dir, location)
 
     def release(self, location: str) -> None:
         if not self.keep_staged:

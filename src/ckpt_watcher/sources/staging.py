@@ -4,7 +4,9 @@ Fetched: config, generation config, tokenizer files, the index and the safetenso
 with no safetensors, `pytorch_model*.bin`). Never optimizer states, RNG states or DCP shards.
 Each file is downloaded with boto3's transfer manager (parallel ranged parts), to a temporary
 name, checked (size, and for safetensors the header's expected size), then renamed into place.
-The naming fix is applied to the staged copy. Runs inside the worker process.
+The naming fix is applied to the staged copy. Runs inside the worker process, and on the daemon's
+hold lane as soon as a checkpoint is due (`S3Source.hold`), so a prefix deleted before its eval
+costs nothing.
 """
 
 from __future__ import annotations
@@ -63,9 +65,12 @@ def stage(
     bucket, key = split_uri(location)
     view = S3Files(client, retry, bucket, key)
     names = needed_files(view.files)
-    if "config.json" not in names:
-        raise StagingError(f"{location}: no config.json under this prefix")
     dest = staged_path(cache_dir, location)
+    if "config.json" not in names:
+        if is_staged(cache_dir, location):  # held when it was due (S3Source.hold); gone since
+            log.info("staging.prefix_gone_copy_held", location=location, path=str(dest))
+            return dest
+        raise StagingError(f"{location}: no config.json under this prefix")
     dest.mkdir(parents=True, exist_ok=True)
     # workers of one checkpoint on several devices (a split job, a helper) stage it one at a
     # time: the second finds every file in place, checked, and names already fixed
@@ -117,6 +122,11 @@ def _stage_into(
         seconds=round(time.monotonic() - started, 2),
     )
     return dest
+
+
+def is_staged(cache_dir: Path, location: str) -> bool:
+    """A complete staged copy of `location` is in the cache (its last step marks it)."""
+    return (staged_path(cache_dir, location) / LAST_USED).is_file()
 
 
 def _verified(folder: Path, name: str, size: int) -> bool:

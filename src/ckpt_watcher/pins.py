@@ -1,0 +1,165 @@
+"""Pins: a due checkpoint's files held until its results are in, so a trainer's keep-last-k
+cannot delete what an eval is about to read (or is reading).
+
+When a local checkpoint gets a job, the files an eval reads are hard-linked into
+`<its parent>/.ckpt-watcher-pins/<its name>/`: the same filesystem (a hard link is another name
+for the same data, no byte copied; a symlink would hold nothing), in a folder scans never enter.
+The job's worker reads the pinned copy, so a trainer that deletes the checkpoint meanwhile
+changes nothing: its data lives on until the pin is released, which happens once the
+checkpoint has no job queued or running (its results are in the ledger, or it ended otherwise).
+Pins are recorded in the state, so a daemon that restarts keeps those of jobs it still has and
+releases the others. `policy.pin_max_gb` bounds the bytes pins hold: beyond it, the oldest
+pins of checkpoints whose job has not started are released (such a checkpoint is then `missed`
+if the trainer deletes it first, as without pins). A filesystem that refuses hard links is said
+once, and its checkpoints are not pinned.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from ckpt_watcher.checkpoints.files import needed_files
+from ckpt_watcher.state import State
+
+log = structlog.get_logger("ckpt_watcher.pins")
+
+PIN_FOLDER = ".ckpt-watcher-pins"
+# what a filesystem that cannot hold a pin answers os.link with
+_REFUSALS = (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EACCES)
+
+
+@dataclass(frozen=True)
+class Pin:
+    location: str  # the checkpoint as the source names it
+    path: str  # its pinned copy
+    bytes: int
+    at: float
+    fingerprint: str | None = None  # the content pinned (a rewrite in place is pinned again)
+
+
+def pin_path(location: str) -> Path:
+    folder = Path(location)
+    return folder.parent / PIN_FOLDER / folder.name
+
+
+class Pins:
+    """The daemon's pins (state meta `pins`: location -> Pin)."""
+
+    def __init__(self, state: State, max_bytes: int | None, enabled: bool = True) -> None:
+        self.state = state
+        self.max_bytes = max_bytes
+        self.enabled = enabled
+        self.refused: dict[int, str] = {}  # st_dev -> why that filesystem takes no pins
+
+    def all(self) -> dict[str, Pin]:
+        return {k: Pin(**v) for k, v in (self.state.get_meta("pins") or {}).items()}
+
+    def _save(self, pins: dict[str, Pin]) -> None:
+        self.state.set_meta(pins={k: vars(p) for k, p in pins.items()})
+
+    def path(self, location: str) -> str | None:
+        """The pinned copy an eval of `location` reads (None: not pinned)."""
+        pin = self.all().get(location)
+        return pin.path if pin is not None and Path(pin.path).is_dir() else None
+
+    def held_bytes(self) -> int:
+        return sum(p.bytes for p in self.all().values())
+
+    def pin(self, location: str, fingerprint: str | None, now: float) -> Pin | None:
+        """Hard-link what an eval of the (local, complete) checkpoint reads into its pin
+        folder; None where it cannot be pinned (said once per filesystem)."""
+        if not self.enabled or location.startswith("s3://"):
+            return None
+        pins = self.all()
+        if location in pins:
+            if pins[location].fingerprint == fingerprint:
+                return pins[location]
+            self.release(location, "the checkpoint was rewritten")
+            pins = self.all()
+        folder = Path(location)
+        try:
+            dev = folder.stat().st_dev
+            if dev in self.refused:
+                return None
+            files = {e.name: e.stat().st_size for e in os.scandir(folder) if e.is_file()}
+        except OSError as e:
+            log.warning("pin.unavailable", location=location, error=str(e))
+            return None
+        names = needed_files(files)
+        dest = pin_path(location)
+        pin = Pin(location, str(dest), sum(files[n] for n in names), now, fingerprint)
+        pins[location] = pin
+        self._save(pins)  # first: a crash while linking leaves a pin that a sweep releases
+        partial = _partial(dest)
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            for name in names:
+                os.link(folder / name, partial / name)
+            shutil.rmtree(dest, ignore_errors=True)  # one an earlier daemon left half-released
+            partial.rename(dest)
+        except OSError as e:
+            self.release(location, "could not be pinned")
+            if e.errno in _REFUSALS:
+                self.refused[dev] = e.strerror or str(e)
+                log.warning(
+                    "pin.refused",
+                    location=location,
+                    error=self.refused[dev],
+                    hint="this filesystem takes no hard links here: its checkpoints are not "
+                    "pinned, and one a trainer deletes before its evaluation is missed",
+                )
+            else:
+                log.warning("pin.failed", location=location, error=str(e))
+            return None
+        log.info("pin.held", location=location, path=str(dest), bytes=pin.bytes)
+        return pin
+
+    def keep_within_budget(self, started: set[str]) -> list[str]:
+        """Release the oldest pins of checkpoints not in `started` until the pins hold at most
+        `max_bytes`; returns their locations."""
+        if self.max_bytes is None:
+            return []
+        pins = self.all()
+        total = sum(p.bytes for p in pins.values())
+        released = []
+        for pin in sorted(pins.values(), key=lambda p: p.at):
+            if total <= self.max_bytes:
+                break
+            if pin.location in started:
+                continue
+            total -= pin.bytes
+            self.release(pin.location, "policy.pin_max_gb reached")
+            released.append(pin.location)
+        return released
+
+    def release(self, location: str, why: str) -> None:
+        pins = self.all()
+        pin = pins.pop(location, None)
+        if pin is None:
+            return
+        shutil.rmtree(pin.path, ignore_errors=True)
+        shutil.rmtree(_partial(Path(pin.path)), ignore_errors=True)
+        try:
+            Path(pin.path).parent.rmdir()  # the pin folder, once empty
+        except OSError:
+            pass
+        self._save(pins)
+        log.info("pin.released", location=location, why=why)
+
+    def sweep(self, active: set[str]) -> None:
+        """Release every pin whose checkpoint has no job queued or running (its results are
+        in, or it ended otherwise; at start: pins an earlier daemon left)."""
+        for location in list(self.all()):
+            if location not in active:
+                self.release(location, "no job left")
+
+
+def _partial(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.partial")

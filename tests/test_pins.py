@@ -1,0 +1,134 @@
+"""Pins: a trainer that keeps only its last 2 checkpoints, beside a watcher slower than it, loses
+none of them to its deletes: each due checkpoint's files are held (hard links beside it) until
+its results are in, and every pin is released after. Pins on a filesystem that takes no hard
+links there: said once, nothing pinned, everything else as before."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from ckpt_watcher.pins import PIN_FOLDER, Pins, pin_path
+from ckpt_watcher.state import State
+
+from .conftest import base_config, read_ledger, write_config, write_fake_checkpoint
+from .helpers import status_json, wait_for, watcher_run
+
+
+@pytest.mark.e2e
+def test_a_keep_last_2_trainer_beside_a_slower_watcher_loses_no_checkpoint(
+    tmp_path: Path, addition_tasks: Path
+) -> None:
+    watch = tmp_path / "ckpts"
+    watch.mkdir()
+    tasks = [{"task": "addition", "num_fewshot": 0}, {"task": "addition", "num_fewshot": 2}]
+    cfg = write_config(
+        tmp_path / "w.yaml", base_config(tmp_path, watch, addition_tasks, tasks=tasks)
+    )
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        wait_for(lambda: status_json(cfg)[0] == 0, 60, "the daemon to be up", daemon, log)
+        trainer = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ckpt_watcher.demo.train",
+                "--out",
+                str(watch),
+                "--run",
+                "keep",
+                "--steps",
+                "120",
+                "--save-every",
+                "20",
+                "--keep-last",
+                "2",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        out, _ = trainer.communicate(timeout=600)
+        assert trainer.returncode == 0, out[-2000:]
+        deleted = [line for line in out.splitlines() if line.startswith("deleted ")]
+        assert len(deleted) == 4, out  # the trainer deleted steps 20-80 as it went
+        pinned = status_json(cfg)[1]["pinned"]  # what the watcher holds now
+        assert all(Path(p["path"]).is_dir() and p["bytes"] > 0 for p in pinned), pinned
+        wait_for(
+            lambda: len(read_ledger(tmp_path / "ledgers", "keep")) >= 12,
+            600,
+            "12 ledger lines (6 checkpoints x 2 tasks)",
+            daemon,
+            log,
+        )
+        st = wait_for(
+            lambda: (s := status_json(cfg)[1]) and not s["pinned"] and s, 30, "pins released"
+        )
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    lines = read_ledger(tmp_path / "ledgers", "keep")
+    assert all(ln["status"] == "ok" for ln in lines), [ln.get("error") for ln in lines]
+    counts = Counter((ln["step"], ln["num_fewshot"]) for ln in lines)
+    assert counts == {(s, k): 1 for s in range(20, 121, 20) for k in (0, 2)}
+    assert st["checkpoint_counts"].get("missed") is None, st["checkpoint_counts"]
+    assert sorted(p.name for p in watch.iterdir()) == ["keep_step100", "keep_step120"]
+    events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+    assert any(e.get("event") == "checkpoint.deleted_pinned" for e in events), "never needed"
+
+
+def test_a_filesystem_without_hard_links_there_is_said_once_and_nothing_is_pinned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own")
+    # the pin folder on another filesystem than the checkpoint: os.link answers EXDEV
+    elsewhere = Path(__import__("tempfile").mkdtemp(dir=shm))
+    monkeypatch.setattr("ckpt_watcher.pins.pin_path", lambda loc: elsewhere / Path(loc).name)
+    state = State(tmp_path / "state")
+    pins = Pins(state, max_bytes=None)
+    a = write_fake_checkpoint(tmp_path / "ck" / "r_step1")
+    b = write_fake_checkpoint(tmp_path / "ck" / "r_step2")
+    assert pins.pin(str(a), "fa", 1.0) is None and pins.pin(str(b), "fb", 2.0) is None
+    assert pins.refused and pins.all() == {}
+    assert not elsewhere.exists() or not list(elsewhere.iterdir())
+    state.close()
+
+
+def test_pins_hold_the_files_release_cleanly_and_keep_within_their_budget(tmp_path: Path) -> None:
+    state = State(tmp_path / "state")
+    pins = Pins(state, max_bytes=None)
+    cks = [write_fake_checkpoint(tmp_path / "ck" / f"r_step{i}") for i in (1, 2, 3)]
+    for i, ck in enumerate(cks[:2]):
+        pin = pins.pin(str(ck), f"f{i}", float(i))
+        assert pin is not None and Path(pin.path) == pin_path(str(ck))
+        assert (Path(pin.path) / "model.safetensors").stat().st_ino == (
+            ck / "model.safetensors"
+        ).stat().st_ino  # the same data, no byte copied
+    # the trainer deletes step 1: its pinned copy is whole
+    import shutil
+
+    data = (cks[0] / "model.safetensors").read_bytes()
+    shutil.rmtree(cks[0])
+    assert (pin_path(str(cks[0])) / "model.safetensors").read_bytes() == data
+    assert pins.path(str(cks[0])) == str(pin_path(str(cks[0])))
+    # a third pin goes over a budget of two: the oldest not started (step 1) is released
+    pins.max_bytes = sum(p.bytes for p in pins.all().values())
+    assert pins.pin(str(cks[2]), "f2", 3.0) is not None
+    assert pins.keep_within_budget(started=set()) == [str(cks[0])]
+    assert pins.path(str(cks[0])) is None and not pin_path(str(cks[0])).exists()
+    # a rewrite in place is pinned again; a sweep releases what no job needs
+    first = pins.all()[str(cks[1])]
+    assert pins.pin(str(cks[1]), "f1-rewritten", 4.0).fingerprint == "f1-rewritten"  # type: ignore[union-attr]
+    assert first.path == pins.all()[str(cks[1])].path
+    pins.sweep(active={str(cks[2])})
+    assert list(pins.all()) == [str(cks[2])]
+    pins.sweep(active=set())
+    assert pins.all() == {} and not (tmp_path / "ck" / PIN_FOLDER).exists()
+    state.close()
