@@ -15,10 +15,11 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
-from ckpt_watcher.jobfolder import JobFolder, TaskOutcome
+from ckpt_watcher.jobfolder import EXIT_CRASH, Crash, JobFolder, TaskOutcome
 from ckpt_watcher.timestamps import stamp
 
 _pids = itertools.count(10_000_000)  # never a real pid
@@ -114,9 +115,13 @@ class SimulatedExecutor(Executor):
         on_exit: ExitCallback,
         duration: Callable[[str, int | None], float],
         timers: Timers | None = None,
+        loads_checkpoint: bool = False,
     ) -> None:
+        """`loads_checkpoint`: a job whose checkpoint folder is gone when it starts fails at
+        once, as a real worker that cannot load it does (a trainer deleted it)."""
         self.on_exit = on_exit
         self.duration = duration
+        self.loads_checkpoint = loads_checkpoint
         self.timers: Timers = timers or RealTimers()
         self._pending: dict[str, list[Cancellable]] = {}
         self._lock = threading.Lock()
@@ -125,6 +130,12 @@ class SimulatedExecutor(Executor):
         spec = folder.read_spec()
         at = self.timers()
         calls: list[Cancellable] = []
+        if self.loads_checkpoint and not Path(spec.request.checkpoint).is_dir():
+            folder.write_crash(Crash(f"{spec.request.checkpoint}: no such checkpoint", True))
+            calls.append(self.timers.call_at(at, lambda: self._exit(job_id, EXIT_CRASH)))
+            with self._lock:
+                self._pending[job_id] = calls
+            return WorkerHandle(job_id, next(_pids), "simulated")
         last = len(spec.request.tasks) - 1
         for i, t in enumerate(spec.request.tasks):
             began, at = at, at + self.duration(t.task, t.num_fewshot)
@@ -138,7 +149,9 @@ class SimulatedExecutor(Executor):
                 finished_at=stamp(at),
                 lm_eval_version="simulated",
             )
-            calls.append(self.timers.call_at(at, self._finisher(job_id, folder, i, outcome, i == last)))
+            calls.append(
+                self.timers.call_at(at, self._finisher(job_id, folder, i, outcome, i == last))
+            )
         if not calls:
             calls.append(self.timers.call_at(at, lambda: self._exit(job_id, 0)))
         with self._lock:
