@@ -365,3 +365,15 @@ def test_recover(
     if kind == "fail":
         assert v.reason == f"the daemon died while this job ran ({new_deaths} times)"
         assert v.error.startswith(v.reason) and "watcher requeue" in v.error
+
+
+def test_backlog_thin_fills_the_largest_gaps_from_the_newest_evaluated_step() -> None:
+    pending = [planner.Pending(f"c{s}", float(s), False) for s in range(110, 210, 10)]
+    # step 100 is evaluated (the anchor): keep 200, then 150 (middle of 100-200), then 120
+    # (the middle of 100-150, the first of two equal gaps)
+    skip = planner.backlog_skips(pending, 100.0, 3, "thin")
+    assert sorted(set(p.location for p in pending) - set(skip)) == ["c120", "c150", "c200"]
+    # newest first left older steps waiting below the anchor: the oldest bounds the range
+    assert "c110" not in planner.backlog_skips(pending, 300.0, 3, "thin")
+    assert planner.backlog_skips(pending, None, 3, "keep") == []
+    assert planner.backlog_skips(pending[:3], None, 3, "thin") == []

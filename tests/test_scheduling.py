@@ -85,3 +85,49 @@ def test_order_and_skip_superseded(tmp_path: Path) -> None:
     finally:
         state.close()
     assert rows[100] == rows[200] == ("skipped", "superseded by a newer checkpoint")
+
+
+def test_backlog_thin_keeps_an_evenly_spaced_subset_and_says_what_it_skipped(
+    tmp_path: Path,
+) -> None:
+    from ckpt_watcher.report.plot import skipped_steps
+    from ckpt_watcher.report.table import metric_table
+
+    steps = [10, 20, 30, 40, 50, 60, 70, 80]
+    policy = {"backlog": {"max_pending": 3, "overflow": "thin"}}
+    ledgers = run_once(tmp_path, steps, gpus=1, policy=policy)
+    lines = read_ledger(ledgers, "r")
+    ok = [ln for ln in lines if ln["status"] == "ok"]
+    # coarse to fine: the newest, the oldest, then the middle; run newest first
+    assert [ln["step"] for ln in ok if ln["task"] == "t1"] == [80, 40, 10]
+    skipped = [ln for ln in lines if ln["status"] == "skipped"]
+    assert sorted({ln["step"] for ln in skipped}) == [20, 30, 50, 60, 70]
+    assert len(skipped) == 5 * len(DURATIONS)  # one line per task, saying why
+    assert {ln["error"] for ln in skipped} == {"backlog (thin, max_pending 3)"}
+    assert skipped_steps(lines) == [20, 30, 50, 60, 70]
+    table = metric_table(lines)
+    row = {r[0]: r for r in table.rows}
+    assert row[20][1] == "SKIPPED" and isinstance(row[40][1], float)
+    state = State(tmp_path / "state", readonly=True)
+    try:
+        assert state.checkpoint_counts() == {"done": 3, "skipped": 5}
+    finally:
+        state.close()
+
+
+def test_backlog_skip_oldest_keeps_the_newest_and_the_final(tmp_path: Path) -> None:
+    steps = [10, 20, 30, 40, 50]
+    policy = {"backlog": {"max_pending": 2, "overflow": "skip_oldest"}}
+    watch = tmp_path / "ckpts"
+    write_fake_checkpoint(watch / "r_final")  # a final with no step: always kept
+    ledgers = run_once(tmp_path, steps, gpus=1, policy=policy)
+    lines = read_ledger(ledgers, "r")
+    ran = {ln["label"] for ln in lines if ln["status"] == "ok"}
+    assert ran == {"r_final", "r_step50"}
+    assert {ln["step"] for ln in lines if ln["status"] == "skipped"} == {10, 20, 30, 40}
+
+
+def test_backlog_keep_is_todays_behaviour(tmp_path: Path) -> None:
+    policy = {"backlog": {"max_pending": 1, "overflow": "keep"}}
+    ledgers = run_once(tmp_path, [10, 20, 30], gpus=1, policy=policy)
+    assert {ln["status"] for ln in read_ledger(ledgers, "r")} == {"ok"}

@@ -381,6 +381,17 @@ class BaselineConfig(_Model):
         return str(Path(v).expanduser().absolute())
 
 
+class BacklogConfig(_Model):
+    """What to do when a run's checkpoints arrive faster than they are evaluated."""
+
+    max_pending: int | None = Field(None, ge=1)
+    """At most this many checkpoints of one run waiting for a device (null: no limit)."""
+    overflow: Literal["keep", "thin", "skip_oldest"] = "keep"
+    """Beyond max_pending: keep all (today's behaviour); thin (an evenly spaced subset, coarse
+    to fine); skip_oldest. The newest and the final are always kept; a skipped checkpoint gets
+    a `skipped` ledger line saying why."""
+
+
 class PolicyConfig(_Model):
     """Which checkpoints are evaluated, in what order."""
 
@@ -393,6 +404,8 @@ class PolicyConfig(_Model):
     pin: bool = True
     """Hold each due local checkpoint's files (hard links beside it, no bytes copied) until its
     results are in, so a trainer's keep-last-k cannot delete them first."""
+    backlog: BacklogConfig = Field(default_factory=BacklogConfig)
+    """How far behind a run may fall (see BacklogConfig)."""
     pin_max_gb: float | None = Field(500.0, gt=0)
     """At most this much held by pins; beyond it the oldest pins of checkpoints whose eval has
     not started are released (null: no limit)."""

@@ -217,6 +217,8 @@ class Daemon:
                 # `once` starts its scans exactly once, then only applies what they find
                 self.discovery.tick(now, force=first_pass, start=first_pass or not self.once)
                 self._plan(now)
+                for _ in self.dispatcher.enforce_backlog(now):
+                    self.metrics.skipped.labels(reason="backlog").inc()
                 self.supervisor.check_timeouts(now)
                 self._give_back(now)
                 self._dispatch(now)

@@ -265,7 +265,7 @@ class LedgerIndex:
 
     def _note(self, line: dict[str, Any]) -> None:
         if line.get("status") != "ok":
-            self.failed_lines += 1
+            self.failed_lines += line.get("status") == "failed"
             return
         self.ok.add(line_identity(line))
         task, shots, settings = line["task"], line.get("num_fewshot"), line.get("settings_hash", "")

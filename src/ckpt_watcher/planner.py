@@ -156,3 +156,58 @@ def after_jobs(row_state: str, due_left: Tasks, job_errors: Sequence[str]) -> Ma
     if not due_left:
         return MarkCheckpoint("", "done")
     return MarkCheckpoint("", "failed", job_errors[-1] if job_errors else "")
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A checkpoint of one run waiting for a device (policy.backlog counts these)."""
+
+    location: str
+    order_key: float  # its step (a final just after)
+    final: bool
+
+
+def backlog_skips(
+    pending: Sequence[Pending], anchor: float | None, max_pending: int, overflow: str
+) -> list[str]:
+    """The pending checkpoints of one run to skip so that at most `max_pending` wait; the
+    newest and every final are always kept.
+
+    - `skip_oldest`: the oldest go.
+    - `thin`: an evenly spaced subset, coarse to fine: the newest first (and the oldest, when
+      no step of the run evaluated or running, `anchor`, lies below it), then again and again
+      the one nearest the middle of the largest gap between kept steps and the anchor.
+    - `keep`: none.
+    """
+    if overflow == "keep" or len(pending) <= max_pending:
+        return []
+    ranked = sorted(pending, key=lambda p: p.order_key)
+    keep = [ranked[-1], *(p for p in ranked[:-1] if p.final)]
+    if overflow == "skip_oldest":
+        for p in reversed(ranked):
+            if len(keep) >= max_pending:
+                break
+            if p not in keep:
+                keep.append(p)
+    else:
+        if anchor is not None and anchor >= ranked[0].order_key:
+            anchor = None  # evaluated past the oldest waiting (newest first): no lower bound
+        if anchor is None and ranked[0] not in keep and len(keep) < max_pending:
+            keep.append(ranked[0])
+        while len(keep) < max_pending:
+            bounds = sorted(
+                {p.order_key for p in keep} | ({anchor} if anchor is not None else set())
+            )
+            best: tuple[float, Pending] | None = None
+            for lo, hi in zip(bounds, bounds[1:], strict=False):
+                inside = [p for p in ranked if lo < p.order_key < hi and p not in keep]
+                if not inside:
+                    continue
+                mid = (lo + hi) / 2
+                pick = min(inside, key=lambda p: (abs(p.order_key - mid), p.order_key))
+                if best is None or hi - lo > best[0]:
+                    best = (hi - lo, pick)
+            if best is None:
+                break
+            keep.append(best[1])
+    return [p.location for p in ranked if p not in keep]

@@ -19,7 +19,7 @@ from ckpt_watcher.proctable import process_alive
 from ckpt_watcher.report.table import newest_versions
 from ckpt_watcher.sinks.alerts import Regression
 from ckpt_watcher.sources.baseline import source_name
-from ckpt_watcher.state import HEARTBEAT_SECONDS, State
+from ckpt_watcher.state import HEARTBEAT_SECONDS, Job, State
 from ckpt_watcher.timestamps import iso
 
 STALE_AFTER = 10 * HEARTBEAT_SECONDS
@@ -155,6 +155,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         ]
         failures = [f for f in history if not f["resolved"]]
         counts = state.checkpoint_counts()
+        behind = _behind(cfg, state.jobs("queued") + state.jobs("running"))
         zombies = state.get_meta("suspected_zombies") or []
         pinned = [
             {"location": k, "path": v["path"], "bytes": v["bytes"]}
@@ -179,6 +180,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         "failure_history": history,
         "suspected_zombies": zombies,
         "pinned": pinned,  # checkpoints whose files are held until their results are in
+        "behind": behind,  # per run: checkpoints due, and the time they take at today's rate
         "warm_engines": warm_engines(cfg.state_dir),
         "latest_results": latest_results(cfg),
     }
@@ -248,6 +250,28 @@ def _source(row: Any, name: str, now: float) -> dict[str, Any]:
 
 def _iso_or_none(ts: float | None) -> str | None:
     return iso(ts) if ts else None
+
+
+def _behind(cfg: WatcherConfig, jobs: list[Job]) -> list[dict[str, Any]]:
+    """Per run with checkpoints due (queued or running): how many, and about how long they
+    take at the rate of its recent results (seconds per checkpoint, over the devices busy)."""
+    due: dict[str, set[str]] = {}
+    for job in jobs:
+        due.setdefault(job.run_path, set()).add(job.location)
+    busy = max(1, len({j.device for j in jobs if j.state == "running" and j.device}))
+    out = []
+    for run_path, locations in sorted(due.items()):
+        path = ledger_mod.ledger_path(cfg.ledger_dir, run_path)
+        seconds: dict[str, float] = {}  # per checkpoint: its tasks' eval seconds
+        for ln in ledger_mod.read_lines(path).lines if path.exists() else []:
+            if ln.get("status") == "ok" and isinstance(ln.get("duration_s"), int | float):
+                key = ln.get("checkpoint", "")
+                seconds[key] = seconds.get(key, 0.0) + float(ln["duration_s"])
+        recent = list(seconds.values())[-5:]
+        per = sum(recent) / len(recent) if recent else None
+        eta = round(len(locations) * per / busy, 1) if per is not None else None
+        out.append({"run_path": run_path, "due": len(locations), "eta_s": eta})
+    return out
 
 
 def latest_results(cfg: WatcherConfig, per_run: int = 3) -> list[dict[str, Any]]:
@@ -336,6 +360,9 @@ def render(data: dict[str, Any]) -> str:
     if data["regressions"]:
         lines.append(f"regressions (the newest {len(data['regressions'])}, oldest first):")
         lines.extend(f"  {r['text'].removeprefix('regression: ')}" for r in data["regressions"])
+    for b in data["behind"]:
+        eta = f", ~{_duration(b['eta_s'])} at the current rate" if b["eta_s"] is not None else ""
+        lines.append(f"behind: {b['run_path']}: {b['due']} checkpoint(s) due{eta}")
     if data["pinned"]:
         held = sum(p["bytes"] for p in data["pinned"]) / 2**30
         lines.append(f"pinned: {len(data['pinned'])} checkpoint(s), {held:.2f} GiB held")

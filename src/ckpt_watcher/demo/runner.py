@@ -179,7 +179,7 @@ def run_demo(
             f"--vs {steps_done[0]}   # the problems it learned"
         )
     echo(f"  {w} run -c {config}   # keep watching the folder (Ctrl-C stops it)")
-    failed = [ln for ln in lines if ln.get("status") != "ok"]
+    failed = [ln for ln in lines if ln.get("status") == "failed"]
     if failed:
         echo(f"{len(failed)} eval(s) failed; see `watcher status` and the ledger's error field")
         return 1

@@ -111,6 +111,8 @@ class JobBook:
                 journal.remove(Path(ref.folder))
         if not written:
             return
+        if status == "skipped":
+            return  # said once for the job (skip)
         log.info(
             "eval.finished" if status == "ok" else "eval.failed",
             job_id=job.id,
@@ -139,6 +141,19 @@ class JobBook:
             self.file(job, outcome, "failed", verdict.error)
         self.failures += 1
         self.finish(job, "failed", now, error=verdict.reason)
+
+    def skip(self, job: Job, reason: str, now: float) -> None:
+        """A queued job given up by policy (the backlog): a `skipped` ledger line for each of
+        its tasks, saying why; the job and its checkpoint end `skipped`."""
+        for task in self.due(job):
+            key = task_key(task)
+            self.file(job, TaskOutcome(key[0], key[1], "skipped"), "skipped", reason)
+        self.state.update_job(job.id, state="skipped", finished_at=now, error=reason)
+        if not self.state.jobs("queued", "running", location=job.location):
+            self.state.upsert_checkpoint(
+                job.location, self.source_name(job), now, state="skipped", reason=reason
+            )
+        log.info("job.skipped", job_id=job.id, run=job.run, step=job.step, reason=reason)
 
     def requeue(
         self, job: Job, tasks: Tasks, *, attempt: int, error: str, not_before: float = 0.0

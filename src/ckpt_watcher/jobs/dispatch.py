@@ -83,6 +83,38 @@ class Dispatcher:
             started = {j.location for j in self.state.jobs("running")}
             self.pins.keep_within_budget(started)
 
+    def enforce_backlog(self, now: float) -> list[str]:
+        """policy.backlog: per run, at most `max_pending` checkpoints wait; the others are
+        skipped as `overflow` says (planner.backlog_skips). Returns the locations skipped."""
+        policy = self.cfg.policy.backlog
+        if policy.max_pending is None or policy.overflow == "keep":
+            return []
+        queued = [j for j in self.state.jobs("queued") if j.run_path != BASELINE_RUN]
+        by_run: dict[str, dict[str, Job]] = {}
+        for job in queued:
+            by_run.setdefault(job.run_path, {}).setdefault(job.location, job)
+        skipped = []
+        for run_path, jobs in by_run.items():
+            if len(jobs) <= policy.max_pending:
+                continue
+            started = [
+                j.order_key
+                for j in self.state.jobs("running", "ok")
+                if j.run_path == run_path and j.location not in jobs
+            ]
+            pending = [
+                planner.Pending(loc, j.order_key, j.order_key != int(j.order_key) or j.step is None)
+                for loc, j in jobs.items()
+            ]
+            reason = f"backlog ({policy.overflow}, max_pending {policy.max_pending})"
+            for location in planner.backlog_skips(
+                pending, max(started, default=None), policy.max_pending, policy.overflow
+            ):
+                for job in (j for j in queued if j.location == location):
+                    self.book.skip(job, reason, now)
+                skipped.append(location)
+        return skipped
+
     def dispatch(self, now: float, free: list[Device]) -> None:
         """Give free devices their next jobs (splitting a checkpoint over spare devices); the
         devices still free then join running jobs' tasks (helpers); helpers give their devices

@@ -135,7 +135,7 @@ def open_failures(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ln["task"],
             ln.get("num_fewshot"),
         )
-        if ln.get("status") == "ok" or key in ok or key in seen:
+        if ln.get("status") != "failed" or key in ok or key in seen:
             continue
         seen.add(key)
         out.append(ln)

@@ -1,5 +1,6 @@
 """`watcher plot`: each metric of a run against the step, from its ledger, as a PNG, with its
-stderr as error bars and the baseline (when the config has one) as a dashed line."""
+stderr as error bars, the baseline (when the config has one) as a dashed line, and the steps the
+backlog policy skipped as crosses on the step axis."""
 
 from __future__ import annotations
 
@@ -70,13 +71,38 @@ def figure(
             based = True
             values.append(base)
         drawn += 1
+    gaps = skipped_steps(lines)
+    if gaps:  # steps the policy skipped (the backlog): marked on the step axis, not drawn as 0
+        ax.plot(
+            gaps,
+            [0.0] * len(gaps),
+            marker="x",
+            linestyle="none",
+            color="0.45",
+            transform=ax.get_xaxis_transform(),
+            clip_on=False,
+            label="skipped (backlog)",
+        )
     if values and all(0 <= v <= 1 for v in values):
         ax.set_ylim(0, 1)
     ax.set_xlabel("step")
     ax.set_ylabel("metric")
     ax.set_title(f"{run}: lm-eval metrics by step")
     ax.grid(True, alpha=0.3)
-    if drawn:
+    if drawn or gaps:
         ax.legend(fontsize=8)
     fig.tight_layout()
     return fig, drawn
+
+
+def skipped_steps(lines: list[dict[str, Any]]) -> list[int]:
+    """Steps with a `skipped` line and no `ok` one."""
+    ok = {ln.get("step") for ln in lines if ln.get("status") == "ok"}
+    return sorted(
+        {
+            ln["step"]
+            for ln in lines
+            if ln.get("status") == "skipped" and isinstance(ln.get("step"), int)
+        }
+        - ok
+    )

@@ -72,7 +72,8 @@ def metric_table(
     baseline_name: str = "baseline",
 ) -> Table:
     """One row per checkpoint (by step), one column per task/shots/metric; the latest ok line
-    wins. A task with failed lines and no ok line for a checkpoint shows `FAILED`. A step
+    wins. A task with failed lines and no ok line for a checkpoint shows `FAILED` (`SKIPPED`
+    where the policy skipped it: the backlog). A step
     evaluated in several versions (rewritten in place) shows its newest, or with
     `all_versions` one row per version, with its fingerprint and checkpoint.
 
@@ -85,6 +86,7 @@ def metric_table(
     cells: dict[Key, dict[str, Any]] = {}
     columns: list[str] = []
     failed: dict[Key, set[str]] = {}
+    skipped: dict[Key, set[str]] = {}  # by policy (the backlog): a gap, not a failure
     where: dict[Key, str] = {}
     errs: dict[Key, dict[str, float]] = {}  # each metric column's stderr, shown or not
     for line in lines if all_versions else newest_versions(lines):
@@ -92,7 +94,8 @@ def metric_table(
         where.setdefault(key, line.get("checkpoint", ""))
         cells.setdefault(key, {})
         if line.get("status") != "ok":
-            failed.setdefault(key, set()).add(task_label(line))
+            gone = skipped if line.get("status") == "skipped" else failed
+            gone.setdefault(key, set()).add(task_label(line))
             continue
         row = cells[key]
         for metric, value in line.get("metrics", {}).items():
@@ -108,7 +111,7 @@ def metric_table(
     if only is not None:
         columns = list(only)
     # a task that never succeeded has no metric columns: it gets a column of its own
-    for label in sorted({f for fs in failed.values() for f in fs}):
+    for label in sorted({f for fs in [*failed.values(), *skipped.values()] for f in fs}):
         if not any(col.startswith(label + " ") for col in columns):
             columns.append(label)
     out_rows = []
@@ -123,6 +126,8 @@ def metric_table(
                 values.append(row[col])
             elif any(col == f or col.startswith(f + " ") for f in failed.get(key, ())):
                 values.append("FAILED")
+            elif any(col == f or col.startswith(f + " ") for f in skipped.get(key, ())):
+                values.append("SKIPPED")
             else:
                 values.append(None)
         first = step if step is not None else label

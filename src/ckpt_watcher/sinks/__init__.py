@@ -79,7 +79,7 @@ class Sinks:
         self.pages.request(run_path)
         for sink in self.wandb:
             sink.request(run_path)
-        if line.get("status") != "ok":
+        if line.get("status") == "failed":
             self._notify(failure_text(line))
         for r in self.regressions.observe(line):
             log.warning("eval.regression", **r.as_dict())

@@ -46,6 +46,12 @@ class DaemonMetrics:
             ["device"],
             registry=r,
         )
+        self.skipped = Counter(
+            "watcher_checkpoints_skipped_total",
+            "Checkpoints skipped by policy (reason: backlog), each with a skipped ledger line",
+            ["reason"],
+            registry=r,
+        )
         self.yielded = Counter(
             "ckpt_watcher_evals_yielded_total",
             "Evals stopped to give their GPU back to another process (devices.yield_to_others)",
