@@ -6,7 +6,8 @@ saves a checkpoint every T seconds and deletes all but its newest 2; a simulated
 jobs take 2x or 4x T, and fail at once when their checkpoint folder is gone when they start (as
 a worker that cannot load it). One device. Reported: the fraction of saved checkpoints that got
 an `ok` line, with `policy.pin` on and off; the peak bytes pins held (against one checkpoint's
-size); the lag from a checkpoint's save to its result.
+size); the lag from a checkpoint's save to its result; and with `policy.backlog` thin, which
+steps were evaluated and which skipped.
 
 Usage: python bench/keepup.py [--period 0.5] [--saves 12]
 """
@@ -57,7 +58,14 @@ def _open_state(folder: Path) -> State:
             time.sleep(0.01)
 
 
-def scenario(work: Path, saves: int, period: float, slower: float, pin: bool) -> dict[str, Any]:
+def scenario(
+    work: Path,
+    saves: int,
+    period: float,
+    slower: float,
+    pin: bool,
+    backlog: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     shutil.rmtree(work, ignore_errors=True)
     watch = work / "ckpts"
     watch.mkdir(parents=True)
@@ -67,7 +75,7 @@ def scenario(work: Path, saves: int, period: float, slower: float, pin: bool) ->
             "ledger_dir": str(work / "ledgers"),
             "stable_seconds": 0,
             "sources": [{"kind": "local", "path": str(watch), "poll_seconds": period / 4}],
-            "policy": {"pin": pin},
+            "policy": {"pin": pin, "backlog": backlog or {}},
             "eval": {"tasks": [{"task": "t", "num_fewshot": 0}]},
         }
     )
@@ -108,6 +116,8 @@ def scenario(work: Path, saves: int, period: float, slower: float, pin: bool) ->
     ]
     one = sum(p.stat().st_size for p in (watch / f"r_step{saves}").iterdir())
     return {
+        "steps": sorted(ok),
+        "skipped": sorted({ln["step"] for ln in lines if ln["status"] == "skipped"}),
         "evaluated": len(ok),
         "saved": saves,
         "peak_pins": peak / one,
@@ -134,6 +144,14 @@ def main() -> None:
                     f"{r['peak_pins']:.1f} checkpoints' bytes, median lag {lag}, "
                     f"pins left {r['left_pinned']}"
                 )
+        thin = {"max_pending": 2, "overflow": "thin"}
+        r = scenario(Path(tmp) / "w", args.saves, args.period, 4.0, True, thin)
+        lag = f"{r['lag_median']:.1f} T" if r["lag_median"] is not None else "-"
+        print(
+            f"eval 4x T, pins on, backlog thin (max_pending 2): evaluated steps {r['steps']}, "
+            f"skipped {r['skipped']}, peak pins {r['peak_pins']:.1f} checkpoints' bytes, "
+            f"median lag {lag}"
+        )
 
 
 if __name__ == "__main__":
