@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -283,3 +284,21 @@ def check_pass_at_k_from_records(line: dict[str, Any], recs: list[dict[str, Any]
     # sampling really happened: answers differ between the samples of a document
     assert any(len(set(r["responses"])) > 1 for r in recs)
     assert m[f"exact_match_pass@{n},none"] > m["exact_match,none"]
+
+
+def trainer_command(out: Path, run: str, steps: int, save_every: int, *extra: str) -> list[str]:
+    """The demo trainer as a process: `run` saving every `save_every` of `steps` into `out`."""
+    return [
+        sys.executable,
+        "-m",
+        "ckpt_watcher.demo.train",
+        "--out",
+        str(out),
+        "--run",
+        run,
+        "--steps",
+        str(steps),
+        "--save-every",
+        str(save_every),
+        *extra,
+    ]

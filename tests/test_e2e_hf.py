@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from .conftest import base_config, read_ledger, write_config
-from .helpers import lm_eval_cli, status_json, wait_for, watcher_run
+from .helpers import lm_eval_cli, status_json, trainer_command, wait_for, watcher_run
 
 pytestmark = pytest.mark.e2e
 
@@ -53,19 +52,7 @@ def test_trainer_and_watcher_side_by_side_match_lm_eval(
     with watcher_run(cfg, log) as daemon:
         wait_for(lambda: status_json(cfg)[0] == 0, 60, "the daemon to be up", daemon, log)
         trainer = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "ckpt_watcher.demo.train",
-                "--out",
-                str(watch),
-                "--run",
-                "e2e",
-                "--steps",
-                "150",
-                "--save-every",
-                "50",
-            ],
+            trainer_command(watch, "e2e", 150, 50),
             capture_output=True,
             text=True,
             timeout=300,

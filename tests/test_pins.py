@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from ckpt_watcher.pins import PIN_FOLDER, Pins, pin_path
 from ckpt_watcher.state import State
 
 from .conftest import base_config, read_ledger, write_config, write_fake_checkpoint
-from .helpers import status_json, wait_for, watcher_run
+from .helpers import status_json, trainer_command, wait_for, watcher_run
 
 
 @pytest.mark.e2e
@@ -36,21 +35,7 @@ def test_a_keep_last_2_trainer_beside_a_slower_watcher_loses_no_checkpoint_even_
     with watcher_run(cfg, log) as daemon:
         wait_for(lambda: status_json(cfg)[0] == 0, 60, "the daemon to be up", daemon, log)
         trainer = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ckpt_watcher.demo.train",
-                "--out",
-                str(watch),
-                "--run",
-                "keep",
-                "--steps",
-                "120",
-                "--save-every",
-                "20",
-                "--keep-last",
-                "2",
-            ],
+            trainer_command(watch, "keep", 120, 20, "--keep-last", "2"),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
