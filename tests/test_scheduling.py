@@ -131,3 +131,16 @@ def test_backlog_keep_is_todays_behaviour(tmp_path: Path) -> None:
     policy = {"backlog": {"max_pending": 1, "overflow": "keep"}}
     ledgers = run_once(tmp_path, [10, 20, 30], gpus=1, policy=policy)
     assert {ln["status"] for ln in read_ledger(ledgers, "r")} == {"ok"}
+
+
+def test_pins_over_their_budget_skip_the_oldest_waiting_checkpoints_visibly(
+    tmp_path: Path,
+) -> None:
+    policy = {"pin_max_gb": 1e-9}  # about one byte: each new pin pushes the older ones out
+    ledgers = run_once(tmp_path, [10, 20, 30], gpus=1, policy=policy)
+    lines = read_ledger(ledgers, "r")
+    assert {ln["step"] for ln in lines if ln["status"] == "ok"} == {30}
+    skipped = [ln for ln in lines if ln["status"] == "skipped"]
+    assert {ln["step"] for ln in skipped} == {10, 20}
+    assert {ln["error"] for ln in skipped} == {"pin budget (policy.pin_max_gb)"}
+    assert not list((tmp_path / "ckpts").glob(".ckpt-watcher-pins/*")), "pins left behind"

@@ -127,6 +127,7 @@ class Daemon:
         self.dispatcher = Dispatcher(
             cfg, self.state, self.executor, self.discovery, self.book, clock, self.pins
         )
+        self.dispatcher.on_skipped = lambda reason: self.metrics.skipped.labels(reason).inc()
         self.helpers = self.dispatcher.helpers
         self.supervisor = Supervisor(
             cfg, self.state, self.executor, self.exits, self.discovery, self.book, self.helpers
@@ -217,8 +218,7 @@ class Daemon:
                 # `once` starts its scans exactly once, then only applies what they find
                 self.discovery.tick(now, force=first_pass, start=first_pass or not self.once)
                 self._plan(now)
-                for _ in self.dispatcher.enforce_backlog(now):
-                    self.metrics.skipped.labels(reason="backlog").inc()
+                self.dispatcher.enforce_backlog(now)
                 self.supervisor.check_timeouts(now)
                 self._give_back(now)
                 self._dispatch(now)

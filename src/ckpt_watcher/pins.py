@@ -9,8 +9,8 @@ changes nothing: its data lives on until the pin is released, which happens once
 checkpoint has no job queued or running (its results are in the ledger, or it ended otherwise).
 Pins are recorded in the state, so a daemon that restarts keeps those of jobs it still has and
 releases the others. `policy.pin_max_gb` bounds the bytes pins hold: beyond it, the oldest
-pins of checkpoints whose job has not started are released (such a checkpoint is then `missed`
-if the trainer deletes it first, as without pins). A filesystem that refuses hard links is said
+pins of checkpoints whose job has not started are released, and those checkpoints skipped
+(`skipped` ledger lines, reason `pin budget`: jobs/dispatch.py). A filesystem that refuses hard links is said
 once, and its checkpoints are not pinned.
 """
 

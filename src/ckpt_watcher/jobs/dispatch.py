@@ -49,6 +49,7 @@ class Dispatcher:
         self.clock = clock
         self.helpers = Helpers(state, executor, cfg.state_dir, clock)
         self.pins = pins
+        self.on_skipped: Callable[[str], None] = lambda reason: None  # a checkpoint skipped
 
     def queue(self, q: planner.QueueJob, now: float) -> Job:
         """Carry out a planner QueueJob."""
@@ -80,8 +81,13 @@ class Dispatcher:
         if job.location.startswith("s3://"):
             self.discovery.hold(self.book.source_name(job), job.location)
         elif self.pins.pin(job.location, job.fingerprint, now) is not None:
-            started = {j.location for j in self.state.jobs("running")}
-            self.pins.keep_within_budget(started)
+            # over policy.pin_max_gb: the oldest pins of checkpoints not started go, and
+            # those checkpoints are skipped (visibly), rather than evaluated unprotected
+            spared = {j.location for j in self.state.jobs("running")} | {job.location}
+            for location in self.pins.keep_within_budget(spared):
+                for waiting in self.state.jobs("queued", location=location):
+                    self.book.skip(waiting, "pin budget (policy.pin_max_gb)", now)
+                self.on_skipped("pin budget")
 
     def enforce_backlog(self, now: float) -> list[str]:
         """policy.backlog: per run, at most `max_pending` checkpoints wait; the others are
@@ -113,6 +119,7 @@ class Dispatcher:
                 for job in (j for j in queued if j.location == location):
                     self.book.skip(job, reason, now)
                 skipped.append(location)
+                self.on_skipped("backlog")
         return skipped
 
     def dispatch(self, now: float, free: list[Device]) -> None:

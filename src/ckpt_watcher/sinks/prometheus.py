@@ -48,7 +48,7 @@ class DaemonMetrics:
         )
         self.skipped = Counter(
             "watcher_checkpoints_skipped_total",
-            "Checkpoints skipped by policy (reason: backlog), each with a skipped ledger line",
+            "Checkpoints skipped by policy (reason: backlog, pin budget), each with skipped lines",
             ["reason"],
             registry=r,
         )
