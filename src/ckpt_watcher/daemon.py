@@ -143,12 +143,33 @@ class Daemon:
         self.wake.set()
 
     def request_stop(self) -> None:
+        """Ask the loop to stop (from any thread; a signal goes through `install_signal_handlers`)."""
         self.stop_requests += 1
         self.wake.set()
 
     def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT count a stop request and wake the loop through a pipe and a thread of
+        its own. A handler runs on the loop's thread between two bytecodes, possibly while that
+        thread holds the wake Event's lock (in its wait or clear): an Event.set() there would
+        wait for that lock forever. A write to a pipe takes no lock."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+
+        def relay() -> None:
+            while os.read(read_fd, 64):
+                self.wake.set()
+
+        threading.Thread(target=relay, name="signal-relay", daemon=True).start()
+
+        def on_signal(*_: object) -> None:
+            self.stop_requests += 1
+            try:
+                os.write(write_fd, b"s")
+            except BlockingIOError:  # the pipe is full of wake-ups already
+                pass
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.request_stop())
+            signal.signal(sig, on_signal)
 
     # --- life cycle ----------------------------------------------------------------------------
     def run(self) -> int:
