@@ -123,7 +123,7 @@ class Daemon:
             on_ready=self.metrics.checkpoint_ready,
             pinned=lambda location: self.pins.path(location) is not None,
         )
-        self.book = JobBook(cfg, self.state, self.ledger, self.discovery, self.pins)
+        self.book = JobBook(cfg, self.state, self.ledger, self.discovery)
         self.dispatcher = Dispatcher(
             cfg, self.state, self.executor, self.discovery, self.book, clock, self.pins
         )
@@ -340,6 +340,8 @@ class Daemon:
     def _on_gpus(self) -> bool:
         """Some of our workers (jobs or helpers) run on a GPU."""
         gpus = {d.id for d in self.inventory.devices() if d.kind == "cuda"}
+        if not gpus:
+            return False  # CPU slots only: spare the loop's pass a query of the state
         used = {j.device for j in self.state.jobs("running")} | set(self.helpers.device_ids())
         return bool(gpus & used)
 

@@ -158,7 +158,10 @@ class Discovery:
             w.hold_lane.submit(_logged("source.hold_failed", w.source.hold, location))
 
     def held(self, source_name: str, location: str) -> bool:
-        """Its source holds a complete copy of what the eval reads (a delete costs nothing)."""
+        """A complete copy of what the eval reads is held (a delete at the source costs
+        nothing): pinned (a local checkpoint, pins.py), or staged by its source (S3)."""
+        if self._pinned(location):
+            return True
         src = self.source_named(source_name)
         return src is not None and src.held(location)
 
@@ -405,7 +408,7 @@ class Discovery:
         row = self.state.checkpoint(f.location)
         if row is None or row.state not in MISSABLE:
             return
-        if self._pinned(f.location) or self.held(row.source, f.location):
+        if self.held(row.source, f.location):
             log.info("checkpoint.deleted_pinned", location=f.location, run=row.run, step=row.step)
             return
         for job in self.state.jobs("queued", location=f.location):

@@ -20,7 +20,6 @@ from ckpt_watcher.jobfolder import JobFolder, TaskOutcome
 from ckpt_watcher.jobs.settle import Verdict
 from ckpt_watcher.journal import JournalRef
 from ckpt_watcher.ledger import LedgerIndex, Subject, result_line
-from ckpt_watcher.pins import Pins
 from ckpt_watcher.state import Job, State
 
 log = structlog.get_logger("ckpt_watcher.jobs")
@@ -35,15 +34,9 @@ def task_key(task: dict[str, Any]) -> tuple[str, int | None]:
 
 class JobBook:
     def __init__(
-        self,
-        cfg: WatcherConfig,
-        state: State,
-        ledger: LedgerIndex,
-        discovery: Discovery,
-        pins: Pins | None = None,
+        self, cfg: WatcherConfig, state: State, ledger: LedgerIndex, discovery: Discovery
     ) -> None:
         self.cfg = cfg
-        self.pins = pins or Pins(state, None, enabled=False)
         self.state = state
         self.ledger = ledger
         self.discovery = discovery

@@ -94,14 +94,11 @@ class Supervisor:
             if job is None or job.state != "running":
                 continue
             self.book.harvest(job)
-            # its files are held for it (pins, a staged S3 copy): a failure is no delete
-            source = self.book.source_name(job)
-            pinned = self.book.pins.path(job.location) is not None or self.discovery.held(
-                source, job.location
-            )
+            # its files are held for it (pinned, a staged S3 copy): a failure is no delete
+            held = self.discovery.held(self.book.source_name(job), job.location)
             if (
                 not self.book.due(job)
-                or pinned
+                or held
                 or job.id in self.killed_for_stop
                 or job.id in self.yielded
             ):

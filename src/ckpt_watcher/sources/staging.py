@@ -74,7 +74,7 @@ def stage(
     dest.mkdir(parents=True, exist_ok=True)
     # workers of one checkpoint on several devices (a split job, a helper) stage it one at a
     # time: the second finds every file in place, checked, and names already fixed
-    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+    with open(_lock_path(dest), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _stage_into(dest, location, client, retry, view, names)
 
@@ -167,4 +167,9 @@ def remove_staged(cache_dir: Path, location: str) -> None:
         shutil.rmtree(dest)
     except FileNotFoundError:
         pass
-    (dest.parent / f".{dest.name}.lock").unlink(missing_ok=True)
+    _lock_path(dest).unlink(missing_ok=True)
+
+
+def _lock_path(dest: Path) -> Path:
+    """Beside a staged copy: held by whoever stages it (one stager at a time)."""
+    return dest.parent / f".{dest.name}.lock"
