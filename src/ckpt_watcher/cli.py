@@ -95,6 +95,57 @@ def _run_ledger(config_path: Path, run_name: str) -> tuple[str, list[dict[str, A
     return run_path, report.lines
 
 
+def _compared(
+    config_path: Path, names: tuple[str, ...], mean: bool
+) -> tuple[WatcherConfig, list[Any]] | None:
+    """The `report.compare.Entry`s that RUN arguments name, or None where they name one run
+    and no `--mean` (the one-run output). A pattern's runs without results are left out, said
+    on stderr; a run named alone without results exits 1 as for one run."""
+    from ckpt_watcher import ledger as ledger_mod
+    from ckpt_watcher.report.compare import Entry
+    from ckpt_watcher.runs import is_pattern, resolve_runs
+
+    if len(names) == 1 and not mean and not is_pattern(names[0]):
+        return None
+    cfg = _load(config_path)
+    entries: list[Entry] = []
+    for name in names:
+        runs = resolve_runs(cfg, name)
+        if is_pattern(name):
+            kept = [r for r in runs if ledger_mod.ledger_path(cfg.ledger_dir, r).exists()]
+            if not kept:
+                have = ", ".join(ledger_mod.iter_runs(cfg.ledger_dir)) or "none"
+                _fail(1, f"no run matching {name!r} has results yet; runs with results: {have}")
+            if len(kept) < len(runs):
+                left = ", ".join(r for r in runs if r not in kept)
+                click.echo(f"watcher: {name!r}: no results yet for {left}", err=True)
+            runs = kept
+        each = [_run_ledger(config_path, r)[1] for r in runs]  # one without results: exit 1
+        if mean:
+            entries.append(Entry(name, runs, each, grouped=True))
+        else:
+            shown = {e.name for e in entries}
+            entries += [
+                Entry(r, [r], [ln]) for r, ln in zip(runs, each, strict=True) if r not in shown
+            ]
+    return cfg, entries
+
+
+def _terminal_width() -> int | None:
+    """$COLUMNS, else the width of the terminal stdout is; None where stdout is no terminal (a
+    pipe or a file keeps each row on one line)."""
+    import os
+
+    try:
+        return int(os.environ["COLUMNS"]) or None
+    except (KeyError, ValueError):
+        pass
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else None
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 LOG_LEVEL_HELP = (
     "DEBUG, INFO, WARNING or ERROR (default INFO; WARNING for `demo` and `doctor`, which print "
     "their own progress)."
@@ -190,9 +241,18 @@ def status(config_path: Path, as_json: bool) -> None:
     sys.exit(status_mod.exit_code(data))
 
 
+runs_argument = click.argument("run_names", metavar="RUN [RUN ...]", nargs=-1, required=True)
+mean_option = click.option(
+    "--mean",
+    is_flag=True,
+    help="Each RUN (a pattern such as 'lr3e-4_seed*', quoted) as one group: its runs' mean "
+    "and sd across them, step by step.",
+)
+
+
 @main.command()
 @config_option
-@click.argument("run_name", metavar="RUN")
+@runs_argument
 @click.option(
     "--format",
     "fmt",
@@ -213,22 +273,28 @@ def status(config_path: Path, as_json: bool) -> None:
     default=None,
     help="Only this suite's headline metrics, one column each (`watcher suites`).",
 )
+@mean_option
 @handle_errors
 def results(
     config_path: Path,
-    run_name: str,
+    run_names: tuple[str, ...],
     fmt: str,
     with_stderr: bool,
     all_versions: bool,
     suite_name: str | None,
+    mean: bool,
 ) -> None:
-    """The metric-by-step table of one run (a run path, or a run name only one run has), from
-    its ledger. With a `baseline` in the config: its row first and a Δ column per metric."""
+    """The metric-by-step table of a run (a run path, or a run name only one run has), from
+    its ledger. With a `baseline` in the config: its row first and a Δ column per metric.
+    Several runs (or a quoted pattern): one table with a `run` column."""
+    from ckpt_watcher.report.compare import compare_table
     from ckpt_watcher.report.table import column, metric_table, render, stderr_column
     from ckpt_watcher.suites import get_suite
 
     cfg = _load(config_path)
-    run_path, lines = _run_ledger(config_path, run_name)
+    compared = _compared(config_path, run_names, mean)
+    if compared is not None and all_versions:
+        raise ConfigError("--all shows one run's versions; give one RUN")
     only = None
     if suite_name is not None:
         try:
@@ -238,6 +304,13 @@ def results(
         only = [column(t, shots, key) for t, shots, key in suite.headline]
         if with_stderr:
             only = [c for col in only for c in (col, stderr_column(col))]
+    if compared is not None:
+        entries = compared[1]
+        base, base_name = _baseline(cfg, entries[0].runs[0])
+        table = compare_table(entries, with_stderr, only, base, base_name)
+        click.echo(render(table, fmt, _terminal_width()))
+        return
+    run_path, lines = _run_ledger(config_path, run_names[0])
     base, base_name = _baseline(cfg, run_path)
     table = metric_table(
         lines,
@@ -247,7 +320,7 @@ def results(
         baseline=base,
         baseline_name=base_name,
     )
-    click.echo(render(table, fmt))
+    click.echo(render(table, fmt, _terminal_width()))
 
 
 @main.command("suites")
@@ -380,7 +453,7 @@ def samples(
 
 @main.command()
 @config_option
-@click.argument("run_name", metavar="RUN")
+@runs_argument
 @click.option(
     "-o",
     "--output",
@@ -388,39 +461,61 @@ def samples(
     required=True,
     help="The PNG file to write.",
 )
+@mean_option
 @handle_errors
-def plot(config_path: Path, run_name: str, output: Path) -> None:
-    """Plot one run's metrics against the step, from its ledger, as a PNG."""
-    from ckpt_watcher.report.plot import plot_run
+def plot(config_path: Path, run_names: tuple[str, ...], output: Path, mean: bool) -> None:
+    """Plot a run's metrics against the step, from its ledger, as a PNG. Several runs (or a
+    quoted pattern): one plot, a colour per run."""
+    from ckpt_watcher.report.compare import Entry
+    from ckpt_watcher.report.plot import plot_entries
 
     cfg = _load(config_path)
-    run_path, lines = _run_ledger(config_path, run_name)
-    base, base_name = _baseline(cfg, run_path)
-    drawn = plot_run(lines, run_path, output, baseline=base, baseline_name=base_name)
+    compared = _compared(config_path, run_names, mean)
+    if compared is None:
+        run_path, lines = _run_ledger(config_path, run_names[0])
+        entries = [Entry(run_path, [run_path], [lines])]
+    else:
+        entries = compared[1]
+    base, base_name = _baseline(cfg, entries[0].runs[0])
+    drawn = plot_entries(entries, output, baseline=base, baseline_name=base_name)
     if not drawn:
-        _fail(1, f"run {run_name!r} has no ok results with a step yet; nothing to plot")
+        what = "run" if len(entries) == 1 else "runs"
+        _fail(
+            1, f"{what} {' '.join(run_names)} have no ok results with a step yet; nothing to plot"
+        )
     click.echo(f"wrote {output} ({drawn} series)")
 
 
 @main.command()
 @config_option
-@click.argument("run_name", metavar="RUN")
+@runs_argument
 @click.option(
     "-o",
     "--output",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="The HTML file to write (default: report.html beside the run's ledger).",
+    help="The HTML file to write (default: report.html beside the run's ledger; "
+    "needed when comparing runs).",
 )
+@mean_option
 @handle_errors
-def report(config_path: Path, run_name: str, output: Path | None) -> None:
-    """Write one run's HTML report: curves by step, results, failures, documents that flipped."""
-    from ckpt_watcher.report.page import write_report
+def report(config_path: Path, run_names: tuple[str, ...], output: Path | None, mean: bool) -> None:
+    """Write a run's HTML report: curves by step, results, failures, documents that flipped.
+    Several runs (or a quoted pattern): one page, a curve per run in each chart."""
+    from ckpt_watcher.report.page import write_comparison, write_report
 
     cfg = _load(config_path)
-    run_path, _lines = _run_ledger(config_path, run_name)
-    base, base_name = _baseline(cfg, run_path)
-    out = write_report(cfg.ledger_dir, run_path, output, baseline=base, baseline_name=base_name)
+    compared = _compared(config_path, run_names, mean)
+    if compared is None:
+        run_path, _lines = _run_ledger(config_path, run_names[0])
+        base, base_name = _baseline(cfg, run_path)
+        out = write_report(cfg.ledger_dir, run_path, output, baseline=base, baseline_name=base_name)
+    else:
+        if output is None:
+            raise ConfigError("comparing runs: name the page to write with -o FILE.html")
+        entries = compared[1]
+        base, base_name = _baseline(cfg, entries[0].runs[0])
+        out = write_comparison(entries, cfg.ledger_dir, output, base, base_name)
     click.echo(f"wrote {out} (one self-contained page: open it in any browser)")
 
 

@@ -1,6 +1,7 @@
-"""`watcher report`: one self-contained HTML page for a run (no script, no network: inline CSS
-and SVG), with a chart per metric by step (stderr band, baseline line), the results table, the
-failures still open, and per task a few documents that flipped between its first and last step.
+"""`watcher report`: one self-contained HTML page for a run, or for several runs compared (no
+script, no network: inline CSS and SVG), with a chart per metric by step (stderr band, baseline
+line; a curve per run), the results table, the failures still open, and per task a few documents
+that flipped between its first and last step.
 
 The daemon writes the same page to `<ledger_dir>/<run_path>/report.html` after each ledger
 append (`sinks/page.py`), and the ledger mirror uploads it beside the ledger.
@@ -17,7 +18,8 @@ from ckpt_watcher.durable import write_atomic
 from ckpt_watcher.errors import WatcherError
 from ckpt_watcher.ledger import REPORT_NAME, ledger_path, read_lines
 from ckpt_watcher.report import samples as samples_mod
-from ckpt_watcher.report.table import metric_series, metric_table, newest_versions, task_label
+from ckpt_watcher.report.compare import Entry, Points, compare_table, curves
+from ckpt_watcher.report.table import metric_table, newest_versions, task_label
 
 FLIPS_PER_TASK = 5
 W, H = 560, 240  # one chart's size in px
@@ -35,21 +37,25 @@ def _fmt(v: Any) -> str:
 
 
 # --- charts --------------------------------------------------------------------------------------
-def chart(
-    column: str, points: list[tuple[int, float, float]], base: float | None, base_name: str
-) -> str:
+PALETTE = ("#3b6fd4", "#d9482b", "#1a8f5a", "#8a4fd0", "#c28a00", "#0f8fa3", "#c2417e", "#5c6b7a")
+
+
+def chart(column: str, named: list[tuple[str, Points]], base: float | None, base_name: str) -> str:
     """An SVG line chart of (step, value, stderr) points, with a ±stderr band and the baseline
-    as a dashed line. Each point is a `circle.point` with `data-step` and `data-value`."""
-    values = [v for _, v, _ in points] + ([base] if base is not None else [])
-    lows = [v - e for _, v, e in points] + values
-    highs = [v + e for _, v, e in points] + values
+    as a dashed line: one curve per (name, points); one unnamed curve for a run alone, else
+    each its colour. Each point is a `circle.point` with `data-step` and `data-value` (and
+    `data-run`)."""
+    every = [p for _, pts in named for p in pts]
+    values = [v for _, v, _ in every] + ([base] if base is not None else [])
+    lows = [v - e for _, v, e in every] + values
+    highs = [v + e for _, v, e in every] + values
     if all(0 <= v <= 1 for v in values):
         y0, y1 = 0.0, 1.0
     else:
         y0, y1 = min(lows), max(highs)
         pad = (y1 - y0) * 0.1 or abs(y1) * 0.1 or 1.0
         y0, y1 = y0 - pad, y1 + pad
-    steps = [s for s, _, _ in points]
+    steps = [s for s, _, _ in every]
     x0, x1 = min(steps), max(steps)
     if x0 == x1:
         x0, x1 = x0 - 1, x1 + 1
@@ -62,8 +68,8 @@ def chart(
         return TOP + (y1 - v) / (y1 - y0) * (H - TOP - BOTTOM)
 
     parts = [
-        f'<svg class="chart" data-column="{_e(column)}" data-points="{len(points)}" '
-        f'viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" '
+        f'<svg class="chart" data-column="{_e(column)}" data-points="{len(every)}" '
+        f'data-runs="{len(named)}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" '
         f'aria-label="{_e(column)} by step">'
     ]
     for i in range(5):  # y grid and ticks
@@ -73,7 +79,8 @@ def chart(
             f'<line class="grid" x1="{LEFT}" x2="{W - RIGHT}" y1="{y:.1f}" y2="{y:.1f}"/>'
             f'<text class="tick" x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{v:.3g}</text>'
         )
-    for s in sorted(set(steps)) if len(set(steps)) <= 8 else [x0, (x0 + x1) // 2, x1]:
+    ticks = sorted(set(steps))
+    for s in ticks if len(ticks) <= 8 else [x0, (x0 + x1) // 2, x1]:
         parts.append(
             f'<text class="tick" x="{px(s):.1f}" y="{H - BOTTOM + 16}" '
             f'text-anchor="middle">{s}</text>'
@@ -81,10 +88,6 @@ def chart(
     parts.append(
         f'<text class="axis" x="{(LEFT + W - RIGHT) / 2}" y="{H - 4}" text-anchor="middle">step</text>'
     )
-    if any(e for _, _, e in points):
-        upper = [f"{px(s):.1f},{py(v + e):.1f}" for s, v, e in points]
-        lower = [f"{px(s):.1f},{py(v - e):.1f}" for s, v, e in reversed(points)]
-        parts.append(f'<polygon class="band" points="{" ".join(upper + lower)}"/>')
     if base is not None:
         y = py(base)
         parts.append(
@@ -92,30 +95,75 @@ def chart(
             f'<text class="baseline-label" x="{W - RIGHT - 4}" y="{y - 5:.1f}" '
             f'text-anchor="end">{_e(base_name)} {base:.4g}</text>'
         )
-    line = " ".join(f"{px(s):.1f},{py(v):.1f}" for s, v, _ in points)
-    parts.append(f'<polyline class="curve" points="{line}"/>')
-    for s, v, e in points:
-        tip = f"step {s}: {v:.4f}" + (f" ± {e:.4f}" if e else "")
-        parts.append(
-            f'<circle class="point" data-step="{s}" data-value="{v}" cx="{px(s):.1f}" '
-            f'cy="{py(v):.1f}" r="4"><title>{_e(tip)}</title></circle>'
-        )
+    for n, (name, pts) in enumerate(named):
+        paint = "" if len(named) == 1 else PALETTE[n % len(PALETTE)]
+        fill = f' style="fill:{paint}"' if paint else ""
+        stroke = f' style="stroke:{paint}"' if paint else ""
+        if any(e for _, _, e in pts):
+            upper = [f"{px(s):.1f},{py(v + e):.1f}" for s, v, e in pts]
+            lower = [f"{px(s):.1f},{py(v - e):.1f}" for s, v, e in reversed(pts)]
+            parts.append(f'<polygon class="band" points="{" ".join(upper + lower)}"{fill}/>')
+        line = " ".join(f"{px(s):.1f},{py(v):.1f}" for s, v, _ in pts)
+        parts.append(f'<polyline class="curve" points="{line}"{stroke}/>')
+        run = f' data-run="{_e(name)}"' if name else ""
+        for s, v, e in pts:
+            tip = f"{name + ', ' if name else ''}step {s}: {v:.4f}" + (f" ± {e:.4f}" if e else "")
+            parts.append(
+                f'<circle class="point" data-step="{s}" data-value="{v}"{run} cx="{px(s):.1f}" '
+                f'cy="{py(v):.1f}" r="4"{fill}><title>{_e(tip)}</title></circle>'
+            )
     parts.append("</svg>")
     return "".join(parts)
 
 
+def _count(runs: list[str]) -> str:
+    return f"{len(runs)} run{'s' if len(runs) != 1 else ''}"
+
+
+def _legend(entries: list[Entry]) -> str:
+    """The colour of each run compared (chart curves follow PALETTE in this order)."""
+    items = []
+    for n, e in enumerate(entries):
+        what = f" (mean ± sd of {_count(e.runs)}: {', '.join(e.runs)})" if e.grouped else ""
+        items.append(
+            f'<li><span class="swatch" style="background:{PALETTE[n % len(PALETTE)]}"></span>'
+            f"{_e(e.name)}{_e(what)}</li>"
+        )
+    return f'<ul class="legend">{"".join(items)}</ul>'
+
+
 # --- the page's other parts -----------------------------------------------------------------------
-def _table(lines: list[dict[str, Any]], baseline: dict[str, Any] | None, base_name: str) -> str:
-    table = metric_table(lines, baseline=baseline, baseline_name=base_name)
+def _table(entries: list[Entry], baseline: dict[str, Any] | None, base_name: str) -> str:
+    """The results table: one run's newest step first (the baseline's row stays on top), or the
+    runs compared (`compare_table`), each run's steps in order."""
+    if _alone(entries):
+        table = metric_table(entries[0].lines[0], baseline=baseline, baseline_name=base_name)
+        first = 1 if baseline is not None else 0
+        rows = table.rows[:first] + table.rows[first:][::-1]
+    else:
+        table = compare_table(entries, baseline=baseline, baseline_name=base_name)
+        rows = table.rows
     head = "".join(f"<th>{_e(c)}</th>" for c in table.columns)
     body = []
-    first = 1 if baseline is not None else 0  # the baseline's row stays on top
-    for row in table.rows[:first] + table.rows[first:][::-1]:  # then the newest step first
+    for row in rows:
         cells = "".join(
             f'<td class="{"failed" if v == "FAILED" else ""}">{_e(_fmt(v))}</td>' for v in row
         )
         body.append(f"<tr>{cells}</tr>")
     return f'<table class="results"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def _alone(entries: list[Entry]) -> bool:
+    return len(entries) == 1 and not entries[0].grouped
+
+
+def _runs(entries: list[Entry]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Every run shown, once, with its ledger lines."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for e in entries:
+        for run, lines in zip(e.runs, e.lines, strict=True):
+            out.setdefault(run, lines)
+    return list(out.items())
 
 
 def open_failures(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -142,23 +190,37 @@ def open_failures(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _failures(lines: list[dict[str, Any]]) -> str:
-    failed = open_failures(lines)
-    if not failed:
-        return '<p class="none">No open failures.</p>'
+def _failures(entries: list[Entry]) -> str:
+    runs = _runs(entries)
     items = []
-    for ln in failed:
-        error = (ln.get("error") or "").strip().splitlines()
-        step = ln.get("step") if ln.get("step") is not None else ln.get("label")
-        when = f", {ln['finished_at']}" if ln.get("finished_at") else ""
-        items.append(
-            f'<li class="failure"><b>step {_e(step)}</b> {_e(task_label(ln))}{_e(when)}: '
-            f"<code>{_e(error[0] if error else '')}</code></li>"
-        )
+    for run, lines in runs:
+        for ln in open_failures(lines):
+            error = (ln.get("error") or "").strip().splitlines()
+            step = ln.get("step") if ln.get("step") is not None else ln.get("label")
+            when = f", {ln['finished_at']}" if ln.get("finished_at") else ""
+            where = f"{run} " if len(runs) > 1 else ""
+            items.append(
+                f'<li class="failure">{_e(where)}<b>step {_e(step)}</b> {_e(task_label(ln))}'
+                f"{_e(when)}: <code>{_e(error[0] if error else '')}</code></li>"
+            )
+    if not items:
+        return '<p class="none">No open failures.</p>'
     return f'<ul class="failures">{"".join(items)}</ul>'
 
 
-def _flips(ledger_dir: Path, run_path: str, lines: list[dict[str, Any]]) -> str:
+def _flips(ledger_dir: Path, entries: list[Entry]) -> str:
+    runs = _runs(entries)
+    sections = []
+    for run, lines in runs:
+        sections += _run_flips(ledger_dir, run, lines, f"{run}: " if len(runs) > 1 else "")
+    if not sections:
+        return '<p class="none">Flips need per-document records at two evaluated steps.</p>'
+    return "".join(sections)
+
+
+def _run_flips(
+    ledger_dir: Path, run_path: str, lines: list[dict[str, Any]], prefix: str
+) -> list[str]:
     """Per task, the documents that flipped between its first and its last step with
     per-document records: what training changed (two neighbouring steps often differ in none)."""
     by_task: dict[tuple[str, Any], list[dict[str, Any]]] = {}
@@ -189,7 +251,7 @@ def _flips(ledger_dir: Path, run_path: str, lines: list[dict[str, Any]]) -> str:
                 f"<td>{'learned' if now_right else 'forgot'}</td></tr>"
             )
         sections.append(
-            f"<h3>{_e(task_label(b))}, {_e(key)}, "
+            f"<h3>{_e(prefix)}{_e(task_label(b))}, {_e(key)}, "
             f"step {a['step']} → step {b['step']}: "
             f"{learned} learned, {len(pairs) - learned} forgot</h3>"
             + (
@@ -200,9 +262,7 @@ def _flips(ledger_dir: Path, run_path: str, lines: list[dict[str, Any]]) -> str:
                 else '<p class="none">No document flipped.</p>'
             )
         )
-    if not sections:
-        return '<p class="none">Flips need per-document records at two evaluated steps.</p>'
-    return "".join(sections)
+    return sections
 
 
 def _first(rec: dict[str, Any]) -> str:
@@ -228,7 +288,8 @@ svg .baseline-label{fill:#d9822b;font-size:11px}
 table{border-collapse:collapse;font-size:13px}th,td{border:1px solid #e3e6ee;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f5f6fa}td.failed{color:#b3261e;font-weight:600}tr.learned td:last-child{color:#1a7f37}
 tr.forgot td:last-child{color:#b3261e}pre{margin:0;white-space:pre-wrap;max-width:420px}
-.none{color:#667}code{font-size:12px}
+.none{color:#667}code{font-size:12px}ul.legend{list-style:none;padding:0;display:flex;flex-wrap:wrap;gap:6px 18px}
+.swatch{display:inline-block;width:12px;height:12px;border-radius:2px;margin-right:6px;vertical-align:-1px}
 """
 
 
@@ -240,32 +301,56 @@ def render_page(
     baseline_name: str = "baseline",
 ) -> str:
     """The whole page for one run's ledger lines."""
-    curves = metric_series(lines)
-    cards = [
-        f'<div class="card"><h3>{_e(column)}</h3>'
-        f"{chart(column, pts, _base(baseline, column), baseline_name)}</div>"
-        for column, pts in curves.items()
-    ]
+    return render_entries(
+        [Entry(run_path, [run_path], [lines])], ledger_dir, baseline, baseline_name
+    )
+
+
+def render_entries(
+    entries: list[Entry],
+    ledger_dir: Path,
+    baseline: dict[str, Any] | None = None,
+    baseline_name: str = "baseline",
+) -> str:
+    """The whole page for one run, or for runs compared (`report.compare`): a chart per metric
+    with a curve per run (a group's mean, its sd as the band), one table, every run's failures
+    and flips."""
+    of_entry = [curves(e) for e in entries]
+    order = list(dict.fromkeys(col for c in of_entry for col in c))
+    alone = _alone(entries)
+    cards = []
+    for column in order:
+        named = [
+            ("" if alone else e.name, c[column])
+            for e, c in zip(entries, of_entry, strict=True)
+            if column in c
+        ]
+        svg = chart(column, named, _base(baseline, column), baseline_name)
+        cards.append(f'<div class="card"><h3>{_e(column)}</h3>{svg}</div>')
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    n_ok = sum(1 for ln in lines if ln.get("status") == "ok")
+    every = [ln for e in entries for ln in e.every_line]
+    n_ok = sum(1 for ln in every if ln.get("status") == "ok")
+    title = ", ".join(e.name for e in entries)
+    runs = "" if alone else f"{len(_runs(entries))} runs; "
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
-        f"<title>{_e(run_path)}: ckpt-watcher report</title><style>{STYLE}</style></head><body>"
-        f"<h1>{_e(run_path)}</h1>"
-        f'<p class="meta">{n_ok} results, {len(lines)} ledger lines; written {stamp} by '
+        f"<title>{_e(title)}: ckpt-watcher report</title><style>{STYLE}</style></head><body>"
+        f"<h1>{_e(title)}</h1>"
+        f'<p class="meta">{runs}{n_ok} results, {len(every)} ledger lines; written {stamp} by '
         "ckpt-watcher. The ledger is the source of these numbers.</p>"
-        "<h2>Metrics by step</h2>"
+        + ("" if alone else _legend(entries))
+        + "<h2>Metrics by step</h2>"
         + (
             f'<div class="charts">{"".join(cards)}</div>'
             if cards
             else '<p class="none">No results yet.</p>'
         )
         + "<h2>Results</h2>"
-        + _table(lines, baseline, baseline_name)
+        + _table(entries, baseline, baseline_name)
         + "<h2>Failures</h2>"
-        + _failures(lines)
+        + _failures(entries)
         + "<h2>Documents that flipped</h2>"
-        + _flips(ledger_dir, run_path, lines)
+        + _flips(ledger_dir, entries)
         + "</body></html>\n"
     )
 
@@ -287,4 +372,17 @@ def write_report(
     out = out or ledger_dir / run_path / REPORT_NAME
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, render_page(lines, run_path, ledger_dir, baseline, baseline_name))
+    return out
+
+
+def write_comparison(
+    entries: list[Entry],
+    ledger_dir: Path,
+    out: Path,
+    baseline: dict[str, Any] | None = None,
+    baseline_name: str = "baseline",
+) -> Path:
+    """Write the page of runs compared to `out`; returns it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, render_entries(entries, ledger_dir, baseline, baseline_name))
     return out

@@ -1,13 +1,14 @@
-"""`watcher plot`: each metric of a run against the step, from its ledger, as a PNG, with its
-stderr as error bars, the baseline (when the config has one) as a dashed line, and the steps the
-backlog policy skipped as crosses on the step axis."""
+"""`watcher plot`: each metric of a run (or of several runs compared) against the step, from
+the ledgers, as a PNG, with its stderr (a group's sd) as error bars, the baseline (when the
+config has one) as a dashed line, and the steps the backlog policy skipped as crosses on the
+step axis."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from ckpt_watcher.report.table import metric_series
+from ckpt_watcher.report.compare import Entry, curves
 
 MARKERS = "osD^v<>ph"
 LINESTYLES = ("-", ":", "-.")  # "--" is the baseline's
@@ -20,10 +21,20 @@ def plot_run(
     baseline: dict[str, Any] | None = None,
     baseline_name: str = "baseline",
 ) -> int:
-    """Write the PNG; returns how many series were drawn."""
+    """Write one run's PNG; returns how many series were drawn."""
+    return plot_entries([Entry(run, [run], [lines])], out, baseline, baseline_name)
+
+
+def plot_entries(
+    entries: list[Entry],
+    out: Path,
+    baseline: dict[str, Any] | None = None,
+    baseline_name: str = "baseline",
+) -> int:
+    """Write the PNG of runs compared (`report.compare`); returns how many series were drawn."""
     import matplotlib.pyplot as plt
 
-    fig, drawn = figure(lines, run, baseline, baseline_name)
+    fig, drawn = figure_of(entries, baseline, baseline_name)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     plt.close(fig)
@@ -36,63 +47,91 @@ def figure(
     baseline: dict[str, Any] | None = None,
     baseline_name: str = "baseline",
 ) -> tuple[Any, int]:
-    """(the figure, how many series): one per task/metric column (steps on x). The y axis spans
-    [0, 1] when every value drawn lies in it (accuracies, pass@k)."""
+    """(the figure, how many series) of one run."""
+    return figure_of([Entry(run, [run], [lines])], baseline, baseline_name)
+
+
+def figure_of(
+    entries: list[Entry],
+    baseline: dict[str, Any] | None = None,
+    baseline_name: str = "baseline",
+) -> tuple[Any, int]:
+    """(the figure, how many series): one per entry and task/metric column (steps on x), its
+    stderr (a group's sd across runs) as error bars. One run: a colour per metric. Several: a
+    colour per run, a marker and line style per metric. The y axis spans [0, 1] when every
+    value drawn lies in it (accuracies, pass@k)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed, none touched
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    drawn, values, based = 0, list[float](), False
-    for i, (column, points) in enumerate(metric_series(lines).items()):
-        xs, ys, errs = zip(*points, strict=True)
-        # series with equal values stay visible: each its own hollow marker and line style,
-        # each later one smaller (rings inside rings); points at 0 or 1 are drawn whole
-        bars = ax.errorbar(
-            xs,
-            ys,
-            yerr=errs,
-            marker=MARKERS[i % len(MARKERS)],
-            markersize=max(3.0, 10.0 - 2.5 * (i % 4)),
-            markerfacecolor="none",
-            markeredgewidth=1.5,
-            linestyle=LINESTYLES[i % len(LINESTYLES)],
-            capsize=3,
-            label=column,
-            clip_on=False,
-        )
-        values += ys
-        base = (baseline or {}).get(column)
-        if isinstance(base, int | float):
-            color = bars.lines[0].get_color()
-            label = "_nolegend_" if based else f"{baseline_name} (dashed, each metric's colour)"
-            ax.axhline(base, color=color, linestyle="--", linewidth=1, label=label)
-            based = True
-            values.append(base)
-        drawn += 1
-    gaps = skipped_steps(lines)
-    if gaps:  # steps the policy skipped (the backlog): marked on the step axis, not drawn as 0
-        ax.plot(
-            gaps,
-            [0.0] * len(gaps),
-            marker="x",
-            linestyle="none",
-            color="0.45",
-            transform=ax.get_xaxis_transform(),
-            clip_on=False,
-            label="skipped (backlog)",
-        )
+    one = len(entries) == 1
+    fig, ax = plt.subplots(figsize=(8, 4.5) if one else (10, 5.5), dpi=120)
+    drawn, values, based = 0, list[float](), set[str]()
+    of_entry = [curves(e) for e in entries]
+    order = list(dict.fromkeys(col for c in of_entry for col in c))
+    for e, (entry, series) in enumerate(zip(entries, of_entry, strict=True)):
+        for column, points in series.items():
+            m = order.index(column)
+            xs, ys, errs = zip(*points, strict=True)
+            # series with equal values stay visible: each its own hollow marker and line style,
+            # each later one smaller (rings inside rings); points at 0 or 1 are drawn whole
+            k = m if one else e
+            bars = ax.errorbar(
+                xs,
+                ys,
+                yerr=errs,
+                marker=MARKERS[m % len(MARKERS)],
+                markersize=max(3.0, 10.0 - 2.5 * (k % 4)),
+                markerfacecolor="none",
+                markeredgewidth=1.5,
+                linestyle=LINESTYLES[m % len(LINESTYLES)],
+                capsize=3,
+                color=None if one else f"C{e % 10}",
+                label=column if one else _label(entry, column),
+                clip_on=False,
+            )
+            values += ys
+            base = (baseline or {}).get(column)
+            if isinstance(base, int | float) and column not in based:
+                color = bars.lines[0].get_color() if one else "0.3"
+                what = "dashed, each metric's colour" if one else "dashed"
+                label = "_nolegend_" if based else f"{baseline_name} ({what})"
+                ax.axhline(base, color=color, linestyle="--", linewidth=1, label=label)
+                based.add(column)
+                values.append(base)
+            drawn += 1
+        gaps = skipped_steps(entry.every_line)
+        if gaps:  # steps the policy skipped (the backlog): marked on the step axis, not drawn as 0
+            ax.plot(
+                gaps,
+                [0.0] * len(gaps),
+                marker="x",
+                linestyle="none",
+                color="0.45" if one else f"C{e % 10}",
+                transform=ax.get_xaxis_transform(),
+                clip_on=False,
+                label="skipped (backlog)" if one else f"{entry.name}: skipped (backlog)",
+            )
     if values and all(0 <= v <= 1 for v in values):
         ax.set_ylim(0, 1)
     ax.set_xlabel("step")
     ax.set_ylabel("metric")
-    ax.set_title(f"{run}: lm-eval metrics by step")
+    names = ", ".join(e.name for e in entries)
+    title = names if len(names) <= 70 else f"{len(entries)} runs"
+    ax.set_title(f"{title}: lm-eval metrics by step")
     ax.grid(True, alpha=0.3)
-    if drawn or gaps:
-        ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8 if one else 7)
     fig.tight_layout()
     return fig, drawn
+
+
+def _label(entry: Entry, column: str) -> str:
+    if entry.grouped:
+        n = len(entry.runs)
+        return f"{entry.name} (mean ± sd of {n} run{'s' if n != 1 else ''}): {column}"
+    return f"{entry.name}: {column}"
 
 
 def skipped_steps(lines: list[dict[str, Any]]) -> list[int]:

@@ -82,6 +82,21 @@ def metric_table(
     a `Δ` column, the checkpoint minus the baseline, marked `*` where |Δ| exceeds twice the
     stderr of the difference (sqrt(se² + se_baseline²); a baseline without stderr counts 0).
     """
+    table, errs = metric_rows(lines, include_stderr, all_versions, only)
+    if baseline is not None:
+        head = 3 if all_versions else 1
+        table = with_baseline(table, head, baseline, baseline_name, errs)
+    return table
+
+
+def metric_rows(
+    lines: list[dict[str, Any]],
+    include_stderr: bool = False,
+    all_versions: bool = False,
+    only: list[str] | None = None,
+) -> tuple[Table, list[dict[str, float]]]:
+    """`metric_table` without a baseline, and each row's stderr by metric column (shown or
+    not): what a baseline's Δ needs to mark a difference beyond noise."""
     Key = tuple[Any, str, str]  # (step, label, fingerprint)
     cells: dict[Key, dict[str, Any]] = {}
     columns: list[str] = []
@@ -135,12 +150,7 @@ def metric_table(
             [first, version or None, where[key], *values] if all_versions else [first, *values]
         )
     head = ["step", "fingerprint", "checkpoint"] if all_versions else ["step"]
-    table = Table([*head, *columns], out_rows)
-    if baseline is not None:
-        table = _with_baseline(
-            table, len(head), baseline, baseline_name, [errs.get(k, {}) for k in keys]
-        )
-    return table
+    return Table([*head, *columns], out_rows), [errs.get(k, {}) for k in keys]
 
 
 def _delta(value: Any, base: Any, se: float | None, se_base: float | None) -> Any:
@@ -151,11 +161,12 @@ def _delta(value: Any, base: Any, se: float | None, se_base: float | None) -> An
     return f"{d:+.4f}{'*' if se is not None and abs(d) > bound else ''}"
 
 
-def _with_baseline(
+def with_baseline(
     table: Table, head: int, base: dict[str, Any], name: str, errs: list[dict[str, float]]
 ) -> Table:
     """The baseline's row first, and a `Δ` column after each metric column (after its stderr
-    column, where that is shown: a metric and its stderr stay side by side)."""
+    column, where that is shown: a metric and its stderr stay side by side). `head`: how many
+    columns come before the metrics; `errs`: each row's stderr by metric column (for the `*`)."""
     shown = set(table.columns[head:])
     metrics = [c for c in table.columns[head:] if c in base and not is_stderr_column(c)]
     # the column each Δ follows: its metric's stderr where shown, else the metric itself
@@ -236,7 +247,10 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def render(table: Table, fmt: str) -> str:
+def render(table: Table, fmt: str, width: int | None = None) -> str:
+    """The table as `table` (aligned text), `md`, `csv` or `json`. A text table wider than
+    `width` (the terminal's) is wrapped: headers on two lines (the task, then the metric) and
+    the metric columns in blocks that fit, each block repeating the leading columns (run, step)."""
     if fmt == "json":
         return json.dumps([dict(zip(table.columns, r, strict=True)) for r in table.rows], indent=2)
     if fmt == "csv":
@@ -251,11 +265,58 @@ def render(table: Table, fmt: str) -> str:
         sep = "|" + "|".join("---:" for _ in table.columns) + "|"
         body = ["| " + " | ".join(r) + " |" for r in text]
         return "\n".join([head, sep, *body])
-    widths = [
-        max(len(c), *(len(r[i]) for r in text)) if text else len(c)
-        for i, c in enumerate(table.columns)
+    one_line = [("", c) for c in table.columns]
+    plain = _aligned(one_line, text, list(range(len(one_line))))
+    if width is None or max(len(line) for line in plain) <= width:
+        return "\n".join(plain)
+    heads = [_two_lines(c) for c in table.columns]
+    blocks = _blocks(heads, text, width)
+    return "\n\n".join("\n".join(_aligned(heads, text, cols)) for cols in blocks)
+
+
+KEY_COLUMNS = frozenset({"run", "step", "n", "fingerprint", "checkpoint"})
+
+
+def _two_lines(col: str) -> tuple[str, str]:
+    """`gsm8k (8-shot) exact_match,strict-match` -> (`gsm8k (8-shot)`, `exact_match,strict-match`);
+    a column with no task label stays on the second line."""
+    label, sep, metric = col.rpartition(") ")
+    return (label + ")", metric) if sep else ("", col)
+
+
+def _widths(heads: list[tuple[str, str]], text: list[list[str]]) -> list[int]:
+    return [max(len(a), len(b), *(len(r[i]) for r in text)) for i, (a, b) in enumerate(heads)]
+
+
+def _blocks(heads: list[tuple[str, str]], text: list[list[str]], width: int) -> list[list[int]]:
+    """Column indexes per block: the leading key columns, then as many others as fit `width`
+    (at least one)."""
+    widths = _widths(heads, text)
+    keys = 0
+    while keys < len(heads) and heads[keys][1] in KEY_COLUMNS and not heads[keys][0]:
+        keys += 1
+    base = sum(widths[:keys]) + 2 * keys
+    blocks: list[list[int]] = []
+    cols: list[int] = []
+    used = base
+    for i in range(keys, len(heads)):
+        if cols and used + widths[i] > width:
+            blocks.append(list(range(keys)) + cols)
+            cols, used = [], base
+        cols.append(i)
+        used += widths[i] + 2
+    if cols or not blocks:
+        blocks.append(list(range(keys)) + cols)
+    return blocks
+
+
+def _aligned(heads: list[tuple[str, str]], text: list[list[str]], cols: list[int]) -> list[str]:
+    """Right-aligned text lines of `cols`: two header lines, a rule, the rows."""
+    widths = _widths(heads, text)
+    out = [
+        "  ".join(heads[i][0].rjust(widths[i]) for i in cols).rstrip(),
+        "  ".join(heads[i][1].rjust(widths[i]) for i in cols),
+        "  ".join("-" * widths[i] for i in cols),
     ]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(table.columns, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in text]
-    return "\n".join(lines)
+    out += ["  ".join(r[i].rjust(widths[i]) for i in cols) for r in text]
+    return out if out[0] else out[1:]
