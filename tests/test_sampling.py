@@ -191,6 +191,23 @@ def test_sampled_task_pass_at_k_from_its_records_reproducible_and_one_greedy_sam
     )
     assert out.returncode == 0, out.stderr
     assert "/8 right" in out.stdout and "#8 " in out.stdout and "more (--max 0" in out.stdout
+    # the step's table by dataset: its 20 problems and pass@1..8, as the ledger line has them
+    out = subprocess.run(
+        [*WATCHER, "results", "-c", str(tmp / "w.yaml"), "s", "--step", "300", "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {r["dataset"]: r for r in json.loads(out.stdout)}
+    assert list(rows) == ["addition_k", "addition_same", "AGGREGATE"]  # the sampled-path ones
+    assert [r["problems"] for r in rows.values()] == [20, 20, 40]
+    for k in (1, 2, 4, 8):
+        assert rows["addition_k"][f"pass@{k}"] == line["metrics"][f"exact_match_pass@{k},none"]
+    assert rows["addition_same"]["pass@1"] == plain["exact_match,none"]
+    both = (plain["exact_match,none"] + line["metrics"]["exact_match_pass@1,none"]) / 2
+    assert rows["AGGREGATE"]["pass@1"] == pytest.approx(both)
+    assert rows["AGGREGATE"]["pass@2"] is None  # addition_same has no pass@2: not skewed
 
 
 @pytest.mark.e2e

@@ -212,3 +212,61 @@ def test_results_suite_columns_baseline_row_and_delta_marked_beyond_two_stderr(
     assert full[1]["gsm8k (4-shot) other,none"] == 1.0
     bad = CliRunner().invoke(main, ["results", "-c", str(cfg), "r", "--suite", "nope"])
     assert bad.exit_code == 2 and "unknown suite 'nope'" in bad.output
+
+
+def test_one_step_of_math_passk_by_dataset_with_an_aggregate_weighted_by_problems(
+    tmp_path: Path,
+) -> None:
+    """`watcher results RUN --step N --suite math-passk`: DeepScaleR's table."""
+    sets = {"passk_aime24": 30, "passk_amc": 83, "passk_math500": 500}
+    for step in (100, 200):
+        for i, (task, problems) in enumerate(sets.items()):
+            metrics = {}
+            for k in range(1, 17):
+                p = round(min(1.0, 0.1 * (i + 1) + 0.02 * k + step / 10_000), 4)
+                metrics[f"math_verify_pass@{k},final-answer"] = p
+                metrics[f"math_verify_pass@{k}_stderr,final-answer"] = 0.01
+                metrics[f"exact_match_pass@{k},none"] = 0.0  # another metric: not shown
+            metrics["math_verify,final-answer"] = metrics["math_verify_pass@1,final-answer"]
+            line = {"run": "r", "step": step, "label": f"r_step{step}", "task": task}
+            append(
+                tmp_path / "ledgers",
+                line
+                | {
+                    "num_fewshot": 0,
+                    "status": "ok",
+                    "metrics": metrics,
+                    "samples": 16,
+                    "pass_at": list(range(1, 17)),
+                    "n_samples": problems,
+                },
+            )
+    cfg = write_config(tmp_path / "w.yaml", _config(tmp_path, [{"suite": "math-passk"}]))
+
+    def results(*args: str) -> Any:
+        return CliRunner().invoke(main, ["results", "-c", str(cfg), "r", *args])
+
+    out = results("--step", "200", "--suite", "math-passk", "--format", "json")
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.output)
+    assert [r["dataset"] for r in rows] == [*sets, "AGGREGATE"]  # the suite's order
+    assert [r["problems"] for r in rows] == [30, 83, 500, 613]
+    assert list(rows[0]) == ["dataset", "problems", *(f"pass@{k}" for k in range(1, 17))]
+    assert rows[0]["pass@1"] == pytest.approx(0.14) and rows[2]["pass@16"] == 0.64
+    for k in (1, 8, 16):
+        weighted = sum(r["problems"] * r[f"pass@{k}"] for r in rows[:3]) / 613
+        assert rows[3][f"pass@{k}"] == pytest.approx(weighted)
+    # without --suite: every sampled task at that step; csv and md too
+    csv_out = results("--step", "100", "--format", "csv")
+    assert csv_out.exit_code == 0
+    table = list(csv.reader(io.StringIO(csv_out.output)))
+    assert table[0][:3] == ["dataset", "problems", "pass@1"] and table[-1][:2] == [
+        "AGGREGATE",
+        "613",
+    ]
+    md = results("--step", "100", "--format", "md").output.splitlines()
+    assert md[0].startswith("| dataset | problems | pass@1 |") and md[-1].startswith(
+        "| AGGREGATE |"
+    )
+    none = results("--step", "150", "--suite", "math-passk")
+    assert none.exit_code == 1 and "steps with sampled results: 100, 200" in none.output

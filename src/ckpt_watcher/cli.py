@@ -273,6 +273,13 @@ mean_option = click.option(
     default=None,
     help="Only this suite's headline metrics, one column each (`watcher suites`).",
 )
+@click.option(
+    "--step",
+    type=int,
+    default=None,
+    help="One step's sampled results: a row per dataset with its problems and pass@1..K, "
+    "and an AGGREGATE row weighted by problems.",
+)
 @mean_option
 @handle_errors
 def results(
@@ -282,6 +289,7 @@ def results(
     with_stderr: bool,
     all_versions: bool,
     suite_name: str | None,
+    step: int | None,
     mean: bool,
 ) -> None:
     """The metric-by-step table of a run (a run path, or a run name only one run has), from
@@ -296,6 +304,7 @@ def results(
     if compared is not None and all_versions:
         raise ConfigError("--all shows one run's versions; give one RUN")
     only = None
+    suite = None
     if suite_name is not None:
         try:
             suite = get_suite(suite_name, cfg.eval.suite_path)
@@ -304,6 +313,12 @@ def results(
         only = [column(t, shots, key) for t, shots, key in suite.headline]
         if with_stderr:
             only = [c for col in only for c in (col, stderr_column(col))]
+    if step is not None:
+        if compared is not None:
+            raise ConfigError("--step shows one run's step; give one RUN")
+        _, lines = _run_ledger(config_path, run_names[0])
+        click.echo(render(_datasets(lines, step, suite), fmt, _terminal_width()))
+        return
     if compared is not None:
         entries = compared[1]
         base, base_name = _baseline(cfg, entries[0].runs[0])
@@ -321,6 +336,34 @@ def results(
         baseline_name=base_name,
     )
     click.echo(render(table, fmt, _terminal_width()))
+
+
+def _datasets(lines: list[dict[str, Any]], step: int, suite: Any) -> Any:
+    """`results --step`: the step's table by dataset (`report.by_dataset`); exit 1 naming the
+    steps that have sampled results where this one has none."""
+    from ckpt_watcher.report.by_dataset import dataset_table
+
+    tasks = None
+    if suite is not None:  # each task once, with its first headline key
+        firsts: dict[tuple[str, int | None], str] = {}
+        for task, shots, key in suite.headline:
+            firsts.setdefault((task, shots), key)
+        tasks = [
+            (t, s, firsts.get((t, s)))
+            for t, s in ((e["task"], e.get("num_fewshot")) for e in suite.entries)
+        ]
+    table = dataset_table(lines, step, tasks)
+    if not table.rows:
+        sampled = sorted(
+            {ln["step"] for ln in lines if ln.get("pass_at") and ln.get("status") == "ok"} - {None}
+        )
+        where = (
+            f"steps with sampled results: {', '.join(map(str, sampled))}"
+            if sampled
+            else ("this run has none (tasks with samples > 1)")
+        )
+        _fail(1, f"no sampled results at step {step}{' for that suite' if suite else ''}; {where}")
+    return table
 
 
 @main.command("suites")

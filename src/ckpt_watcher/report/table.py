@@ -274,7 +274,7 @@ def render(table: Table, fmt: str, width: int | None = None) -> str:
     return "\n\n".join("\n".join(_aligned(heads, text, cols)) for cols in blocks)
 
 
-KEY_COLUMNS = frozenset({"run", "step", "n", "fingerprint", "checkpoint"})
+KEY_COLUMNS = frozenset({"run", "step", "n", "fingerprint", "checkpoint", "dataset", "problems"})
 
 
 def _two_lines(col: str) -> tuple[str, str]:
