@@ -92,6 +92,33 @@ def test_samples_with_greedy_decoding_are_refused_naming_the_fix(tmp_path: Path)
     load({"task": "addition", "samples": 1})  # one greedy response is a plain result
 
 
+def test_one_task_twice_needs_a_name_on_an_entry_and_other_settings(tmp_path: Path) -> None:
+    """A greedy and a sampled figure of one task: `name:` tells the entries apart."""
+    from ckpt_watcher.config import load_config
+
+    def load(*tasks: dict[str, Any]) -> Any:
+        raw = base_config(tmp_path, tmp_path, tmp_path, tasks=list(tasks))
+        return load_config(write_config(tmp_path / "w.yaml", raw))
+
+    greedy = {"task": "addition", "num_fewshot": 0}
+    sampled = greedy | {"samples": 4, "gen_kwargs": {"temperature": 0.6}}
+    with pytest.raises(ConfigError, match="listed twice.*give each entry its own `name:`"):
+        load(greedy, sampled)
+    cfg = load(greedy, sampled | {"name": "addition_k"})
+    assert [(t.task, t.name) for t in cfg.eval.tasks] == [
+        ("addition", None),
+        ("addition", "addition_k"),
+    ]
+    with pytest.raises(
+        ConfigError, match="'addition' and 'addition_2' run 'addition' with the same"
+    ):
+        load(greedy, greedy | {"name": "addition_2"})  # a name alone: the same result twice
+    with pytest.raises(ConfigError, match="listed twice"):
+        load(sampled | {"name": "addition"}, greedy)  # a name that is another entry's task
+    with pytest.raises(ConfigError, match="name"):
+        load(sampled | {"name": "has space"})
+
+
 def test_a_bad_pass_at_is_a_config_error_naming_the_task(tmp_path: Path) -> None:
     from ckpt_watcher.config import load_config
 
@@ -119,17 +146,9 @@ def test_flipped_documents_are_right_at_one_step_and_wrong_at_the_other() -> Non
     assert [rb["doc_id"] for _, rb in flips(a, b, "acc,none", only_wrong=True)] == [0, 2]
 
 
-def _tasks_with_twins(tasks_dir: Path, folder: Path) -> Path:
-    """The addition task under two more names: `addition_same` and `addition_k`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    text = (tasks_dir / "addition.yaml").read_text()
-    for name in ("addition", "addition_same", "addition_k"):
-        (folder / f"{name}.yaml").write_text(text.replace("task: addition", f"task: {name}"))
-    return folder
-
-
-SAMPLED = {
-    "task": "addition_k",
+SAMPLED = {  # the same lm-eval task as a plain entry, told apart by its name
+    "task": "addition",
+    "name": "addition_k",
     "num_fewshot": 0,
     "samples": 8,
     "gen_kwargs": {"temperature": 0.8},
@@ -151,7 +170,7 @@ def _records(tmp: Path, line: dict[str, Any]) -> list[dict[str, Any]]:
 def test_sampled_task_pass_at_k_from_its_records_reproducible_and_one_greedy_sample_is_plain(
     tmp_path: Path, addition_tasks: Path, copy_checkpoint
 ) -> None:
-    tasks = _tasks_with_twins(addition_tasks, tmp_path / "tasks")
+    tasks = addition_tasks
     runs = []
     for i in (1, 2):  # the same checkpoint evaluated twice, from scratch
         tmp = tmp_path / f"r{i}"
@@ -159,13 +178,16 @@ def test_sampled_task_pass_at_k_from_its_records_reproducible_and_one_greedy_sam
         copy_checkpoint(watch / "s_step300", same_content=True)
         entries = [
             {"task": "addition", "num_fewshot": 0},
-            {"task": "addition_same", "num_fewshot": 0, "samples": 1},
+            {"task": "addition", "name": "addition_same", "num_fewshot": 0, "samples": 1},
             SAMPLED,
         ]
         lines = _once(tmp, watch, tasks, tasks=entries[2:] if i == 2 else entries, limit=20)
-        runs.append((tmp, {ln["task"]: ln for ln in lines}))
+        runs.append((tmp, {ln.get("name") or ln["task"]: ln for ln in lines}))
     (tmp, first), (_, second) = runs
+    assert sorted(first) == ["addition", "addition_k", "addition_same"]  # three lines, one task
     line = first["addition_k"]
+    assert line["task"] == "addition" and line["name"] == "addition_k"
+    assert "name" not in first["addition"]
     assert line["samples"] == 8 and line["pass_at"] == [1, 2, 4, 8]
     assert line["gen_kwargs"]["temperature"] == 0.8
     check_pass_at_k_from_records(line, _records(tmp, line), 8)
@@ -191,6 +213,21 @@ def test_sampled_task_pass_at_k_from_its_records_reproducible_and_one_greedy_sam
     )
     assert out.returncode == 0, out.stderr
     assert "/8 right" in out.stdout and "#8 " in out.stdout and "more (--max 0" in out.stdout
+    # each entry its own columns, under its name
+    out = subprocess.run(
+        [*WATCHER, "results", "-c", str(tmp / "w.yaml"), "s", "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)
+    assert row["addition (0-shot) exact_match,none"] == plain["exact_match,none"]
+    assert (
+        row["addition_k (0-shot) exact_match_pass@8,none"]
+        == (line["metrics"]["exact_match_pass@8,none"])
+    )
+    assert row["addition_same (0-shot) exact_match_pass@1,none"] == plain["exact_match,none"]
     # the step's table by dataset: its 20 problems and pass@1..8, as the ledger line has them
     out = subprocess.run(
         [*WATCHER, "results", "-c", str(tmp / "w.yaml"), "s", "--step", "300", "--format", "json"],

@@ -350,7 +350,7 @@ def _datasets(lines: list[dict[str, Any]], step: int, suite: Any) -> Any:
             firsts.setdefault((task, shots), key)
         tasks = [
             (t, s, firsts.get((t, s)))
-            for t, s in ((e["task"], e.get("num_fewshot")) for e in suite.entries)
+            for t, s in ((e.get("name") or e["task"], e.get("num_fewshot")) for e in suite.entries)
         ]
     table = dataset_table(lines, step, tasks)
     if not table.rows:
@@ -398,7 +398,8 @@ def suites_cmd(config_path: Path | None) -> None:
                 extra.append(", ".join(f"{k} {v}" for k, v in entry["gen_kwargs"].items()))
             if entry.get("allow_code_execution"):
                 extra.append("runs code")
-            heads = [k for t, s, k in suite.headline if t == entry["task"] and s == shots]
+            label = entry.get("name") or entry["task"]
+            heads = [k for t, s, k in suite.headline if t == label and s == shots]
             click.echo(
                 f"  - {entry['task']} ({'; '.join(extra)})"
                 + (f": {', '.join(heads)}" if heads else "")

@@ -128,6 +128,10 @@ class TaskSpec(_Model):
     """lm-eval task name (or one defined under `eval.include_path`)."""
     num_fewshot: int | None = Field(None, ge=0)
     """Few-shot examples; null keeps the task's own default, as `lm_eval` does."""
+    name: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@+-]*$")
+    """What tables, plots, W&B, alerts and `--task` call this entry (default: the task): lets
+    one task appear twice with other settings, e.g. a greedy and a sampled figure. The ledger
+    line keeps `task` and adds `name`. Display only: naming an entry re-runs nothing."""
     allow_code_execution: bool = False
     """Code-executing tasks (mbpp, humaneval, ...) run only when this is true."""
     samples: int = Field(1, ge=1, le=1024)
@@ -293,14 +297,23 @@ class EvalConfig(_Model):
         if "tensor_parallel_size" in self.model_args:
             raise ValueError("use eval.tensor_parallel_size, not model_args.tensor_parallel_size")
         seen: set[tuple[str, int | None]] = set()
+        settings: dict[tuple[str, int | None, str], str] = {}
         for t in self.tasks:
-            key = (t.task, t.num_fewshot)
+            key = (t.name or t.task, t.num_fewshot)
             if key in seen:
                 raise ValueError(
-                    f"task {t.task!r} with num_fewshot={t.num_fewshot} is listed twice "
-                    "(perhaps once in a suite: `watcher suites` lists their tasks)"
+                    f"task {key[0]!r} with num_fewshot={t.num_fewshot} is listed twice "
+                    "(perhaps once in a suite: `watcher suites` lists their tasks); to run one "
+                    "task twice with other settings, give each entry its own `name:`"
                 )
             seen.add(key)
+            own = task_settings_hash("", t.model_dump())
+            twin = settings.setdefault((t.task, t.num_fewshot, own), key[0])
+            if twin != key[0]:
+                raise ValueError(
+                    f"task entries {twin!r} and {key[0]!r} run {t.task!r} with the same settings: "
+                    "the same result twice; change one's samples, gen_kwargs or shots, or drop it"
+                )
             gen = self.gen_kwargs | (t.gen_kwargs or {})
             if t.samples > 1 and _greedy(gen):
                 raise ValueError(

@@ -66,6 +66,7 @@ class TaskRun:
 
     task: str
     num_fewshot: int | None
+    name: str | None = None  # the entry's own name (one task twice with other settings)
     allow_code_execution: bool = False
     samples: int = 1
     gen_kwargs: dict[str, Any] | None = None
@@ -76,6 +77,11 @@ class TaskRun:
     @property
     def sampled(self) -> bool:
         return self.pass_at is not None
+
+    @property
+    def key(self) -> tuple[str, int | None]:
+        """(name or task, num_fewshot): how outcomes and ledger lines tell entries apart."""
+        return (self.name or self.task, self.num_fewshot)
 
     @classmethod
     def from_entry(cls, entry: dict[str, Any], journal: JournalRef | None = None) -> TaskRun:
@@ -166,10 +172,11 @@ class TaskOutcome:
     engine_seconds: float | None = None  # to have the model ready for this job
     resumed: int = 0  # units of work taken from the task's journal instead of computed again
     devices: list[str] = field(default_factory=list)  # that computed its units (journaled tasks)
+    name: str | None = None  # the task entry's name, where it has one
 
     @property
     def key(self) -> tuple[str, int | None]:
-        return (self.task, self.num_fewshot)
+        return (self.name or self.task, self.num_fewshot)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TaskOutcome:

@@ -107,7 +107,8 @@ def result_line(
     outcome, one with just the task and num_fewshot), `eval_cfg` the config's `eval` section.
     """
     entry: dict[str, Any] = next(
-        (t for t in job.tasks if (t["task"], t["num_fewshot"]) == outcome.key), {}
+        (t for t in job.tasks if (t.get("name") or t["task"], t["num_fewshot"]) == outcome.key),
+        {},
     )
     gen_kwargs = dict(eval_cfg.gen_kwargs) | (entry.get("gen_kwargs") or {})
     if eval_cfg.max_gen_toks is not None:
@@ -152,6 +153,7 @@ def result_line(
         }
         | (sampled if entry.get("pass_at") is not None else {})
         | ({"apply_chat_template": True} if entry.get("apply_chat_template") else {})
+        | ({"name": entry["name"]} if entry.get("name") else {})
     )
 
 

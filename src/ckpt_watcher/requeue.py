@@ -31,7 +31,7 @@ def requeue(
     """Return (checkpoints of the run path put back as ready, checkpoints left alone with why)."""
     ledger = LedgerIndex(cfg.ledger_dir).load()
     settings = cfg.eval.settings_hash()
-    tasks = [t.model_dump() for t in cfg.eval.tasks if task is None or t.task == task]
+    tasks = [t.model_dump() for t in cfg.eval.tasks if task is None or task in (t.name, t.task)]
     state = State(cfg.state_dir)
     done: list[Requeued] = []
     left: list[str] = []
@@ -47,9 +47,7 @@ def requeue(
                 for t in ledger.due(planner.subject(row), tasks, settings)
             ]
             if row.state not in _REQUEUEABLE:
-                left.append(
-                    f"{row.label}: {row.state} (already in line or not evaluable yet)"
-                )
+                left.append(f"{row.label}: {row.state} (already in line or not evaluable yet)")
             elif not due:
                 left.append(f"{row.label}: every task already ok with the current settings")
             else:

@@ -16,7 +16,7 @@ from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.jobfolder import ENGINE_FILE, JobFolder, warm_root
 from ckpt_watcher.ledger import LedgerIndex, Subject
 from ckpt_watcher.proctable import process_alive
-from ckpt_watcher.report.table import newest_versions
+from ckpt_watcher.report.table import entry_name, newest_versions
 from ckpt_watcher.sinks.alerts import Regression
 from ckpt_watcher.sources.baseline import source_name
 from ckpt_watcher.state import HEARTBEAT_SECONDS, Job, State
@@ -106,7 +106,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
                 "run": j.run,
                 "step": j.step,
                 "label": j.label,
-                "tasks": [t["task"] for t in j.tasks],
+                "tasks": [entry_name(t) for t in j.tasks],
                 "attempt": j.attempt,
                 "retry_in_s": round(j.not_before - now, 1) if j.not_before > now else None,
                 "last_error": j.error,
@@ -124,7 +124,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
                 "node": j.host,
                 "pid": j.pid,
                 "attempt": j.attempt,
-                "tasks": [t["task"] for t in j.tasks],
+                "tasks": [entry_name(t) for t in j.tasks],
                 "running_s": round(now - j.started_at, 1) if j.started_at else None,
                 "progress": _progress(JobFolder.of(cfg.state_dir, j.id, j.attempt)),
                 # devices that joined its tasks (one task spread over idle devices)
@@ -291,7 +291,7 @@ def latest_results(cfg: WatcherConfig, per_run: int = 3) -> list[dict[str, Any]]
                         "step": ln.get("step"),
                         "fingerprint": ln.get("fingerprint"),
                         "label": ln.get("label"),
-                        "task": ln["task"],
+                        "task": entry_name(ln),
                         "num_fewshot": ln.get("num_fewshot"),
                         "metrics": metrics,
                     }

@@ -167,6 +167,7 @@ def run_tasks(
             t.task,
             t.num_fewshot,
             "failed",
+            name=t.name,
             started_at=started,
             lm_eval_version=version,
             engine=engine.kind,
@@ -190,7 +191,7 @@ def run_tasks(
             results, records = _evaluate(lm, req, t, task_manager)
             shots = "default" if t.num_fewshot is None else f"{t.num_fewshot}shot"
             stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H-%M-%S.%f")
-            name = f"{_safe(t.task)}_{shots}_{stamp}"
+            name = f"{_safe(t.name or t.task)}_{shots}_{stamp}"
             sfile = results_dir / f"samples_{name}.jsonl.gz"
             write_samples(sfile, records)
             rfile = results_dir / f"results_{name}.json"

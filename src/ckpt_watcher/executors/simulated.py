@@ -143,6 +143,7 @@ class SimulatedExecutor(Executor):
                 t.task,
                 t.num_fewshot,
                 "ok",
+                name=t.name,
                 metrics={"acc,none": 1.0},
                 n_samples=1,
                 started_at=stamp(began),

@@ -28,8 +28,13 @@ Tasks = list[dict[str, Any]]
 
 
 def task_key(task: dict[str, Any]) -> tuple[str, int | None]:
-    """A task entry's (task, num_fewshot): how outcomes and ledger lines name it."""
-    return (task["task"], task["num_fewshot"])
+    """A task entry's (name or task, num_fewshot): how outcomes and ledger lines name it."""
+    return (task.get("name") or task["task"], task["num_fewshot"])
+
+
+def bare_outcome(task: dict[str, Any], status: str) -> TaskOutcome:
+    """The outcome of a task entry no worker wrote one for (a failure, a skip)."""
+    return TaskOutcome(task["task"], task["num_fewshot"], status, name=task.get("name"))
 
 
 class JobBook:
@@ -129,8 +134,7 @@ class JobBook:
     ) -> None:
         """A `failed` ledger line for each task still due, then the job ends failed."""
         for task in remaining:
-            key = task_key(task)
-            outcome = outcomes.get(key) or TaskOutcome(key[0], key[1], "failed")
+            outcome = outcomes.get(task_key(task)) or bare_outcome(task, "failed")
             self.file(job, outcome, "failed", verdict.error)
         self.failures += 1
         self.finish(job, "failed", now, error=verdict.reason)
@@ -139,8 +143,7 @@ class JobBook:
         """A queued job given up by policy (the backlog): a `skipped` ledger line for each of
         its tasks, saying why; the job and its checkpoint end `skipped`."""
         for task in self.due(job):
-            key = task_key(task)
-            self.file(job, TaskOutcome(key[0], key[1], "skipped"), "skipped", reason)
+            self.file(job, bare_outcome(task, "skipped"), "skipped", reason)
         self.state.update_job(job.id, state="skipped", finished_at=now, error=reason)
         if not self.state.jobs("queued", "running", location=job.location):
             self.state.upsert_checkpoint(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ckpt_watcher.report.table import Table, newest_versions
+from ckpt_watcher.report.table import Table, entry_name, newest_versions
 
 PASS_AT = re.compile(r"^(?P<metric>.+)_pass@(?P<k>\d+),(?P<filter>.*)$")
 AGGREGATE = "AGGREGATE"
@@ -26,7 +26,7 @@ def dataset_table(
     tasks: list[tuple[str, int | None, str | None]] | None = None,
 ) -> Table:
     """The table of `step`'s sampled results (newest checkpoint version, ok lines). `tasks`:
-    (task, shots, headline key) in order (a suite's), the headline naming the metric and
+    (task or entry name, shots, headline key) in order (a suite's), the headline naming the metric and
     filter whose pass@k to show; default every sampled task of the step by name, each with the
     first metric that has a pass@k. Columns: dataset, problems, pass@k for every k any row has."""
     at_step = [
@@ -36,16 +36,18 @@ def dataset_table(
     ]
     chosen: list[tuple[dict[str, Any], str | None]] = []
     if tasks is None:
-        last = {(ln.get("name") or ln["task"], ln.get("num_fewshot")): ln for ln in at_step}
+        last = {(entry_name(ln), ln.get("num_fewshot")): ln for ln in at_step}
         chosen = [(last[key], None) for key in sorted(last, key=str)]
     else:
         for task, shots, key in tasks:
-            found = [ln for ln in at_step if (ln["task"], ln.get("num_fewshot")) == (task, shots)]
+            found = [
+                ln for ln in at_step if (entry_name(ln), ln.get("num_fewshot")) == (task, shots)
+            ]
             if found:  # the last ok line of the task at that step
                 chosen.append((found[-1], key))
     rows: list[tuple[str, int | None, dict[int, float]]] = []
     for ln, key in chosen:
-        rows.append((ln.get("name") or ln["task"], ln.get("n_samples"), _pass_at(ln, key)))
+        rows.append((entry_name(ln), ln.get("n_samples"), _pass_at(ln, key)))
     ks = sorted({k for _, _, by_k in rows for k in by_k})
     out = [[name, n, *(by_k.get(k) for k in ks)] for name, n, by_k in rows]
     if rows:

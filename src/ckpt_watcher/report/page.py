@@ -19,7 +19,7 @@ from ckpt_watcher.errors import WatcherError
 from ckpt_watcher.ledger import REPORT_NAME, ledger_path, read_lines
 from ckpt_watcher.report import samples as samples_mod
 from ckpt_watcher.report.compare import Entry, Points, compare_table, curves
-from ckpt_watcher.report.table import metric_table, newest_versions, task_label
+from ckpt_watcher.report.table import entry_name, metric_table, newest_versions, task_label
 
 FLIPS_PER_TASK = 5
 W, H = 560, 240  # one chart's size in px
@@ -169,7 +169,13 @@ def _runs(entries: list[Entry]) -> list[tuple[str, list[dict[str, Any]]]]:
 def open_failures(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Failed lines that no later `ok` line for the same checkpoint version and task covers."""
     ok = {
-        (ln.get("step"), ln.get("label"), ln.get("fingerprint"), ln["task"], ln.get("num_fewshot"))
+        (
+            ln.get("step"),
+            ln.get("label"),
+            ln.get("fingerprint"),
+            entry_name(ln),
+            ln.get("num_fewshot"),
+        )
         for ln in lines
         if ln.get("status") == "ok"
     }
@@ -180,7 +186,7 @@ def open_failures(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ln.get("step"),
             ln.get("label"),
             ln.get("fingerprint"),
-            ln["task"],
+            entry_name(ln),
             ln.get("num_fewshot"),
         )
         if ln.get("status") != "failed" or key in ok or key in seen:
@@ -226,7 +232,7 @@ def _run_flips(
     by_task: dict[tuple[str, Any], list[dict[str, Any]]] = {}
     for ln in newest_versions(lines):
         if ln.get("status") == "ok" and ln.get("samples_file") and isinstance(ln.get("step"), int):
-            by_task.setdefault((ln["task"], ln.get("num_fewshot")), []).append(ln)
+            by_task.setdefault((entry_name(ln), ln.get("num_fewshot")), []).append(ln)
     sections = []
     for group in by_task.values():
         if len(group) < 2:

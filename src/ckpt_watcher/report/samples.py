@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_watcher.errors import WatcherError
-from ckpt_watcher.report.table import newest_versions
+from ckpt_watcher.report.table import entry_name, newest_versions, task_label
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,17 @@ def find_line(
     if not at_step:
         steps = sorted({ln["step"] for ln in ok if ln.get("step") is not None})
         raise WatcherError(f"no ok result at step {step}; steps with results: {steps or 'none'}")
-    match = [ln for ln in at_step if ln["task"] == task]
+    match = [ln for ln in at_step if entry_name(ln) == task]
+    if not match:  # an lm-eval task that named entries run
+        match = [ln for ln in at_step if ln["task"] == task]
     if num_fewshot is not None:
         match = [ln for ln in match if ln.get("num_fewshot") == num_fewshot]
     if not match:
-        tasks = sorted({f"{ln['task']} ({ln.get('num_fewshot')}-shot)" for ln in at_step})
+        tasks = sorted({task_label(ln) for ln in at_step})
         raise WatcherError(f"no ok result for task {task!r} at step {step}; it has: {tasks}")
+    if len({entry_name(ln) for ln in match}) > 1:
+        names = ", ".join(sorted({entry_name(ln) for ln in match}))
+        raise WatcherError(f"task {task!r} is run by the entries {names}: give --task one of them")
     if len(match) > 1:
         shots = sorted(str(ln.get("num_fewshot")) for ln in match)
         raise WatcherError(f"task {task!r} ran with num_fewshot {', '.join(shots)}: add --shots")

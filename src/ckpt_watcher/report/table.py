@@ -15,10 +15,16 @@ class Table:
     rows: list[list[Any]]
 
 
+def entry_name(line: dict[str, Any]) -> str:
+    """What a ledger line (or task entry) is called: its entry's `name`, else its task."""
+    return str(line.get("name") or line["task"])
+
+
 def task_label(line: dict[str, Any]) -> str:
-    """`gsm8k (4-shot)`; `gsm8k (default-shot)` where the task kept its own default."""
+    """`gsm8k (4-shot)`; `gsm8k (default-shot)` where the task kept its own default; the
+    entry's name instead of the task where it has one."""
     shots = line.get("num_fewshot")
-    return f"{line['task']} ({shots if shots is not None else 'default'}-shot)"
+    return f"{entry_name(line)} ({shots if shots is not None else 'default'}-shot)"
 
 
 def _point(line: dict[str, Any]) -> tuple[Any, str]:
@@ -53,7 +59,7 @@ def baseline_values(
     for line in newest_versions(evaluated):
         if line.get("status") == "ok":
             for metric, value in line.get("metrics", {}).items():
-                out[column(line["task"], line.get("num_fewshot"), metric)] = value
+                out[column(entry_name(line), line.get("num_fewshot"), metric)] = value
     return out
 
 
@@ -116,10 +122,12 @@ def metric_rows(
         for metric, value in line.get("metrics", {}).items():
             of = _stderr_of(metric)
             if of is not None and isinstance(value, int | float):
-                errs.setdefault(key, {})[column(line["task"], line.get("num_fewshot"), of)] = value
+                errs.setdefault(key, {})[column(entry_name(line), line.get("num_fewshot"), of)] = (
+                    value
+                )
             if of is not None and not include_stderr:
                 continue
-            col = column(line["task"], line.get("num_fewshot"), metric)
+            col = column(entry_name(line), line.get("num_fewshot"), metric)
             if col not in columns:
                 columns.append(col)
             row[col] = value

@@ -20,6 +20,7 @@ from ckpt_watcher.config import BASELINE_RUN
 from ckpt_watcher.report.table import (
     baseline_values,
     column,
+    entry_name,
     is_stderr_metric,
     stderr_column,
     stderr_metric,
@@ -108,7 +109,7 @@ class RegressionWatch:
         found = []
         run_path, step = line.get("run_path") or line["run"], line["step"]
         for metric, _value, _se in _judged_metrics(line):
-            key = (run_path, line["task"], line.get("num_fewshot"), metric)
+            key = (run_path, entry_name(line), line.get("num_fewshot"), metric)
             # this result, and every later step's (this one may be their new best earlier step)
             for p in sorted(self.points.get(key, []), key=lambda p: p.step):
                 if p.step < step:
@@ -133,7 +134,7 @@ class RegressionWatch:
             return False  # a labelled checkpoint (`final`) has no place on the step axis
         run_path = line.get("run_path") or line["run"]
         for metric, value, se in _judged_metrics(line):
-            key = (run_path, line["task"], line.get("num_fewshot"), metric)
+            key = (run_path, entry_name(line), line.get("num_fewshot"), metric)
             points = self.points.setdefault(key, [])
             points[:] = [p for p in points if p.step != step]  # a rewritten checkpoint: newest
             points.append(_Point(step, value, se))
@@ -176,5 +177,5 @@ def failure_text(line: dict[str, Any]) -> str:
     shots = line.get("num_fewshot")
     return (
         f"eval failed: {line.get('run_path') or line['run']} step {line.get('step')} "
-        f"{line['task']} ({'default' if shots is None else shots}-shot): {line.get('error')}"
+        f"{entry_name(line)} ({'default' if shots is None else shots}-shot): {line.get('error')}"
     )

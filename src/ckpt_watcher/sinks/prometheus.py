@@ -18,6 +18,8 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from ckpt_watcher.report.table import entry_name
+
 log = structlog.get_logger("ckpt_watcher.sinks.prometheus")
 
 JOB_STATES = ("queued", "running", "ok", "failed", "skipped")
@@ -152,7 +154,7 @@ class DaemonMetrics:
         self.ledger_lines.labels(status).inc()
         duration = line.get("duration_s")
         if status == "ok" and isinstance(duration, int | float) and not line.get("reused_from"):
-            self.eval_seconds.labels(str(line["task"])).observe(float(duration))
+            self.eval_seconds.labels(entry_name(line)).observe(float(duration))
 
     def checkpoint_ready(self, latency_s: float) -> None:
         self.detection.observe(latency_s)

@@ -52,7 +52,8 @@ def _parse(path: Path) -> Suite:
         entry = {k: v for k, v in item.items() if k != "headline"}
         entries.append(entry)
         for key in item.get("headline") or []:
-            headline.append((str(entry["task"]), entry.get("num_fewshot"), str(key)))
+            label = entry.get("name") or entry["task"]  # the results column's task part
+            headline.append((str(label), entry.get("num_fewshot"), str(key)))
     return Suite(
         name=str(raw.get("name") or path.stem),
         description=str(raw.get("description") or "").strip(),

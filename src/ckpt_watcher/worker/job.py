@@ -66,7 +66,7 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
             return EXIT_CRASH
         log.info("worker.staged", location=spec.stage.location, path=str(local))
         req = dataclasses.replace(req, checkpoint=str(local))
-    index = {(t.task, t.num_fewshot): i for i, t in enumerate(req.tasks)}
+    index = {t.key: i for i, t in enumerate(req.tasks)}
 
     last_progress = [0.0]
 
@@ -97,9 +97,7 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
             log.warning("worker.warm_task_failed", tasks=[o.task for o in failed])
             keeper.drop()
             retry = {o.key for o in failed}
-            sub = dataclasses.replace(
-                req, tasks=[t for t in req.tasks if (t.task, t.num_fewshot) in retry]
-            )
+            sub = dataclasses.replace(req, tasks=[t for t in req.tasks if t.key in retry])
             again = {
                 o.key: o
                 for o in run_tasks(sub, record, keeper.acquire(sub), progress, spec.device_label)
