@@ -234,6 +234,9 @@ def test_watcher_once_reports_regressions_and_failures_to_log_status_and_webhook
     # the daemon rewrote the run's HTML report after the appends: both steps are on its chart
     page = (tmp_path / "ledgers" / "run" / "report.html").read_text()
     assert 'data-points="2"' in page and "teacher 0.9" in page
+    # and lists the regressions the webhook was told of
+    listed = page.split("<h2>Regressions</h2>")[1].split("<h2>")[0]
+    assert listed.count('class="regression"') == 2 and "the baseline (teacher): 0.9000" in listed
     # W&B (offline) got each ok result at its training step
     rows = wandb_rows(tmp_path / "wb", own_run_id("p", "run"), 2)
     assert sorted((r["train/step"], r["eval/addition/0shot/exact_match,none"]) for r in rows) == [

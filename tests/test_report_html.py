@@ -162,3 +162,45 @@ def test_a_failure_without_a_finish_time_or_shots_reads_cleanly(tmp_path: Path) 
     page = render_page([failed], "r", tmp_path)
     assert "addition (default-shot): <code>SafetensorError: truncated</code>" in page
     assert ", :" not in page and "None-shot" not in page
+
+
+def test_the_report_lists_the_regressions_its_results_show(tmp_path: Path) -> None:
+    """A drop beyond alerts.drop_stderr against the run's best earlier step or the baseline is
+    on the page (before, only status and webhooks told of it)."""
+    from click.testing import CliRunner
+
+    from ckpt_watcher.cli import main
+
+    ledgers = tmp_path / "ledgers"
+    for step, acc in [(100, 0.5), (200, 0.8), (300, 0.79), (400, 0.6)]:
+        append(ledgers, line(step, "addition", 0, acc))  # stderr 0.05 each
+    cfg = write_config(
+        tmp_path / "w.yaml",
+        {
+            "state_dir": str(tmp_path / "state"),
+            "ledger_dir": str(ledgers),
+            "sources": [{"kind": "local", "path": str(tmp_path)}],
+            "eval": {"tasks": [{"task": "addition", "num_fewshot": 0}]},
+            "baseline": {
+                "name": "teacher",
+                "metrics": [{"task": "addition", "num_fewshot": 0, "metrics": {ACC: 0.7}}],
+            },
+        },
+    )
+    out = tmp_path / "r.html"
+    r = CliRunner().invoke(main, ["report", "-c", str(cfg), "r", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    page = out.read_text()
+    section = page.split("<h2>Regressions</h2>")[1].split("<h2>")[0]
+    # 100: 0.2 below the baseline (no stderr of its own: 0.2 / 0.05 = 4 stderrs); 400: 0.2
+    # below step 200 (0.2 / sqrt(2 x 0.05²) = 2.8); 300 is 0.01 below 200: noise
+    assert section.count('class="regression"') == 2
+    assert (
+        "<td>100</td><td>addition (0-shot)</td><td>exact_match,none</td><td>0.5000</td>" in section
+    )
+    assert "the baseline (teacher): 0.7000</td><td>4.0</td>" in section
+    assert (
+        "<td>400</td><td>addition (0-shot)</td><td>exact_match,none</td><td>0.6000</td>" in section
+    )
+    assert "step 200: 0.8000</td><td>2.8</td>" in section
+    assert "<td>300</td>" not in section

@@ -547,19 +547,24 @@ def report(config_path: Path, run_names: tuple[str, ...], output: Path | None, m
     """Write a run's HTML report: curves by step, results, failures, documents that flipped.
     Several runs (or a quoted pattern): one page, a curve per run in each chart."""
     from ckpt_watcher.report.page import write_comparison, write_report
+    from ckpt_watcher.sinks.alerts import standing
 
     cfg = _load(config_path)
+
+    def judge(lines: list[dict[str, Any]]) -> list[Any]:
+        return standing(cfg, lines)
+
     compared = _compared(config_path, run_names, mean)
     if compared is None:
         run_path, _lines = _run_ledger(config_path, run_names[0])
         base, base_name = _baseline(cfg, run_path)
-        out = write_report(cfg.ledger_dir, run_path, output, baseline=base, baseline_name=base_name)
+        out = write_report(cfg.ledger_dir, run_path, output, base, base_name, judge)
     else:
         if output is None:
             raise ConfigError("comparing runs: name the page to write with -o FILE.html")
         entries = compared[1]
         base, base_name = _baseline(cfg, entries[0].runs[0])
-        out = write_comparison(entries, cfg.ledger_dir, output, base, base_name)
+        out = write_comparison(entries, cfg.ledger_dir, output, base, base_name, judge)
     click.echo(f"wrote {out} (one self-contained page: open it in any browser)")
 
 

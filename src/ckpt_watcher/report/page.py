@@ -1,7 +1,7 @@
 """`watcher report`: one self-contained HTML page for a run, or for several runs compared (no
 script, no network: inline CSS and SVG), with a chart per metric by step (stderr band, baseline
-line; a curve per run), the results table, the failures still open, and per task a few documents
-that flipped between its first and last step.
+line; a curve per run), the results table, the failures still open, the regressions its results
+show, and per task a few documents that flipped between its first and last step.
 
 The daemon writes the same page to `<ledger_dir>/<run_path>/report.html` after each ledger
 append (`sinks/page.py`), and the ledger mirror uploads it beside the ledger.
@@ -10,6 +10,7 @@ append (`sinks/page.py`), and the ledger mirror uploads it beside the ledger.
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from ckpt_watcher.report.compare import Entry, Points, compare_table, curves
 from ckpt_watcher.report.table import entry_name, metric_table, newest_versions, task_label
 
 FLIPS_PER_TASK = 5
+Judge = Callable[[list[dict[str, Any]]], list[Any]]  # a run's lines -> its regressions
 W, H = 560, 240  # one chart's size in px
 LEFT, RIGHT, TOP, BOTTOM = 48, 16, 16, 36
 
@@ -214,6 +216,33 @@ def _failures(entries: list[Entry]) -> str:
     return f'<ul class="failures">{"".join(items)}</ul>'
 
 
+def _regressions(entries: list[Entry], judge: Judge | None) -> str:
+    """Each run's standing regressions (`sinks.alerts.standing`): a result more than
+    `alerts.drop_stderr` standard errors below its run's best earlier step or the baseline."""
+    if judge is None:
+        return '<p class="none">Not judged.</p>'
+    runs = _runs(entries)
+    rows = []
+    for run, lines in runs:
+        for r in judge(lines):
+            shots = "default" if r.num_fewshot is None else r.num_fewshot
+            where = f"<td>{_e(run)}</td>" if len(runs) > 1 else ""
+            rows.append(
+                f'<tr class="regression">{where}<td>{r.step}</td>'
+                f"<td>{_e(r.task)} ({_e(shots)}-shot)</td><td>{_e(r.metric)}</td>"
+                f"<td>{r.value:.4f}</td><td>{_e(r.against)}: {r.reference:.4f}</td>"
+                f"<td>{r.sigmas:.1f}</td></tr>"
+            )
+    if not rows:
+        return '<p class="none">No regressions.</p>'
+    head = "<th>run</th>" if len(runs) > 1 else ""
+    return (
+        f'<table class="regressions"><thead><tr>{head}<th>step</th><th>task</th><th>metric</th>'
+        "<th>value</th><th>below</th><th>stderrs below</th></tr></thead>"
+        f"<tbody>{''.join(rows)}</tbody></table>"
+    )
+
+
 def _flips(ledger_dir: Path, entries: list[Entry]) -> str:
     runs = _runs(entries)
     sections = []
@@ -305,11 +334,11 @@ def render_page(
     ledger_dir: Path,
     baseline: dict[str, Any] | None = None,
     baseline_name: str = "baseline",
+    judge: Judge | None = None,
 ) -> str:
     """The whole page for one run's ledger lines."""
-    return render_entries(
-        [Entry(run_path, [run_path], [lines])], ledger_dir, baseline, baseline_name
-    )
+    entries = [Entry(run_path, [run_path], [lines])]
+    return render_entries(entries, ledger_dir, baseline, baseline_name, judge)
 
 
 def render_entries(
@@ -317,10 +346,11 @@ def render_entries(
     ledger_dir: Path,
     baseline: dict[str, Any] | None = None,
     baseline_name: str = "baseline",
+    judge: Judge | None = None,
 ) -> str:
     """The whole page for one run, or for runs compared (`report.compare`): a chart per metric
-    with a curve per run (a group's mean, its sd as the band), one table, every run's failures
-    and flips."""
+    with a curve per run (a group's mean, its sd as the band), one table, every run's failures,
+    regressions (`judge`: a run's ledger lines -> its regressions) and flips."""
     of_entry = [curves(e) for e in entries]
     order = list(dict.fromkeys(col for c in of_entry for col in c))
     alone = _alone(entries)
@@ -355,6 +385,8 @@ def render_entries(
         + _table(entries, baseline, baseline_name)
         + "<h2>Failures</h2>"
         + _failures(entries)
+        + "<h2>Regressions</h2>"
+        + _regressions(entries, judge)
         + "<h2>Documents that flipped</h2>"
         + _flips(ledger_dir, entries)
         + "</body></html>\n"
@@ -372,12 +404,13 @@ def write_report(
     out: Path | None = None,
     baseline: dict[str, Any] | None = None,
     baseline_name: str = "baseline",
+    judge: Judge | None = None,
 ) -> Path:
     """Write the run's page (default `<ledger_dir>/<run_path>/report.html`); returns the path."""
     lines = read_lines(ledger_path(ledger_dir, run_path)).lines
     out = out or ledger_dir / run_path / REPORT_NAME
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, render_page(lines, run_path, ledger_dir, baseline, baseline_name))
+    write_atomic(out, render_page(lines, run_path, ledger_dir, baseline, baseline_name, judge))
     return out
 
 
@@ -387,8 +420,9 @@ def write_comparison(
     out: Path,
     baseline: dict[str, Any] | None = None,
     baseline_name: str = "baseline",
+    judge: Judge | None = None,
 ) -> Path:
     """Write the page of runs compared to `out`; returns it."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, render_entries(entries, ledger_dir, baseline, baseline_name))
+    write_atomic(out, render_entries(entries, ledger_dir, baseline, baseline_name, judge))
     return out

@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 
 from ckpt_watcher.config import WandbSink, WatcherConfig, WebhookSink
-from ckpt_watcher.sinks.alerts import RegressionWatch, failure_text
+from ckpt_watcher.sinks.alerts import RegressionWatch, failure_text, standing
 from ckpt_watcher.sinks.page import ReportWriter
 from ckpt_watcher.sinks.prometheus import DaemonMetrics
 from ckpt_watcher.sinks.wandb import WandbSinkWorker
@@ -44,17 +44,12 @@ class Sinks:
         self.state = state
         self.metrics = metrics
         self.clock = clock
-        self.regressions = RegressionWatch(
-            cfg.alerts.drop_stderr,
-            [(e.task, e.num_fewshot, e.metrics) for e in cfg.baseline.metrics]
-            if cfg.baseline
-            else [],
-            cfg.baseline.name if cfg.baseline else "baseline",
-        )
+        self.regressions = RegressionWatch.of(cfg)
         self.pages = ReportWriter(
             cfg.ledger_dir,
             baseline=lambda run_path: run_baseline(cfg, run_path)[:2],
             written=page_written,
+            judge=lambda lines: standing(cfg, lines),
         )
         self.webhooks = [
             Webhook(s.url, s.timeout_seconds) for s in cfg.sinks if isinstance(s, WebhookSink)

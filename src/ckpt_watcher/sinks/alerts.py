@@ -94,6 +94,33 @@ class RegressionWatch:
         self.baseline_lines: list[dict[str, Any]] = []
         self.reported: set[tuple[str, int, str, Any, str]] = set()
 
+    @classmethod
+    def of(cls, cfg: Any) -> RegressionWatch:
+        """The watch a WatcherConfig asks for: its `alerts.drop_stderr` and baseline."""
+        fixed = (
+            [(e.task, e.num_fewshot, e.metrics) for e in cfg.baseline.metrics]
+            if cfg.baseline
+            else []
+        )
+        return cls(
+            cfg.alerts.drop_stderr,
+            fixed,
+            cfg.baseline.name if cfg.baseline else "baseline",
+        )
+
+    def standing(self, lines: Iterable[dict[str, Any]]) -> list[Regression]:
+        """Every regression the ledger shows now (after `lines`, baseline lines among them):
+        each step's result against its run's best earlier step and the baseline, by step. What
+        the report lists; the daemon's alerts (`observe`) tell each one once, as it appears."""
+        for line in lines:
+            self._remember(line)
+        found = [
+            r for key, points in self.points.items() for p in points if (r := self._worst(key, p))
+        ]
+        return sorted(
+            found, key=lambda r: (r.run_path, r.step, r.task, str(r.num_fewshot), r.metric)
+        )
+
     def load(self, lines: Iterable[dict[str, Any]]) -> None:
         """Ledger lines already written: history, not news."""
         for line in lines:
@@ -171,6 +198,14 @@ class RegressionWatch:
 
     def _baseline_label(self) -> str:
         return f"the baseline ({self.baseline_name})"
+
+
+def standing(cfg: Any, lines: list[dict[str, Any]]) -> list[Regression]:
+    """The regressions a run's ledger lines show now (against its own earlier steps and the
+    config's baseline): what `watcher report` lists."""
+    from ckpt_watcher.sources.baseline import baseline_lines
+
+    return RegressionWatch.of(cfg).standing([*baseline_lines(cfg), *lines])
 
 
 def failure_text(line: dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 import structlog
 
 from ckpt_watcher.lane import Coalescing
-from ckpt_watcher.report.page import write_report
+from ckpt_watcher.report.page import Judge, write_report
 
 log = structlog.get_logger("ckpt_watcher.sinks.page")
 
@@ -24,9 +24,11 @@ class ReportWriter:
         ledger_dir: Path,
         baseline: Callable[[str], tuple[dict[str, Any] | None, str]],
         written: Callable[[str], None] | None = None,
+        judge: Judge | None = None,
     ) -> None:
         self.ledger_dir = ledger_dir
         self.baseline = baseline
+        self.judge = judge
         self.written = written
         self.pages = Coalescing("html-report", self._write)
 
@@ -36,7 +38,9 @@ class ReportWriter:
     def _write(self, run_path: str) -> bool:
         try:
             values, name = self.baseline(run_path)
-            write_report(self.ledger_dir, run_path, baseline=values, baseline_name=name)
+            write_report(
+                self.ledger_dir, run_path, baseline=values, baseline_name=name, judge=self.judge
+            )
         except Exception as e:  # a page is a view: never worth more than a log line
             log.error("report.write_failed", run_path=run_path, error=str(e))
             return True  # the next append tries again; nothing to retry on a timer

@@ -79,6 +79,16 @@ class BaselineSource:
         self.inner.close()
 
 
+def baseline_lines(cfg: Any) -> list[dict[str, Any]]:
+    """The baseline checkpoint's ledger lines (none without one, or before its first)."""
+    from ckpt_watcher import ledger as ledger_mod
+
+    if cfg.baseline is None or cfg.baseline.checkpoint is None:
+        return []
+    where = ledger_mod.ledger_path(cfg.ledger_dir, BASELINE_RUN)
+    return ledger_mod.read_lines(where).lines if where.exists() else []
+
+
 def run_baseline(cfg: Any, run_path: str) -> tuple[dict[str, Any] | None, str, Path | None]:
     """What a run is compared with: (the config's baseline by column, `report.baseline_values`,
     None without one; its row's name; the baseline's ledger while the baseline checkpoint has
@@ -91,9 +101,8 @@ def run_baseline(cfg: Any, run_path: str) -> tuple[dict[str, Any] | None, str, P
     evaluated: list[dict[str, Any]] = []
     waiting = None
     if cfg.baseline.checkpoint is not None and run_path != BASELINE_RUN:
-        where = ledger_mod.ledger_path(cfg.ledger_dir, BASELINE_RUN)
-        evaluated = ledger_mod.read_lines(where).lines if where.exists() else []
+        evaluated = baseline_lines(cfg)
         if not any(ln.get("status") == "ok" for ln in evaluated):
-            waiting = where
+            waiting = ledger_mod.ledger_path(cfg.ledger_dir, BASELINE_RUN)
     fixed = [(e.task, e.num_fewshot, e.metrics) for e in cfg.baseline.metrics]
     return baseline_values(fixed, evaluated) or None, cfg.baseline.name, waiting
