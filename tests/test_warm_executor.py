@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_watcher.executors.warm import WarmExecutor
-from ckpt_watcher.jobfolder import EvalRequest, JobFolder, JobSpec
+from ckpt_watcher.jobfolder import KILLED_FILE, EvalRequest, JobFolder, JobSpec, warm_home
 
 from .helpers import alive
 
@@ -128,6 +128,9 @@ def test_kill_ends_the_job_and_its_worker_and_idle_workers_exit_alone(
         ha = ex.start("a", a, {})
         ex.kill("a")
         assert _exits(q, 1)["a"] < 0
+        # killed on purpose: the next worker of cuda:0 must not count it as a failing engine
+        killed = warm_home(tmp_path / "state", "cuda:0") / KILLED_FILE
+        assert killed.read_text() == str(ha.pid)
         b = _job(tmp_path, "b", device="cuda:1")
         hb = ex.start("b", b, {})
         assert _exits(q, 1) == {"b": 0}
@@ -191,3 +194,60 @@ def test_processes_a_warm_worker_forks_keep_the_default_sigterm() -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     # the forked child dies on SIGTERM by default; the worker itself still releases on it
     assert r.stdout.split() == ["True", "True"], r.stdout
+
+
+def test_a_warm_engine_that_keeps_crashing_jobs_makes_status_degraded(tmp_path: Path) -> None:
+    """Three different jobs in a row that crash on one device's warm worker (a real one, served
+    job folders whose spec cannot be read) is an engine problem: `watcher status` says so and
+    exits 5. A job retried on the same device counts once; a worker the daemon killed on
+    purpose is no failure; a job that ends well clears the count."""
+    import subprocess
+
+    from ckpt_watcher import status as status_mod
+    from ckpt_watcher.config import load_config
+    from ckpt_watcher.jobfolder import ENGINE_FILE, STATUS_FD_ENV, warm_home
+    from ckpt_watcher.state import State
+    from ckpt_watcher.worker.serve import Failing
+
+    from .conftest import idle_config
+
+    cfg = load_config(idle_config(tmp_path))
+    State(cfg.state_dir).close()
+    home = warm_home(cfg.state_dir, "cpu:0")
+    home.mkdir(parents=True)
+    read_fd, write_fd = os.pipe()
+    settings = {"device": "cpu:0", "idle_seconds": 60, "verify_every": 0}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_watcher.worker", "--serve", str(home), json.dumps(settings)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        env=os.environ | {STATUS_FD_ENV: str(write_fd)},
+        pass_fds=(write_fd,),
+    )
+    os.close(write_fd)
+    assert proc.stdin is not None
+    with os.fdopen(read_fd, "rb") as status_pipe:
+        for job, attempt in [("j1", 1), ("j1", 2), ("j2", 1), ("j3", 1)]:
+            folder = JobFolder.of(cfg.state_dir, job, attempt)
+            folder.path.mkdir(parents=True)
+            (folder.path / "spec.json").write_text("{not json")
+            proc.stdin.write(f"{folder.path}\n".encode())
+            proc.stdin.flush()
+            assert status_pipe.readline()  # its exit, as the daemon reads it
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    engine = json.loads((home / ENGINE_FILE).read_text())
+    assert engine["failing"]["jobs"] == ["j1", "j2", "j3"] and engine["state"] == "released"
+    data = status_mod.gather(cfg)
+    (why,) = data["degraded"]
+    assert why.startswith(
+        "warm engine on cpu:0: 3 jobs in a row crashed on it (last: job j3: exit 4"
+    )
+    assert status_mod.exit_code(data | {"daemon": {"alive": True, "stale": False}}) == 5
+    # the next worker finds a predecessor that died in a job: counted, unless we killed it
+    busy = {"state": "busy", "job": "j4", "pid": 4242, "failing": {"jobs": ["j2"], "last": "x"}}
+    assert Failing(busy, killed=None).jobs == ["j2", "j4"]
+    assert Failing(busy, killed="4242").jobs == ["j2"]
+    failing = Failing(busy, killed="4242")  # the pid WarmExecutor.kill left in KILLED_FILE
+    failing.ended("j5", 0)  # ok: the engine works
+    assert failing.as_dict() == {"jobs": [], "last": None}

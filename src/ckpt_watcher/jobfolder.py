@@ -48,6 +48,11 @@ EXIT_CRASH = 4  # the job stopped as a whole (crash.json says why, where the wor
 
 STATUS_FD_ENV = "CKPT_WATCHER_STATUS_FD"  # a warm worker's status pipe
 ENGINE_FILE = "engine.json"  # in a warm worker's home: the engine it holds
+KILLED_FILE = "killed"  # in a warm worker's home: the pid the daemon killed on purpose
+# Distinct jobs in a row that crashed on one device's warm workers (or died with one) before
+# `watcher status` calls that warm engine failing (degraded). One bad checkpoint is retried on
+# the same device: only different jobs tell an engine's problem from a checkpoint's.
+WARM_FAILING_JOBS = 3
 
 SPEC_FILE = "spec.json"
 CRASH_FILE = "crash.json"

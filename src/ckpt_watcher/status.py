@@ -13,7 +13,14 @@ from typing import Any
 
 from ckpt_watcher import ledger as ledger_mod
 from ckpt_watcher.config import WatcherConfig
-from ckpt_watcher.jobfolder import ENGINE_FILE, JobFolder, warm_root
+from ckpt_watcher.jobfolder import (
+    ENGINE_FILE,
+    LOG_FILE,
+    WARM_FAILING_JOBS,
+    JobFolder,
+    warm_home,
+    warm_root,
+)
 from ckpt_watcher.ledger import LedgerIndex, Subject
 from ckpt_watcher.proctable import process_alive
 from ckpt_watcher.report.table import entry_name, newest_versions
@@ -164,6 +171,14 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         regressions = state.get_meta("regressions") or []
     finally:
         state.close()
+    engines = warm_engines(cfg.state_dir)
+    degraded += [
+        f"warm engine on {e.get('device')}: {len(jobs)} jobs in a row crashed on it "
+        f"(last: {e['failing'].get('last')}); jobs are retried, but see "
+        f"{warm_home(cfg.state_dir, str(e.get('device'))) / LOG_FILE} and the jobs' worker.log"
+        for e in engines
+        if len(jobs := (e.get("failing") or {}).get("jobs") or []) >= WARM_FAILING_JOBS
+    ]
     return {
         "daemon": daemon,
         "degraded": degraded,  # why a running daemon is not doing all it should (exit 5)
@@ -181,7 +196,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         "suspected_zombies": zombies,
         "pinned": pinned,  # checkpoints whose files are held until their results are in
         "behind": behind,  # per run: checkpoints due, and the time they take at today's rate
-        "warm_engines": warm_engines(cfg.state_dir),
+        "warm_engines": engines,
         "latest_results": latest_results(cfg),
     }
 

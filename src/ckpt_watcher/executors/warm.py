@@ -28,6 +28,7 @@ from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
 from ckpt_watcher.executors.local import LocalExecutor
 from ckpt_watcher.executors.processes import kill_group
 from ckpt_watcher.jobfolder import (
+    KILLED_FILE,
     LOG_FILE,
     STATUS_FD_ENV,
     WORKER_MODULE,
@@ -171,7 +172,11 @@ class WarmExecutor(Executor):
             w = next((w for w in self._workers.values() if w.job_id == job_id), None)
         if w is None:
             self.cold.kill(job_id)
-        else:
+        else:  # on purpose (timeout, give-back, stop): its next worker must not count it failing
+            try:
+                (warm_home(self.state_dir, w.device) / KILLED_FILE).write_text(str(w.proc.pid))
+            except OSError:
+                pass
             kill_group(w.proc.pid)
 
     def running(self) -> set[str]:

@@ -28,8 +28,10 @@ from ckpt_watcher.durable import write_json_atomic
 from ckpt_watcher.jobfolder import (
     ENGINE_FILE,
     EXIT_CRASH,
+    KILLED_FILE,
     LOG_FILE,
     STATUS_FD_ENV,
+    WARM_FAILING_JOBS,
     JobFolder,
     status_line,
 )
@@ -48,7 +50,37 @@ def _redirect_output(path: Path) -> None:
     os.close(fd)
 
 
-def _describe(home: Path, keeper: Any, device: str, state: str, job: str | None) -> None:
+class Failing:
+    """The jobs that crashed in a row on this device's warm workers (kept in engine.json, so a
+    worker that died mid-job is counted by the next one); a job that ends ok clears it."""
+
+    def __init__(self, before: dict[str, Any], killed: str | None) -> None:
+        """`before`: the last engine.json; `killed`: the pid the daemon killed on purpose."""
+        kept = before.get("failing") or {}
+        self.jobs: list[str] = list(kept.get("jobs") or [])
+        self.last: str | None = kept.get("last")
+        died = before.get("state") == "busy" and before.get("job")
+        if died and str(before.get("pid")) != killed:  # died with its job, not killed by us
+            self.add(str(before["job"]), f"the warm worker (pid {before.get('pid')}) died in it")
+
+    def add(self, job: str, why: str) -> None:
+        if job not in self.jobs:
+            self.jobs.append(job)
+        self.last = f"job {job}: {why}"
+
+    def ended(self, job: str, rc: int) -> None:
+        if rc == EXIT_CRASH:
+            self.add(job, f"exit {rc} (crash.json in its folder says why)")
+        else:  # ok, or a task's own failure: the engine did its part
+            self.jobs, self.last = [], None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"jobs": self.jobs[-WARM_FAILING_JOBS:], "last": self.last}
+
+
+def _describe(
+    home: Path, keeper: Any, device: str, state: str, job: str | None, failing: Failing
+) -> None:
     write_json_atomic(
         home / ENGINE_FILE,
         {
@@ -62,6 +94,7 @@ def _describe(home: Path, keeper: Any, device: str, state: str, job: str | None)
             "swaps_by_signature": keeper.swaps,
             "cold_for_good": keeper.cold_for_good,
             "events": keeper.events,
+            "failing": failing.as_dict(),
         },
     )
 
@@ -93,6 +126,7 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
     idle_seconds = float(settings["idle_seconds"])
     device = str(settings["device"])
     keeper = EngineKeeper(verify_every=int(settings["verify_every"]))
+    before: dict[str, Any] = {}
     try:  # this device's earlier workers: an architecture that failed its check stays cold for
         # good, and one already checked is checked again after verify_every swaps, not at once
         before = json.loads((home / ENGINE_FILE).read_text(encoding="utf-8"))
@@ -100,13 +134,19 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
         keeper.swaps.update(before.get("swaps_by_signature") or {})
     except (OSError, ValueError):
         pass
+    try:
+        killed: str | None = (home / KILLED_FILE).read_text(encoding="utf-8").strip()
+        (home / KILLED_FILE).unlink()
+    except OSError:
+        killed = None
+    failing = Failing(before, killed)
 
     handle_sigterm()
     own_log = home / LOG_FILE
     reason = "stdin closed"
     in_job = False
     try:
-        _describe(home, keeper, device, "idle", None)
+        _describe(home, keeper, device, "idle", None, failing)
         while True:
             ready, _, _ = select.select([sys.stdin], [], [], idle_seconds)
             if not ready:
@@ -118,7 +158,7 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
             job_dir = Path(line.strip())
             folder = JobFolder(job_dir)
             _redirect_output(folder.log)
-            _describe(home, keeper, device, "busy", job_dir.parent.name)
+            _describe(home, keeper, device, "busy", job_dir.parent.name, failing)
             in_job = True
             try:
                 rc = run_job(job_dir, keeper)
@@ -128,8 +168,9 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
                 rc = EXIT_CRASH
             folder.write_exit(rc)
             in_job = False
+            failing.ended(job_dir.parent.name, rc)
             _redirect_output(own_log)
-            _describe(home, keeper, device, "idle", None)
+            _describe(home, keeper, device, "idle", None, failing)
             try:
                 os.write(status_fd, status_line(rc, job_dir))
             except BrokenPipeError:  # the daemon died: a new one reads the job's exit file
@@ -140,5 +181,5 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
     finally:
         log.info("engine.released", device=device, reason=reason, checkpoint=keeper.checkpoint)
         keeper.drop(exiting=True)
-        _describe(home, keeper, device, "released", None)
+        _describe(home, keeper, device, "released", None, failing)
     return 128 + signal.SIGTERM if in_job else 0  # a job cut short must not read as a success
