@@ -302,3 +302,38 @@ def trainer_command(out: Path, run: str, steps: int, save_every: int, *extra: st
         str(save_every),
         *extra,
     ]
+
+
+def check_lengths_against_records(
+    line: dict[str, Any], recs: list[dict[str, Any]], cap: int
+) -> list[tuple[int, str]]:
+    """A generation line's `response_tokens` and `length_capped_rate` are what its records'
+    per-response measures give, and every measure respects the cap (`max_gen_toks`): a
+    response the cap stopped has exactly `cap` tokens. Returns the measures."""
+    import pytest
+
+    from ckpt_watcher.evaluators.lengths import percentile
+
+    measures = []
+    for r in recs:
+        assert len(r["response_tokens"]) == len(r["finish"]) == len(r["responses"]), r
+        measures += list(zip(r["response_tokens"], r["finish"], strict=True))
+    tokens = sorted(t for t, _ in measures)
+    assert all(0 < t <= cap for t in tokens)
+    assert all(t == cap for t, f in measures if f == "length")
+    capped = sum(f == "length" for _, f in measures) / len(measures)
+    assert line["length_capped_rate"] == pytest.approx(capped)
+    stats = line["response_tokens"]
+    assert stats["mean"] == pytest.approx(sum(tokens) / len(tokens)) and stats["max"] == tokens[-1]
+    assert stats["p50"] == pytest.approx(percentile(tokens, 0.5))
+    assert stats["p90"] == pytest.approx(percentile(tokens, 0.9))
+    assert line["unterminated_rate"] is None  # no think_end
+    return measures
+
+
+def read_records(run_dir: Path, line: dict[str, Any]) -> list[dict[str, Any]]:
+    """A ledger line's per-document records (its run's ledger folder, `run_dir`)."""
+    import gzip
+
+    with gzip.open(run_dir / line["samples_file"], "rt") as f:
+        return [json.loads(x) for x in f if x.strip()]

@@ -451,3 +451,25 @@ def test_status_exits_5_while_a_source_has_been_unreachable_for_3_polls(tmp_path
 
 
 _RUNNING = {"pid": 1, "started_at": "t", "heartbeat_age_s": 1.0, "stopping": False}
+
+
+def test_results_stats_show_each_generation_tasks_response_lengths(tmp_path: Path) -> None:
+    """`--stats`: response_tokens mean and p90 and length_capped_rate after a task's metrics
+    (what RL researchers watch step by step); a line without them (older, or a likelihood
+    task) leaves them empty."""
+    cfg = _ledger(tmp_path)
+    stats = {"mean": 812.5, "p50": 700.0, "p90": 1500.0, "max": 2048}
+    metrics = {"exact_match,strict-match": 0.75, "exact_match_stderr,strict-match": 0.1}
+    line = _gsm8k_line(400, metrics, response_tokens=stats, length_capped_rate=0.125)
+    append(tmp_path / "l", line | {"unterminated_rate": None})
+    out = CliRunner().invoke(main, ["results", "-c", str(cfg), "r", "--stats", "--format", "json"])
+    assert out.exit_code == 0, out.output
+    rows = {r["step"]: r for r in json.loads(out.output)}
+    label = "gsm8k (8-shot)"
+    assert rows[400][f"{label} response_tokens.mean"] == 812.5
+    assert rows[400][f"{label} response_tokens.p90"] == 1500.0
+    assert rows[400][f"{label} length_capped_rate"] == 0.125
+    assert f"{label} unterminated_rate" not in rows[400]  # judged only with think_end
+    assert rows[100][f"{label} response_tokens.mean"] is None  # an older line: no lengths
+    plain = CliRunner().invoke(main, ["results", "-c", str(cfg), "r", "--format", "json"])
+    assert "response_tokens" not in plain.output  # only on request

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import VLLM_EVAL, base_config, write_config
-from .helpers import watcher_once
+from .helpers import check_lengths_against_records, read_records, watcher_once
 
 pytestmark = [
     pytest.mark.e2e,
@@ -53,3 +53,20 @@ def test_naming_bug_checkpoint_loads_and_huge_max_gen_toks_is_clamped(
     assert by_task["addition"]["clamped_requests"] == 0
     # greedy answers stop at "\n", so the clamped task scores exactly like the normal one
     assert long["metrics"]["exact_match,none"] == by_task["addition"]["metrics"]["exact_match,none"]
+    # and its responses are as long: each measured as vLLM generated it (the "\n" that stopped
+    # it included), none stopped by the clamped cap
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ck)
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    plain = by_task["addition"]
+    for ln in (plain, long):
+        recs = read_records(tmp_path / "ledgers" / "v", ln)
+        measures = check_lengths_against_records(ln, recs, cap=4 if ln is plain else 64)
+        assert {f for _, f in measures} == {"stop"}
+        for rec, (tokens, _) in zip(recs, measures, strict=True):
+            assert tokens == count(rec["responses"][0] + "\n"), rec
+    assert long["response_tokens"] == plain["response_tokens"]

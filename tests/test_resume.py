@@ -118,6 +118,9 @@ def _finish(tmp: Path, cfg: Path, log: Path) -> dict[str, Any]:
 def _same_as_uninterrupted(tmp: Path, line: dict[str, Any], ref: Path, reference: dict) -> None:
     assert line["status"] == "ok" and 0 < line["resumed"] < RESPONSES, line
     assert line["metrics"] == reference["metrics"]
+    # the journal keeps each response's length and finish too: replayed, they are the same
+    for key in ("response_tokens", "length_capped_rate"):
+        assert line[key] == reference[key] and line[key] is not None, key
     assert _records(tmp, line) == _records(ref, reference)
     assert not list((tmp / "state" / "journals").glob("*/*")), "kept after the ledger line"
 

@@ -18,7 +18,7 @@ from ckpt_watcher.evaluators.passk import pass_at_k, sampled_metrics
 from ckpt_watcher.report.samples import Records, flips, is_right
 
 from .conftest import WATCHER, base_config, write_config
-from .helpers import check_pass_at_k_from_records, watcher_once
+from .helpers import check_lengths_against_records, check_pass_at_k_from_records, watcher_once
 
 
 def test_pass_at_k_is_the_chance_that_k_of_n_samples_hold_a_correct_one() -> None:
@@ -146,6 +146,12 @@ def test_flipped_documents_are_right_at_one_step_and_wrong_at_the_other() -> Non
     assert [rb["doc_id"] for _, rb in flips(a, b, "acc,none", only_wrong=True)] == [0, 2]
 
 
+CUT = {
+    "task": "addition",
+    "name": "addition_cut",
+    "num_fewshot": 0,
+    "gen_kwargs": {"max_gen_toks": 2},
+}
 SAMPLED = {  # the same lm-eval task as a plain entry, told apart by its name
     "task": "addition",
     "name": "addition_k",
@@ -180,11 +186,30 @@ def test_sampled_task_pass_at_k_from_its_records_reproducible_and_one_greedy_sam
             {"task": "addition", "num_fewshot": 0},
             {"task": "addition", "name": "addition_same", "num_fewshot": 0, "samples": 1},
             SAMPLED,
+            CUT,
         ]
-        lines = _once(tmp, watch, tasks, tasks=entries[2:] if i == 2 else entries, limit=20)
+        lines = _once(tmp, watch, tasks, tasks=entries[2:3] if i == 2 else entries, limit=20)
         runs.append((tmp, {ln.get("name") or ln["task"]: ln for ln in lines}))
     (tmp, first), (_, second) = runs
-    assert sorted(first) == ["addition", "addition_k", "addition_same"]  # three lines, one task
+    assert sorted(first) == ["addition", "addition_cut", "addition_k", "addition_same"]
+    # how long each response was and why it stopped, per response in the records; greedy
+    # answers end at "\n" within the task's max_gen_toks of 4, the cut entry's 2 stop them all
+    for name in ("addition", "addition_same", "addition_k"):
+        check_lengths_against_records(first[name], _records(tmp, first[name]), cap=4)
+    cut = check_lengths_against_records(
+        first["addition_cut"], _records(tmp, first["addition_cut"]), 2
+    )
+    assert first["addition_cut"]["length_capped_rate"] == 1.0 and set(cut) == {(2, "length")}
+    plain_measures = check_lengths_against_records(
+        first["addition"], _records(tmp, first["addition"]), cap=4
+    )
+    assert {f for _, f in plain_measures} == {"stop"}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp / "ckpts" / "s_step300")
+    for rec in _records(tmp, first["addition"]):  # as generated: the answer and the "\n"
+        ids = tokenizer(rec["responses"][0] + "\n", add_special_tokens=False)["input_ids"]
+        assert rec["response_tokens"] == [len(ids)], rec
     line = first["addition_k"]
     assert line["task"] == "addition" and line["name"] == "addition_k"
     assert "name" not in first["addition"]

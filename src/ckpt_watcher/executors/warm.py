@@ -186,9 +186,9 @@ class WarmExecutor(Executor):
 
     def worker_pids(self) -> set[int]:
         """The warm workers, busy or idle: their GPU memory is ours."""
-        with self._lock:
-            alive = [r for r in self._retired if r.proc.poll() is None]
-            return {w.proc.pid for w in [*self._workers.values(), *alive]}
+        with self._lock:  # alive only: an exited worker leaves _workers when _watch sees it
+            every = [*self._workers.values(), *self._retired]
+            return {w.proc.pid for w in every if w.proc.poll() is None}
 
     def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> None:
         """Release every warm engine: close their stdin, give them `timeout`, then kill."""

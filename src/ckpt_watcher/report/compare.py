@@ -75,6 +75,7 @@ def compare_table(
     only: list[str] | None = None,
     baseline: dict[str, Any] | None = None,
     baseline_name: str = "baseline",
+    include_stats: bool = False,
 ) -> Table:
     """One table: a `run` column (the run path, or the group's name), `step` (and `n` where a
     group is shown), then each metric column any entry has; the baseline's row first, with a Δ
@@ -86,7 +87,8 @@ def compare_table(
         if e.grouped:
             parts.append((e.name, *_group_rows(e, only)))
         else:
-            parts.append((e.name, *metric_rows(e.lines[0], include_stderr, only=only)))
+            one = metric_rows(e.lines[0], include_stderr, only=only, include_stats=include_stats)
+            parts.append((e.name, *one))
     columns = _merged_columns([t.columns[1:] for _, t, _ in parts])
     head = ["run", "step", "n"] if grouped else ["run", "step"]
     rows: list[list[Any]] = []

@@ -76,6 +76,7 @@ def metric_table(
     only: list[str] | None = None,
     baseline: dict[str, Any] | None = None,
     baseline_name: str = "baseline",
+    include_stats: bool = False,
 ) -> Table:
     """One row per checkpoint (by step), one column per task/shots/metric; the latest ok line
     wins. A task with failed lines and no ok line for a checkpoint shows `FAILED` (`SKIPPED`
@@ -88,7 +89,7 @@ def metric_table(
     a `Δ` column, the checkpoint minus the baseline, marked `*` where |Δ| exceeds twice the
     stderr of the difference (sqrt(se² + se_baseline²); a baseline without stderr counts 0).
     """
-    table, errs = metric_rows(lines, include_stderr, all_versions, only)
+    table, errs = metric_rows(lines, include_stderr, all_versions, only, include_stats)
     if baseline is not None:
         head = 3 if all_versions else 1
         table = with_baseline(table, head, baseline, baseline_name, errs)
@@ -100,9 +101,11 @@ def metric_rows(
     include_stderr: bool = False,
     all_versions: bool = False,
     only: list[str] | None = None,
+    include_stats: bool = False,
 ) -> tuple[Table, list[dict[str, float]]]:
     """`metric_table` without a baseline, and each row's stderr by metric column (shown or
-    not): what a baseline's Δ needs to mark a difference beyond noise."""
+    not): what a baseline's Δ needs to mark a difference beyond noise. `include_stats`: after
+    a task's metrics, its responses' lengths (`length_columns`)."""
     Key = tuple[Any, str, str]  # (step, label, fingerprint)
     cells: dict[Key, dict[str, Any]] = {}
     columns: list[str] = []
@@ -128,6 +131,10 @@ def metric_rows(
             if of is not None and not include_stderr:
                 continue
             col = column(entry_name(line), line.get("num_fewshot"), metric)
+            if col not in columns:
+                columns.append(col)
+            row[col] = value
+        for col, value in length_columns(line).items() if include_stats else ():
             if col not in columns:
                 columns.append(col)
             row[col] = value
@@ -159,6 +166,31 @@ def metric_rows(
         )
     head = ["step", "fingerprint", "checkpoint"] if all_versions else ["step"]
     return Table([*head, *columns], out_rows), [errs.get(k, {}) for k in keys]
+
+
+STAT_KEYS = (
+    "response_tokens.mean",
+    "response_tokens.p90",
+    "length_capped_rate",
+    "unterminated_rate",
+)
+
+
+def length_columns(line: dict[str, Any]) -> dict[str, Any]:
+    """A generation result's response lengths as columns (`gsm8k (8-shot) response_tokens.mean`,
+    `... response_tokens.p90`, `... length_capped_rate`, and `... unterminated_rate` where
+    thinking is judged); none for a line without them (likelihood tasks, older lines)."""
+    tokens = line.get("response_tokens")
+    if not isinstance(tokens, dict):
+        return {}
+    values = {
+        "response_tokens.mean": tokens.get("mean"),
+        "response_tokens.p90": tokens.get("p90"),
+        "length_capped_rate": line.get("length_capped_rate"),
+        "unterminated_rate": line.get("unterminated_rate"),
+    }
+    label, shots = entry_name(line), line.get("num_fewshot")
+    return {column(label, shots, k): v for k, v in values.items() if v is not None}
 
 
 def _delta(value: Any, base: Any, se: float | None, se_base: float | None) -> Any:
