@@ -164,3 +164,41 @@ def test_watcher_run_serves_metrics_while_a_job_runs(
             daemon,
             log,
         )
+
+
+def test_response_lengths_of_the_newest_step_reach_prometheus_and_wandb() -> None:
+    from ckpt_watcher.sinks.wandb import logged_values
+
+    def line(step: int, mean: float, capped: float) -> dict[str, Any]:
+        tokens = {"mean": mean, "p50": mean, "p90": mean * 2, "max": int(mean * 3)}
+        return {"status": "ok", "run_path": "job/r", "task": "aime", "num_fewshot": 0} | {
+            "step": step,
+            "metrics": {"acc,none": 0.5},
+            "response_tokens": tokens,
+            "length_capped_rate": capped,
+            "unterminated_rate": None,
+        }
+
+    m = DaemonMetrics()
+    port = m.serve(0, "127.0.0.1")
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        m.ledger_line(line(200, 900.0, 0.25))
+        m.ledger_line(line(100, 500.0, 0.0))  # an older step, evaluated later: not the newest
+        s = scrape(url)
+        labels = {"run_path": "job/r", "task": "aime"}
+        assert value(s, "ckpt_watcher_response_tokens", stat="mean", **labels) == 900.0
+        assert value(s, "ckpt_watcher_response_tokens", stat="p90", **labels) == 1800.0
+        assert value(s, "ckpt_watcher_length_capped_ratio", **labels) == 0.25
+        m.ledger_line(line(300, 1200.0, 0.5))
+        s = scrape(url)
+        assert value(s, "ckpt_watcher_response_tokens", stat="mean", **labels) == 1200.0
+        assert value(s, "ckpt_watcher_length_capped_ratio", **labels) == 0.5
+    finally:
+        m.close()
+    logged = logged_values(line(300, 1200.0, 0.5))
+    assert logged is not None and logged["train/step"] == 300
+    assert logged["eval/aime/0shot/response_tokens.mean"] == 1200.0
+    assert logged["eval/aime/0shot/response_tokens.p90"] == 2400.0
+    assert logged["eval/aime/0shot/length_capped_rate"] == 0.5
+    assert "eval/aime/0shot/unterminated_rate" not in logged  # null: not judged

@@ -176,10 +176,10 @@ STAT_KEYS = (
 )
 
 
-def length_columns(line: dict[str, Any]) -> dict[str, Any]:
-    """A generation result's response lengths as columns (`gsm8k (8-shot) response_tokens.mean`,
-    `... response_tokens.p90`, `... length_capped_rate`, and `... unterminated_rate` where
-    thinking is judged); none for a line without them (likelihood tasks, older lines)."""
+def length_stats(line: dict[str, Any]) -> dict[str, float]:
+    """A generation result's response lengths by STAT_KEYS name (`response_tokens.mean`, ...,
+    `unterminated_rate` where thinking is judged); none for a line without them (likelihood
+    tasks, lines written before lengths were measured)."""
     tokens = line.get("response_tokens")
     if not isinstance(tokens, dict):
         return {}
@@ -189,8 +189,13 @@ def length_columns(line: dict[str, Any]) -> dict[str, Any]:
         "length_capped_rate": line.get("length_capped_rate"),
         "unterminated_rate": line.get("unterminated_rate"),
     }
+    return {k: float(v) for k, v in values.items() if isinstance(v, int | float)}
+
+
+def length_columns(line: dict[str, Any]) -> dict[str, Any]:
+    """`length_stats` as table columns: `gsm8k (8-shot) response_tokens.mean`, ..."""
     label, shots = entry_name(line), line.get("num_fewshot")
-    return {column(label, shots, k): v for k, v in values.items() if v is not None}
+    return {column(label, shots, k): v for k, v in length_stats(line).items()}
 
 
 def _delta(value: Any, base: Any, se: float | None, se_base: float | None) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from ckpt_watcher.report.table import entry_name
+from ckpt_watcher.report.table import entry_name, length_stats
 
 log = structlog.get_logger("ckpt_watcher.sinks.prometheus")
 
@@ -88,6 +88,20 @@ class DaemonMetrics:
             ["job_id", "task"],
             registry=r,
         )
+        self.response_tokens = Gauge(
+            "ckpt_watcher_response_tokens",
+            "Response length in tokens of a generation task's newest evaluated step, by stat "
+            "(mean, p90)",
+            ["run_path", "task", "stat"],
+            registry=r,
+        )
+        self.length_capped = Gauge(
+            "ckpt_watcher_length_capped_ratio",
+            "Share of a generation task's responses stopped by the length cap, newest step",
+            ["run_path", "task"],
+            registry=r,
+        )
+        self._newest_step: dict[tuple[str, str], int] = {}
         self._progress_labels: set[tuple[str, str]] = set()
         for s in JOB_STATES:
             self.jobs.labels(s).set(0)
@@ -155,6 +169,23 @@ class DaemonMetrics:
         duration = line.get("duration_s")
         if status == "ok" and isinstance(duration, int | float) and not line.get("reused_from"):
             self.eval_seconds.labels(entry_name(line)).observe(float(duration))
+        self._lengths(line)
+
+    def _lengths(self, line: dict[str, Any]) -> None:
+        """The newest step's response lengths per (run, task): steps may be evaluated out of
+        order, so an older step's line leaves the gauges alone."""
+        stats, step = length_stats(line), line.get("step")
+        if line.get("status") != "ok" or not stats or not isinstance(step, int):
+            return
+        key = (str(line.get("run_path") or line.get("run")), entry_name(line))
+        if step < self._newest_step.get(key, step):
+            return
+        self._newest_step[key] = step
+        for stat in ("mean", "p90"):
+            if f"response_tokens.{stat}" in stats:
+                self.response_tokens.labels(*key, stat).set(stats[f"response_tokens.{stat}"])
+        if "length_capped_rate" in stats:
+            self.length_capped.labels(*key).set(stats["length_capped_rate"])
 
     def checkpoint_ready(self, latency_s: float) -> None:
         self.detection.observe(latency_s)

@@ -30,7 +30,7 @@ from ckpt_watcher.config import BASELINE_RUN, WandbSink
 from ckpt_watcher.durable import write_json_atomic
 from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.ledger import ledger_path, read_lines
-from ckpt_watcher.report.table import entry_name, is_stderr_metric
+from ckpt_watcher.report.table import entry_name, is_stderr_metric, length_stats
 
 log = structlog.get_logger("ckpt_watcher.sinks.wandb")
 
@@ -54,6 +54,8 @@ def logged_values(line: dict[str, Any]) -> dict[str, Any] | None:
         if is_stderr_metric(metric) or not isinstance(value, int | float):
             continue
         values[metric_key(entry_name(line), line.get("num_fewshot"), metric)] = value
+    for stat, value in length_stats(line).items():  # response lengths, step by step
+        values[metric_key(entry_name(line), line.get("num_fewshot"), stat)] = value
     return values if len(values) > 1 else None
 
 
