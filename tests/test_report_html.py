@@ -204,3 +204,25 @@ def test_the_report_lists_the_regressions_its_results_show(tmp_path: Path) -> No
     )
     assert "step 200: 0.8000</td><td>2.8</td>" in section
     assert "<td>300</td>" not in section
+
+
+def test_the_report_charts_response_lengths_by_step_beside_the_metrics(tmp_path: Path) -> None:
+    lines = [
+        line(step, "addition", 0, 0.5)
+        | {
+            "response_tokens": {"mean": mean, "p50": mean, "p90": mean + 10, "max": mean + 20},
+            "length_capped_rate": capped,
+            "unterminated_rate": None,
+        }
+        for step, mean, capped in [(100, 40.0, 0.0), (200, 80.0, 0.1), (300, 160.0, 0.3)]
+    ]
+    page = render_page(lines, "r", tmp_path)
+    section = page.split("<h2>Response lengths by step</h2>")[1].split("<h2>")[0]
+    assert section.count('class="chart"') == 3  # tokens mean, p90, capped share
+    mean_chart = section.split('data-column="addition (0-shot) response_tokens.mean"')[1]
+    points = mean_chart.split("</svg>")[0]
+    assert all(f'data-value="{v}"' in points for v in (40.0, 80.0, 160.0))
+    table = page.split('<table class="results">')[1].split("</table>")[0]
+    assert "addition (0-shot) length_capped_rate" in table and "0.3000" in table
+    older = [line(100, "addition", 0, 0.5)]  # no lengths measured: no such section
+    assert "Response lengths" not in render_page(older, "r", tmp_path)

@@ -20,7 +20,13 @@ from ckpt_watcher.errors import WatcherError
 from ckpt_watcher.ledger import REPORT_NAME, ledger_path, read_lines
 from ckpt_watcher.report import samples as samples_mod
 from ckpt_watcher.report.compare import Entry, Points, compare_table, curves
-from ckpt_watcher.report.table import entry_name, metric_table, newest_versions, task_label
+from ckpt_watcher.report.table import (
+    entry_name,
+    length_series,
+    metric_table,
+    newest_versions,
+    task_label,
+)
 
 FLIPS_PER_TASK = 5
 Judge = Callable[[list[dict[str, Any]]], list[Any]]  # a run's lines -> its regressions
@@ -139,11 +145,15 @@ def _table(entries: list[Entry], baseline: dict[str, Any] | None, base_name: str
     """The results table: one run's newest step first (the baseline's row stays on top), or the
     runs compared (`compare_table`), each run's steps in order."""
     if _alone(entries):
-        table = metric_table(entries[0].lines[0], baseline=baseline, baseline_name=base_name)
+        table = metric_table(
+            entries[0].lines[0], baseline=baseline, baseline_name=base_name, include_stats=True
+        )
         first = 1 if baseline is not None else 0
         rows = table.rows[:first] + table.rows[first:][::-1]
     else:
-        table = compare_table(entries, baseline=baseline, baseline_name=base_name)
+        table = compare_table(
+            entries, baseline=baseline, baseline_name=base_name, include_stats=True
+        )
         rows = table.rows
     head = "".join(f"<th>{_e(c)}</th>" for c in table.columns)
     body = []
@@ -363,6 +373,16 @@ def render_entries(
         ]
         svg = chart(column, named, _base(baseline, column), baseline_name)
         cards.append(f'<div class="card"><h3>{_e(column)}</h3>{svg}</div>')
+    of_runs = [length_series(e.lines[0]) if not e.grouped else {} for e in entries]
+    lengths = []
+    for column in dict.fromkeys(col for c in of_runs for col in c):
+        named = [
+            ("" if alone else e.name, c[column])
+            for e, c in zip(entries, of_runs, strict=True)
+            if column in c
+        ]
+        svg = chart(column, named, None, baseline_name)
+        lengths.append(f'<div class="card lengths"><h3>{_e(column)}</h3>{svg}</div>')
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     every = [ln for e in entries for ln in e.every_line]
     n_ok = sum(1 for ln in every if ln.get("status") == "ok")
@@ -380,6 +400,13 @@ def render_entries(
             f'<div class="charts">{"".join(cards)}</div>'
             if cards
             else '<p class="none">No results yet.</p>'
+        )
+        + (
+            "<h2>Response lengths by step</h2>"
+            '<p class="meta">Tokens per response (mean, p90) and the share the length cap '
+            f'stopped.</p><div class="charts">{"".join(lengths)}</div>'
+            if lengths
+            else ""
         )
         + "<h2>Results</h2>"
         + _table(entries, baseline, baseline_name)

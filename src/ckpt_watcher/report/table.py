@@ -280,6 +280,19 @@ def metric_series(lines: list[dict[str, Any]]) -> dict[str, list[tuple[int, floa
     return out
 
 
+def length_series(lines: list[dict[str, Any]]) -> dict[str, list[tuple[int, float, float]]]:
+    """Each generation task's response lengths (`length_columns`) by step, as `metric_series`
+    gives metrics (no stderr): what the report charts beside the metrics."""
+    out: dict[str, list[tuple[int, float, float]]] = {}
+    for line in sorted(newest_versions(lines), key=lambda ln: ln.get("step") or 0):
+        if line.get("status") == "ok" and isinstance(line.get("step"), int):
+            for col, value in length_columns(line).items():
+                points = out.setdefault(col, [])
+                points[:] = [p for p in points if p[0] != line["step"]]  # the step's last line
+                points.append((line["step"], float(value), 0.0))
+    return out
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
