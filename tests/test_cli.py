@@ -473,3 +473,36 @@ def test_results_stats_show_each_generation_tasks_response_lengths(tmp_path: Pat
     assert rows[100][f"{label} response_tokens.mean"] is None  # an older line: no lengths
     plain = CliRunner().invoke(main, ["results", "-c", str(cfg), "r", "--format", "json"])
     assert "response_tokens" not in plain.output  # only on request
+
+
+def test_plot_stats_draws_response_lengths_by_step(tmp_path: Path) -> None:
+    """`plot --stats`: tokens per response (mean, p90) above, the share the cap stopped below."""
+    import matplotlib.pyplot as plt
+
+    from ckpt_watcher.report.compare import Entry
+    from ckpt_watcher.report.plot import lengths_figure
+
+    cfg = _ledger(tmp_path)
+    out = tmp_path / "len.png"
+    none = CliRunner().invoke(main, ["plot", "-c", str(cfg), "r", "-o", str(out), "--stats"])
+    assert none.exit_code == 1 and "no response lengths" in none.output  # older lines only
+    metrics = {"exact_match,strict-match": 0.5}
+    for step, mean, capped in [(400, 300.0, 0.1), (500, 600.0, 0.4)]:
+        tokens = {"mean": mean, "p50": mean, "p90": mean * 1.5, "max": 2048}
+        extra = {"response_tokens": tokens, "length_capped_rate": capped}
+        append(tmp_path / "l", _gsm8k_line(step, metrics, **extra))
+    r = CliRunner().invoke(main, ["plot", "-c", str(cfg), "r", "-o", str(out), "--stats"])
+    assert r.exit_code == 0 and "(3 series)" in r.output, r.output
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    from ckpt_watcher.ledger import ledger_path, read_lines
+
+    lines = read_lines(ledger_path(tmp_path / "l", "r")).lines
+    fig, drawn = lengths_figure([Entry("r", ["r"], [lines])])
+    tokens_ax, share_ax = fig.axes
+    by_label = {ln.get_label(): ln for ax in fig.axes for ln in ax.get_lines()}
+    mean = by_label["gsm8k (8-shot) response_tokens.mean"]
+    assert list(mean.get_xdata()) == [400, 500] and list(mean.get_ydata()) == [300.0, 600.0]
+    assert list(by_label["gsm8k (8-shot) response_tokens.p90"].get_ydata()) == [450.0, 900.0]
+    assert by_label["gsm8k (8-shot) length_capped_rate"] in share_ax.get_lines()
+    assert share_ax.get_ylim() == (0.0, 1.0) and tokens_ax.get_ylim()[0] == 0
+    plt.close(fig)

@@ -524,8 +524,16 @@ def samples(
     help="The PNG file to write.",
 )
 @mean_option
+@click.option(
+    "--stats",
+    "with_stats",
+    is_flag=True,
+    help="Plot response lengths instead: tokens per response (mean, p90), the share the cap stopped.",
+)
 @handle_errors
-def plot(config_path: Path, run_names: tuple[str, ...], output: Path, mean: bool) -> None:
+def plot(
+    config_path: Path, run_names: tuple[str, ...], output: Path, mean: bool, with_stats: bool
+) -> None:
     """Plot a run's metrics against the step, from its ledger, as a PNG. Several runs (or a
     quoted pattern): one plot, a colour per run."""
     from ckpt_watcher.report.compare import Entry
@@ -539,7 +547,9 @@ def plot(config_path: Path, run_names: tuple[str, ...], output: Path, mean: bool
     else:
         entries = compared[1]
     base, base_name = _baseline(cfg, entries[0].runs[0])
-    drawn = plot_entries(entries, output, baseline=base, baseline_name=base_name)
+    drawn = plot_entries(entries, output, base, base_name, stats=with_stats)
+    if not drawn and with_stats:
+        _fail(1, "no response lengths to plot (generation results evaluated by this version)")
     if not drawn:
         what = "run" if len(entries) == 1 else "runs"
         _fail(

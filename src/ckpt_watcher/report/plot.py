@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_watcher.report.compare import Entry, curves
+from ckpt_watcher.report.table import length_series
 
 MARKERS = "osD^v<>ph"
 LINESTYLES = ("-", ":", "-.")  # "--" is the baseline's
@@ -30,11 +31,13 @@ def plot_entries(
     out: Path,
     baseline: dict[str, Any] | None = None,
     baseline_name: str = "baseline",
+    stats: bool = False,
 ) -> int:
-    """Write the PNG of runs compared (`report.compare`); returns how many series were drawn."""
+    """Write the PNG of runs compared (`report.compare`); returns how many series were drawn.
+    `stats`: their response lengths (`lengths_figure`) instead of their metrics."""
     import matplotlib.pyplot as plt
 
-    fig, drawn = figure_of(entries, baseline, baseline_name)
+    fig, drawn = lengths_figure(entries) if stats else figure_of(entries, baseline, baseline_name)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     plt.close(fig)
@@ -123,6 +126,55 @@ def figure_of(
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8 if one else 7)
+    fig.tight_layout()
+    return fig, drawn
+
+
+def lengths_figure(entries: list[Entry]) -> tuple[Any, int]:
+    """(the figure, how many series) of response lengths by step: tokens per response (mean,
+    p90) above, the share the length cap stopped (and, with think_end, left unterminated)
+    below on [0, 1]. One run: a colour per column; several: a colour per run. Groups have
+    none (lengths are not averaged over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    one = len(entries) == 1
+    fig, (tokens_ax, share_ax) = plt.subplots(2, 1, figsize=(8, 6.5), dpi=120, sharex=True)
+    of_entry = [length_series(e.lines[0]) if not e.grouped else {} for e in entries]
+    order = list(dict.fromkeys(col for c in of_entry for col in c))
+    drawn = 0
+    for e, (entry, series) in enumerate(zip(entries, of_entry, strict=True)):
+        for column, points in series.items():
+            m = order.index(column)
+            xs, ys, _ = zip(*points, strict=True)
+            tokens = column.rsplit(" ", 1)[-1].startswith("response_tokens.")
+            ax = tokens_ax if tokens else share_ax
+            ax.plot(
+                xs,
+                ys,
+                marker=MARKERS[m % len(MARKERS)],
+                markerfacecolor="none",
+                linestyle=LINESTYLES[m % len(LINESTYLES)],
+                color=None if one else f"C{e % 10}",
+                label=column if one else _label(entry, column),
+                clip_on=False,
+            )
+            drawn += 1
+    tokens_ax.set_ylim(bottom=0)
+    tokens_ax.set_ylabel("tokens per response")
+    share_ax.set_ylabel("share of responses")
+    share_ax.set_ylim(0, 1)
+    share_ax.set_xlabel("step")
+    names = ", ".join(e.name for e in entries)
+    tokens_ax.set_title(
+        f"{names if len(names) <= 70 else f'{len(entries)} runs'}: response lengths"
+    )
+    for ax in (tokens_ax, share_ax):
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     return fig, drawn
 
