@@ -382,7 +382,8 @@ def test_samples_json_gives_each_response_its_step_and_flips_as_before_and_after
         (tmp_path / "l" / "r" / f"step_{step}").mkdir(parents=True)
         with gzip.open(tmp_path / "l" / "r" / name, "wt") as f:
             for doc_id, score in enumerate(by_doc):
-                rec = {"task": "gsm8k", "doc_id": doc_id, "resps": [f"r{step}"]}
+                rec = {"task": "gsm8k", "doc_id": doc_id, "resps": [f"r{step}"], "prompt": "q"}
+                rec |= {"target": "a", "responses": [f"r{step}"], "extracted": {}}
                 f.write(json.dumps(rec | {"scores": {"exact_match,strict-match": [score]}}) + "\n")
         metrics = {"exact_match,strict-match": sum(by_doc) / 3}
         append(tmp_path / "l", _gsm8k_line(step, metrics, samples_file=name))
@@ -397,6 +398,11 @@ def test_samples_json_gives_each_response_its_step_and_flips_as_before_and_after
     assert result.exit_code == 0, result.output
     (flip,) = [json.loads(line) for line in result.output.splitlines()]
     assert (flip["task"], flip["doc_id"]) == ("gsm8k", 0)
+    # as text, the header says whether the change is beyond the noise: paired over documents
+    text = CliRunner().invoke(main, [*args[:-1], "--vs", "400"])
+    assert text.exit_code == 0, text.output
+    assert "step 400 -> 500: Δ -0.3333 [95% CI " in text.output
+    assert "over 3 paired documents, within noise" in text.output
     assert (flip["before"]["step"], flip["before"]["resps"]) == (400, ["r400"])
     assert (flip["after"]["step"], flip["after"]["resps"]) == (500, ["r500"])
 
@@ -506,3 +512,45 @@ def test_plot_stats_draws_response_lengths_by_step(tmp_path: Path) -> None:
     assert by_label["gsm8k (8-shot) length_capped_rate"] in share_ax.get_lines()
     assert share_ax.get_ylim() == (0.0, 1.0) and tokens_ax.get_ylim()[0] == 0
     plt.close(fig)
+
+
+def test_results_vs_a_step_gives_each_change_its_paired_interval(tmp_path: Path) -> None:
+    """`results RUN --vs STEP`: every other step's change from STEP, paired over documents
+    where both sides kept records (the ledger's difference, with no interval, where not)."""
+    import gzip
+
+    cfg = _ledger(tmp_path)  # steps 100, 200 (no records) and a failed 300
+    key = "exact_match,strict-match"
+    rng = __import__("random").Random(7)
+    base = [rng.choice([0.0, 0.25, 0.5, 0.75, 1.0]) for _ in range(30)]
+    by_step = {
+        400: base,
+        500: [max(0.0, s - 0.25) for s in base],  # every document worse, or already at 0
+        600: [base[(i + 1) % 30] for i in range(30)],  # the same scores on other documents
+    }
+    for step, scores in by_step.items():
+        name = f"step_{step}/samples_gsm8k.jsonl.gz"
+        (tmp_path / "l" / "r" / f"step_{step}").mkdir(parents=True)
+        with gzip.open(tmp_path / "l" / "r" / name, "wt") as f:
+            for doc_id, score in enumerate(scores):
+                f.write(json.dumps({"task": "gsm8k", "doc_id": doc_id, "scores": {key: [score]}}))
+                f.write("\n")
+        metrics = {key: sum(scores) / 30, "exact_match_stderr,strict-match": 0.05}
+        append(tmp_path / "l", _gsm8k_line(step, metrics, samples_file=name))
+    out = CliRunner().invoke(
+        main, ["results", "-c", str(cfg), "r", "--vs", "400", "--format", "json"]
+    )
+    assert out.exit_code == 0, out.output
+    rows = {r["step"]: r for r in json.loads(out.output)}
+    assert sorted(rows) == [100, 200, 500, 600] and all(r["metric"] == key for r in rows.values())
+    drop, shuffled, old = rows[500], rows[600], rows[100]
+    assert drop["Δ vs 400"] == pytest.approx(-sum(min(s, 0.25) for s in base) / 30)
+    assert drop["ci95_high"] < 0 and drop["documents"] == 30 and drop["beyond noise"] == "yes"
+    assert shuffled["Δ vs 400"] == pytest.approx(0) and shuffled["beyond noise"] == "no"
+    assert shuffled["ci95_low"] < 0 < shuffled["ci95_high"]
+    # step 100 has no records: the ledger's difference, no interval
+    assert old["Δ vs 400"] == pytest.approx(0.25 - sum(base) / 30) and old["ci95_low"] is None
+    missing = CliRunner().invoke(main, ["results", "-c", str(cfg), "r", "--vs", "350"])
+    assert (
+        missing.exit_code == 1 and "steps with results: [100, 200, 400, 500, 600]" in missing.output
+    )

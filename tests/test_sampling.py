@@ -302,3 +302,26 @@ def test_a_task_entry_can_wrap_its_prompts_in_the_checkpoints_chat_template(
     cfg_hash = lines[0]["settings_hash"]
     assert lines[2]["settings_hash"] != cfg_hash and lines[2]["apply_chat_template"] is True
     assert "apply_chat_template" not in lines[0]
+
+
+def test_a_step_to_step_change_carries_its_paired_95_percent_interval() -> None:
+    """The paired t-interval over documents: known t quantiles, a clear drop is real, the same
+    scores again are not, and the interval is mean ± t·sd/√n of the differences."""
+    import math
+
+    from ckpt_watcher.report.paired import paired_delta, t_quantile
+
+    for df, exact in [(4, 2.776445), (9, 2.262157), (29, 2.045230), (1000, 1.962339)]:
+        assert t_quantile(0.975, df) == pytest.approx(exact, abs=2e-3 if df == 4 else 1e-4)
+    before = [1.0, 0.75, 0.5, 0.25, 1.0, 0.0, 0.5, 0.75]
+    after = [b - 0.25 if b >= 0.25 else b for b in before]  # 7 of 8 documents lose 0.25
+    change = paired_delta(before, after)
+    d = [a - b for b, a in zip(before, after, strict=True)]
+    sd = math.sqrt(sum((x - sum(d) / 8) ** 2 for x in d) / 7)
+    assert change.delta == pytest.approx(-0.21875)
+    assert change.high == pytest.approx(-0.21875 + t_quantile(0.975, 7) * sd / math.sqrt(8))
+    assert change.real and "over 8 paired documents" in change.text()
+    same = paired_delta(before, before)
+    assert same.delta == 0 and not same.real and "within noise" in same.text()
+    with pytest.raises(ValueError):
+        paired_delta([1.0], [1.0, 0.0])

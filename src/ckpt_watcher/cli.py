@@ -287,6 +287,14 @@ mean_option = click.option(
     help="One step's sampled results: a row per dataset with its problems and pass@1..K, "
     "and an AGGREGATE row weighted by problems.",
 )
+@click.option(
+    "--vs",
+    "vs_step",
+    type=int,
+    default=None,
+    help="Each other step's change from this one, per task and metric, with its 95% interval "
+    "paired over documents.",
+)
 @mean_option
 @handle_errors
 def results(
@@ -298,6 +306,7 @@ def results(
     all_versions: bool,
     suite_name: str | None,
     step: int | None,
+    vs_step: int | None,
     mean: bool,
 ) -> None:
     """The metric-by-step table of a run (a run path, or a run name only one run has), from
@@ -330,6 +339,15 @@ def results(
         if with_stats:  # each suite task's lengths after its headline columns
             tasks = dict.fromkeys((t, shots) for t, shots, _ in suite.headline)
             only += [column(t, s, k) for t, s in tasks for k in STAT_KEYS[:3]]
+    if vs_step is not None:
+        from ckpt_watcher.report.steps import step_changes
+
+        if compared is not None:
+            raise ConfigError("--vs compares one run's steps; give one RUN")
+        run_path, lines = _run_ledger(config_path, run_names[0])
+        changes = step_changes(cfg.ledger_dir, run_path, lines, vs_step)
+        click.echo(render(changes, fmt, _terminal_width()))
+        return
     if step is not None:
         if compared is not None:
             raise ConfigError("--step shows one run's step; give one RUN")
@@ -494,6 +512,9 @@ def samples(
         shown = sv.flips(before, at, key, only_wrong=only == "wrong")
         what = "right at step {} and wrong at step {}" if only == "wrong" else "flipped ({} -> {})"
         head = f"{run_path} {task}: {len(shown)} documents {what.format(vs_step, step)}, by {key}"
+        change = sv.paired_change(before, at, key)
+        if change is not None:  # is the step's change beyond the noise between steps?
+            head += f"\nstep {vs_step} -> {step}: {change.text()}"
 
         def render(items: list[Any]) -> list[str]:
             return sv.render_flips(items, key, vs_step or 0, step)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_watcher.errors import WatcherError
+from ckpt_watcher.report.paired import PairedDelta, paired_delta
 from ckpt_watcher.report.table import entry_name, newest_versions, task_label
 
 
@@ -104,6 +105,17 @@ def flips(a: Records, b: Records, key: str, only_wrong: bool = False) -> list[tu
             continue
         out.append((ra, rb))
     return out
+
+
+def paired_change(a: Records, b: Records, key: str) -> PairedDelta | None:
+    """The change of `key` from `a` to `b` over the documents both have, each document's mean
+    over its responses (`report.paired`); None without two documents in common."""
+    common = sorted(set(a.by_doc) & set(b.by_doc), key=_doc_order)
+    if len(common) < 2:
+        return None
+    before = [doc_score(a.by_doc[d], key) for d in common]
+    after = [doc_score(b.by_doc[d], key) for d in common]
+    return paired_delta(before, after)
 
 
 def _doc_order(doc: tuple[str, Any]) -> tuple[str, int, str]:
