@@ -90,6 +90,7 @@ def lm_eval_cli(
     model_args: str = "dtype=float32,max_length=64",
     model: str = "hf",
     batch_size: str = "32",
+    limit: str | None = None,
 ) -> dict[str, Any]:
     """Run the `lm_eval` CLI directly, the way users do today; return its results JSON."""
     cmd = [
@@ -115,6 +116,8 @@ def lm_eval_cli(
     ]
     if model == "hf":
         cmd += ["--device", "cpu"]
+    if limit is not None:
+        cmd += ["--limit", limit]
     r = subprocess.run(
         cmd, capture_output=True, text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES="")
     )

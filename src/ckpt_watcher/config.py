@@ -146,6 +146,13 @@ class TaskSpec(_Model):
     apply_chat_template: bool = False
     """Wrap each prompt (and each few-shot exemplar, as turns) in the checkpoint's chat
     template, as `lm_eval --apply_chat_template` does: for instruct and reasoning models."""
+    think_end: str | None = Field(None, min_length=1)
+    """The end-of-thinking marker (`</think>`): each response is cut after its last one before
+    stop sequences, filters and metrics, as lm-eval's `think_end_token` does. Default:
+    `eval.think_end`."""
+    unterminated: Literal["as_is", "wrong"] | None = None
+    """A response that never wrote `think_end`: scored as is (lm-eval's way) or as wrong.
+    Default: `eval.unterminated`."""
 
     @model_validator(mode="after")
     def _check_sampling(self) -> TaskSpec:
@@ -187,6 +194,9 @@ def task_settings_hash(settings_hash: str, task: dict[str, Any]) -> str:
         own["gen_kwargs"] = task["gen_kwargs"]
     if task.get("apply_chat_template"):
         own["apply_chat_template"] = True
+    if task.get("think_end"):
+        own["think_end"] = task["think_end"]
+        own["unterminated"] = task.get("unterminated") or "as_is"
     if not own:
         return settings_hash
     blob = json.dumps({"eval": settings_hash, "task": own}, sort_keys=True, default=str)
@@ -258,6 +268,11 @@ class EvalConfig(_Model):
     """Prove the first swap of each architecture, then every this many, equal to a fresh load."""
     warm_idle_seconds: float = Field(600.0, gt=0)
     """A warm engine with no job for this long is released."""
+    think_end: str | None = Field(None, min_length=1)
+    """Every task entry's end-of-thinking marker unless it names its own (reasoning models:
+    `</think>`); null: responses are scored whole."""
+    unterminated: Literal["as_is", "wrong"] = "as_is"
+    """A response that never closed its thinking: kept as is (as lm-eval does) or scored wrong."""
 
     @property
     def warm(self) -> bool:
@@ -298,6 +313,11 @@ class EvalConfig(_Model):
             raise ValueError("use eval.tensor_parallel_size, not model_args.tensor_parallel_size")
         seen: set[tuple[str, int | None]] = set()
         settings: dict[tuple[str, int | None, str], str] = {}
+        for t in self.tasks:  # eval-level thinking settings fill each entry's own
+            if t.think_end is None:
+                t.think_end = self.think_end
+            if t.unterminated is None and t.think_end is not None:
+                t.unterminated = self.unterminated
         for t in self.tasks:
             key = (t.name or t.task, t.num_fewshot)
             if key in seen:

@@ -77,6 +77,8 @@ class TaskRun:
     gen_kwargs: dict[str, Any] | None = None
     pass_at: list[int] | None = None  # set: a sampled task
     apply_chat_template: bool = False
+    think_end: str | None = None  # the end-of-thinking marker (lm-eval's think_end_token)
+    unterminated: str | None = None  # as_is | wrong: a response that never wrote think_end
     journal: JournalRef | None = None  # where finished units are kept (None: not kept)
 
     @property

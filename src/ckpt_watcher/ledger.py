@@ -163,7 +163,7 @@ def _lengths(measured: dict[str, Any]) -> dict[str, Any]:
     return {
         "response_tokens": measured["response_tokens"],
         "length_capped_rate": measured["length_capped_rate"],
-        "unterminated_rate": None,  # with think_end (not yet): responses that never closed it
+        "unterminated_rate": measured.get("unterminated_rate"),  # null without think_end
     }
 
 

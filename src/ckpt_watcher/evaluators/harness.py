@@ -188,6 +188,7 @@ def run_tasks(
             on_outcome(outcome)
             continue
         lm.response_stats = {}
+        lm.set_think_end(t.think_end, t.unterminated == "wrong")  # lm-eval cuts responses there
         try:
             results, records = _evaluate(lm, req, t, task_manager)
             lengths.attach(records, lm.response_stats)

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-Measure = tuple[int | None, str | None]  # (tokens, finish)
+# (tokens, finish, unterminated: True where thinking never closed, None without think_end)
+Measure = tuple[Any, ...]
 
 
 def percentile(sorted_values: list[int], q: float) -> float:
@@ -24,12 +25,15 @@ def percentile(sorted_values: list[int], q: float) -> float:
 
 
 def summary(measures: Iterable[Measure]) -> dict[str, Any] | None:
-    """`response_tokens` {mean, p50, p90, max} and `length_capped_rate` over the responses that
-    were measured (a response replayed from a journal written before measuring has none); None
-    where no response was (a likelihood task)."""
-    known = [(t, f) for t, f in measures if t is not None]
+    """`response_tokens` {mean, p50, p90, max}, `length_capped_rate` and `unterminated_rate`
+    (None without think_end) over the responses that were measured (a response replayed from a
+    journal written before measuring has none); None where no response was (a likelihood
+    task)."""
+    measures = list(measures)  # read twice below
+    known = [(m[0], m[1]) for m in measures if m[0] is not None]
     if not known:
         return None
+    judged = [m[2] for m in measures if len(m) > 2 and m[2] is not None]
     tokens = sorted(t for t, _ in known)
     return {
         "response_tokens": {
@@ -39,15 +43,19 @@ def summary(measures: Iterable[Measure]) -> dict[str, Any] | None:
             "max": tokens[-1],
         },
         "length_capped_rate": sum(1 for _, f in known if f == "length") / len(known),
+        "unterminated_rate": sum(judged) / len(judged) if judged else None,
         "measured_responses": len(known),
     }
 
 
 def attach(records: list[dict[str, Any]], measures: dict[tuple[Any, Any], list[Measure]]) -> None:
-    """Give each per-document record its responses' `response_tokens` and `finish`, in the
-    order of its `responses` (where the document's responses were measured)."""
+    """Give each per-document record its responses' `response_tokens` and `finish` (and
+    `unterminated`, with think_end), in the order of its `responses` (where the document's
+    responses were measured)."""
     for rec in records:
         found = measures.get((rec["task"], rec["doc_id"]))
         if found and len(found) == len(rec.get("responses") or []):
-            rec["response_tokens"] = [t for t, _ in found]
-            rec["finish"] = [f for _, f in found]
+            rec["response_tokens"] = [m[0] for m in found]
+            rec["finish"] = [m[1] for m in found]
+            if any(len(m) > 2 and m[2] is not None for m in found):
+                rec["unterminated"] = [m[2] for m in found]

@@ -149,10 +149,13 @@ class ClampMixin:
     sampling: SamplingPlan | None = None
     journal: Any = None  # resume.TaskJournal
     seeds_per_request = False  # True where the backend takes a seed in each request
-    # (task, doc_id) -> each of its responses' (tokens, finish: "length" | "stop" | None), in
-    # the order lm-eval asked for them (its `resps`); the harness takes it after each task
-    response_stats: dict[tuple[Any, Any], list[tuple[int | None, str | None]]]
+    # (task, doc_id) -> each of its responses' (tokens, finish: "length" | "stop" | None,
+    # unterminated: True | False | None without think_end), in the order lm-eval asked for
+    # them (its `resps`); the harness takes it after each task
+    response_stats: dict[tuple[Any, Any], list[tuple[Any, ...]]]
     cache_hook: Any  # lm-eval's LM sets it (CacheHook)
+    think_end_token: Any = None  # lm-eval's own attribute: set per task (`think_end`)
+    unterminated_wrong = False  # score a response that never wrote think_end as wrong
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         copies: list[tuple[Any, int | None]] = (
@@ -173,13 +176,13 @@ class ClampMixin:
             )
         stats = self.__dict__.setdefault("response_stats", {})
         texts = []
-        for (req, _), (text, tokens, finish) in zip(copies, answers, strict=True):
-            stats.setdefault((req.task_name, req.doc_id), []).append((tokens, finish))
-            texts.append(text)
+        for (req, _), (text, tokens, finish, open_) in zip(copies, answers, strict=True):
+            stats.setdefault((req.task_name, req.doc_id), []).append((tokens, finish, open_))
+            texts.append("" if open_ and self.unterminated_wrong else text)
         return texts
 
     def _generate(self, copies: list[tuple[Any, int | None]], disable_tqdm: bool) -> list[Any]:
-        """[text, tokens, finish] per request (each with its own seed, for a sampled task), in
+        """[text, tokens, finish, unterminated] per request (each with its own seed, for a sampled task), in
         order: lm-eval's response, and how long the engine's output was and why it stopped."""
         if self.sampling is None or self.seeds_per_request:
             if self.sampling is not None:
@@ -211,11 +214,27 @@ class ClampMixin:
         out = []
         for req, text in zip(reqs, texts, strict=True):
             found = hook.paired.get(_pair_key(req.args[0], req.args[1]))
-            tokens, finish = found.pop(0) if found else (None, None)
-            out.append([text, tokens, finish])
+            tokens, finish, raw = found.pop(0) if found else (None, None, None)
+            out.append([text, tokens, finish, self._unterminated(raw)])
         return out
 
-    def _measured(self, measures: list[tuple[int, str]]) -> None:
+    def _unterminated(self, raw: tuple[str, list[int]] | None) -> bool | None:
+        """Whether an output (its raw text and token ids) never wrote the end-of-thinking
+        marker (a token id where lm-eval's hf backend takes one); None without a marker."""
+        end = self.think_end_token
+        if end is None or raw is None:
+            return None
+        text, ids = raw
+        return end not in ids if isinstance(end, int) else end not in text
+
+    def set_think_end(self, marker: str | None, wrong: bool) -> None:
+        """A task's end-of-thinking marker, as lm-eval's own `think_end_token` model argument
+        would set it (its hf backend reads a marker of digits as a token id)."""
+        hf = not self.seeds_per_request
+        self.think_end_token = int(marker) if hf and marker and marker.isdigit() else marker
+        self.unterminated_wrong = wrong
+
+    def _measured(self, measures: list[tuple[int, str, tuple[str, list[int]]]]) -> None:
         """Outputs of one `_model_generate` call, in its order (the hook pairs them)."""
         hook = self.cache_hook
         if isinstance(hook, StatsHook):
@@ -267,8 +286,8 @@ class StatsHook:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.pending: list[tuple[int, str]] = []
-        self.paired: dict[tuple[str, Any], list[tuple[int, str]]] = {}
+        self.pending: list[tuple[int, str, tuple[str, list[int]]]] = []
+        self.paired: dict[tuple[str, Any], list[tuple[int, str, tuple[str, list[int]]]]] = {}
 
     def add_partial(self, attr: str, req: Any, res: Any) -> None:
         if attr == "generate_until" and self.pending:
@@ -283,16 +302,16 @@ def _pair_key(context: Any, gen_kwargs: Any) -> tuple[str, Any]:
 
 
 def as_answer(value: Any) -> list[Any]:
-    """A journaled response as [text, tokens, finish] (a bare text: journaled before
-    responses were measured)."""
+    """A journaled response as [text, tokens, finish, unterminated] (a bare text, or three
+    fields: journaled before responses were measured, or before thinking was judged)."""
     if isinstance(value, str):
-        return [value, None, None]
-    text, tokens, finish = value
-    return [text, tokens, finish]
+        return [value, None, None, None]
+    return [*value, None, None, None][:4]
 
 
 class MeasuredVLLM:
-    """vLLM's outputs measured: generated tokens, and `length` where max_tokens stopped it."""
+    """vLLM's outputs measured: generated tokens, `length` where max_tokens stopped it, and
+    the raw text (before lm-eval cuts thinking and stop sequences)."""
 
     def _model_generate(
         self, requests: Any, generate: bool = False, sampling_params: Any = None
@@ -303,7 +322,8 @@ class MeasuredVLLM:
             for out in outputs:
                 first = out.outputs[0]
                 finish = "length" if first.finish_reason == "length" else "stop"
-                measures.append((len(first.token_ids), finish))
+                raw = (first.text, list(first.token_ids))
+                measures.append((len(first.token_ids), finish, raw))
             self._measured(measures)  # type: ignore[attr-defined]
         return outputs
 
@@ -324,11 +344,13 @@ class MeasuredHF:
             text = self.tok_decode(ids)  # type: ignore[attr-defined]
             cut = min((text.find(s) + len(s) for s in stops if s in text), default=None)
             if cut is not None:
-                measures.append((len(self.tok_encode(text[:cut])), "stop"))  # type: ignore[attr-defined]
+                n = len(self.tok_encode(text[:cut]))  # type: ignore[attr-defined]
+                measures.append((n, "stop", (text, ids)))  # lm-eval looks for thinking in all
             elif ended is not None:
-                measures.append((ended, "stop"))
+                measures.append((ended, "stop", (text, ids)))
             else:
-                measures.append((len(ids), "length" if len(ids) >= budget else "stop"))
+                finish = "length" if len(ids) >= budget else "stop"
+                measures.append((len(ids), finish, (text, ids)))
         self._measured(measures)  # type: ignore[attr-defined]
         return out
 

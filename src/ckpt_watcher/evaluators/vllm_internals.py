@@ -60,11 +60,23 @@ RELIED_ON: list[tuple[str, str, list[str]]] = [
     ("vllm.engine.arg_utils", "EngineArgs.worker_extension_cls", []),
     ("vllm.v1.engine.core_client", "EngineCoreClient.shutdown", []),
     ("vllm.v1.sample.sampler", f"{RANK_KERNEL}._torchdynamo_orig_callable", []),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.reload_weights", ["weights_iterator", "weights_path"]),
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner.reload_weights",
+        ["weights_iterator", "weights_path"],
+    ),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", []),
     ("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO", []),
-    ("vllm.model_executor.model_loader.reload.layerwise", "make_online_process_loader", ["layer", "param_name"]),
-    ("vllm.model_executor.model_loader.reload.sanitize", "sanitize_layer_refs", ["tensor", "layer"]),
+    (
+        "vllm.model_executor.model_loader.reload.layerwise",
+        "make_online_process_loader",
+        ["layer", "param_name"],
+    ),
+    (
+        "vllm.model_executor.model_loader.reload.sanitize",
+        "sanitize_layer_refs",
+        ["tensor", "layer"],
+    ),
     ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.restore_metadata", []),
     (
         "vllm.model_executor.layers.vocab_parallel_embedding",
@@ -95,6 +107,8 @@ def prepare_cpu_process() -> None:
         # has no CPU driver here), and its first batch dies on "0 active drivers"; "-1" hides
         # every GPU just as well (a spawned engine core disabled Triton anyway)
         os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
+
+
 # vLLM's compiled rank kernel, as its sampler module first held it
 _COMPILED_RANKS: dict[str, Any] = {}
 
@@ -178,7 +192,9 @@ def swap(lm: Any, checkpoint: str) -> None:
     lm.model.reset_prefix_cache()
 
 
-def probe(lm: Any, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+def probe(
+    lm: Any, prompts: list[list[int]], max_tokens: int
+) -> list[tuple[list[int], list[float]]]:
     """Greedy tokens and their logprobs for each prompt (token ids)."""
     from vllm import SamplingParams
 
