@@ -80,11 +80,17 @@ def _baseline(cfg: WatcherConfig, run_path: str) -> tuple[dict[str, Any] | None,
 def _run_ledger(config_path: Path, run_name: str) -> tuple[str, list[dict[str, Any]]]:
     """(run path, its ledger lines) for a run path or run name; exit 1 naming the runs that do
     have results if it has none, 2 if the run name is ambiguous."""
-    from ckpt_watcher import ledger as ledger_mod
     from ckpt_watcher.runs import resolve_run
 
     cfg = _load(config_path)
     run_path = resolve_run(cfg, run_name)
+    return run_path, _read_ledger(cfg, run_path)
+
+
+def _read_ledger(cfg: WatcherConfig, run_path: str) -> list[dict[str, Any]]:
+    """A run path's ledger lines; exit 1 naming the runs that do have results if it has none."""
+    from ckpt_watcher import ledger as ledger_mod
+
     path = ledger_mod.ledger_path(cfg.ledger_dir, run_path)
     if not path.exists():
         runs = ", ".join(ledger_mod.iter_runs(cfg.ledger_dir)) or "none"
@@ -92,12 +98,10 @@ def _run_ledger(config_path: Path, run_name: str) -> tuple[str, list[dict[str, A
     report = ledger_mod.read_lines(path)
     if report.skipped:
         click.echo(f"watcher: skipped {report.skipped} torn or unreadable ledger line(s)", err=True)
-    return run_path, report.lines
+    return report.lines
 
 
-def _compared(
-    config_path: Path, names: tuple[str, ...], mean: bool
-) -> tuple[WatcherConfig, list[Any]] | None:
+def _compared(cfg: WatcherConfig, names: tuple[str, ...], mean: bool) -> list[Any] | None:
     """The `report.compare.Entry`s that RUN arguments name, or None where they name one run
     and no `--mean` (the one-run output). A pattern's runs without results are left out, said
     on stderr; a run named alone without results exits 1 as for one run."""
@@ -107,7 +111,6 @@ def _compared(
 
     if len(names) == 1 and not mean and not is_pattern(names[0]):
         return None
-    cfg = _load(config_path)
     entries: list[Entry] = []
     for name in names:
         runs = resolve_runs(cfg, name)
@@ -120,7 +123,7 @@ def _compared(
                 left = ", ".join(r for r in runs if r not in kept)
                 click.echo(f"watcher: {name!r}: no results yet for {left}", err=True)
             runs = kept
-        each = [_run_ledger(config_path, r)[1] for r in runs]  # one without results: exit 1
+        each = [_read_ledger(cfg, r) for r in runs]  # one without results: exit 1
         if mean:
             entries.append(Entry(name, runs, each, grouped=True))
         else:
@@ -128,7 +131,7 @@ def _compared(
             entries += [
                 Entry(r, [r], [ln]) for r, ln in zip(runs, each, strict=True) if r not in shown
             ]
-    return cfg, entries
+    return entries
 
 
 def _terminal_width() -> int | None:
@@ -323,7 +326,7 @@ def results(
     from ckpt_watcher.suites import get_suite
 
     cfg = _load(config_path)
-    compared = _compared(config_path, run_names, mean)
+    compared = _compared(cfg, run_names, mean)
     if compared is not None and all_versions:
         raise ConfigError("--all shows one run's versions; give one RUN")
     only = None
@@ -355,9 +358,8 @@ def results(
         click.echo(render(_datasets(lines, step, suite), fmt, _terminal_width()))
         return
     if compared is not None:
-        entries = compared[1]
-        base, base_name = _baseline(cfg, entries[0].runs[0])
-        table = compare_table(entries, with_stderr, only, base, base_name, with_stats)
+        base, base_name = _baseline(cfg, compared[0].runs[0])
+        table = compare_table(compared, with_stderr, only, base, base_name, with_stats)
         click.echo(render(table, fmt, _terminal_width()))
         return
     run_path, lines = _run_ledger(config_path, run_names[0])
@@ -561,12 +563,12 @@ def plot(
     from ckpt_watcher.report.plot import plot_entries
 
     cfg = _load(config_path)
-    compared = _compared(config_path, run_names, mean)
+    compared = _compared(cfg, run_names, mean)
     if compared is None:
         run_path, lines = _run_ledger(config_path, run_names[0])
         entries = [Entry(run_path, [run_path], [lines])]
     else:
-        entries = compared[1]
+        entries = compared
     base, base_name = _baseline(cfg, entries[0].runs[0])
     drawn = plot_entries(entries, output, base, base_name, stats=with_stats)
     if not drawn and with_stats:
@@ -603,7 +605,7 @@ def report(config_path: Path, run_names: tuple[str, ...], output: Path | None, m
     def judge(lines: list[dict[str, Any]]) -> list[Any]:
         return standing(cfg, lines)
 
-    compared = _compared(config_path, run_names, mean)
+    compared = _compared(cfg, run_names, mean)
     if compared is None:
         run_path, _lines = _run_ledger(config_path, run_names[0])
         base, base_name = _baseline(cfg, run_path)
@@ -611,9 +613,8 @@ def report(config_path: Path, run_names: tuple[str, ...], output: Path | None, m
     else:
         if output is None:
             raise ConfigError("comparing runs: name the page to write with -o FILE.html")
-        entries = compared[1]
-        base, base_name = _baseline(cfg, entries[0].runs[0])
-        out = write_comparison(entries, cfg.ledger_dir, output, base, base_name, judge)
+        base, base_name = _baseline(cfg, compared[0].runs[0])
+        out = write_comparison(compared, cfg.ledger_dir, output, base, base_name, judge)
     click.echo(f"wrote {out} (one self-contained page: open it in any browser)")
 
 

@@ -106,10 +106,7 @@ def result_line(
     `job` is a state.Job, `outcome` what the worker wrote for the task (for a failure with no
     outcome, one with just the task and num_fewshot), `eval_cfg` the config's `eval` section.
     """
-    entry: dict[str, Any] = next(
-        (t for t in job.tasks if (t.get("name") or t["task"], t["num_fewshot"]) == outcome.key),
-        {},
-    )
+    entry: dict[str, Any] = next((t for t in job.tasks if task_key(t) == outcome.key), {})
     gen_kwargs = dict(eval_cfg.gen_kwargs) | (entry.get("gen_kwargs") or {})
     if eval_cfg.max_gen_toks is not None:
         gen_kwargs["max_gen_toks"] = eval_cfg.max_gen_toks
@@ -156,6 +153,12 @@ def result_line(
         | ({"name": entry["name"]} if entry.get("name") else {})
         | (_lengths(outcome.lengths) if ok and outcome.lengths else {})
     )
+
+
+def task_key(task: dict[str, Any]) -> tuple[str, int | None]:
+    """A task entry's (name or task, num_fewshot): how outcomes and ledger lines name it (as
+    `TaskOutcome.key` does on the worker's side)."""
+    return (task.get("name") or task["task"], task["num_fewshot"])
 
 
 def _lengths(measured: dict[str, Any]) -> dict[str, Any]:

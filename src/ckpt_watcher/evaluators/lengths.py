@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 # (tokens, finish, unterminated: True where thinking never closed, None without think_end)
-Measure = tuple[Any, ...]
+Measure = tuple[int | None, str | None, bool | None]
 
 
 def percentile(sorted_values: list[int], q: float) -> float:
@@ -33,7 +33,7 @@ def summary(measures: Iterable[Measure]) -> dict[str, Any] | None:
     known = [(m[0], m[1]) for m in measures if m[0] is not None]
     if not known:
         return None
-    judged = [m[2] for m in measures if len(m) > 2 and m[2] is not None]
+    judged = [m[2] for m in measures if m[2] is not None]
     tokens = sorted(t for t, _ in known)
     return {
         "response_tokens": {
@@ -57,5 +57,5 @@ def attach(records: list[dict[str, Any]], measures: dict[tuple[Any, Any], list[M
         if found and len(found) == len(rec.get("responses") or []):
             rec["response_tokens"] = [m[0] for m in found]
             rec["finish"] = [m[1] for m in found]
-            if any(len(m) > 2 and m[2] is not None for m in found):
+            if any(m[2] is not None for m in found):
                 rec["unterminated"] = [m[2] for m in found]

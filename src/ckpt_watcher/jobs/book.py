@@ -19,17 +19,12 @@ from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.jobfolder import JobFolder, TaskOutcome
 from ckpt_watcher.jobs.settle import Verdict
 from ckpt_watcher.journal import JournalRef
-from ckpt_watcher.ledger import LedgerIndex, Subject, result_line
+from ckpt_watcher.ledger import LedgerIndex, Subject, result_line, task_key
 from ckpt_watcher.state import Job, State
 
 log = structlog.get_logger("ckpt_watcher.jobs")
 
 Tasks = list[dict[str, Any]]
-
-
-def task_key(task: dict[str, Any]) -> tuple[str, int | None]:
-    """A task entry's (name or task, num_fewshot): how outcomes and ledger lines name it."""
-    return (task.get("name") or task["task"], task["num_fewshot"])
 
 
 def bare_outcome(task: dict[str, Any], status: str) -> TaskOutcome:

@@ -19,8 +19,9 @@ from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.executors.base import Executor
 from ckpt_watcher.jobs import settle
-from ckpt_watcher.jobs.book import JobBook, task_key
+from ckpt_watcher.jobs.book import JobBook
 from ckpt_watcher.jobs.helpers import Helpers
+from ckpt_watcher.ledger import task_key
 from ckpt_watcher.state import Job, State
 
 log = structlog.get_logger("ckpt_watcher.jobs")

@@ -361,28 +361,10 @@ def render_entries(
     """The whole page for one run, or for runs compared (`report.compare`): a chart per metric
     with a curve per run (a group's mean, its sd as the band), one table, every run's failures,
     regressions (`judge`: a run's ledger lines -> its regressions) and flips."""
-    of_entry = [curves(e) for e in entries]
-    order = list(dict.fromkeys(col for c in of_entry for col in c))
     alone = _alone(entries)
-    cards = []
-    for column in order:
-        named = [
-            ("" if alone else e.name, c[column])
-            for e, c in zip(entries, of_entry, strict=True)
-            if column in c
-        ]
-        svg = chart(column, named, _base(baseline, column), baseline_name)
-        cards.append(f'<div class="card"><h3>{_e(column)}</h3>{svg}</div>')
+    cards = _cards(entries, [curves(e) for e in entries], "card", baseline, baseline_name)
     of_runs = [length_series(e.lines[0]) if not e.grouped else {} for e in entries]
-    lengths = []
-    for column in dict.fromkeys(col for c in of_runs for col in c):
-        named = [
-            ("" if alone else e.name, c[column])
-            for e, c in zip(entries, of_runs, strict=True)
-            if column in c
-        ]
-        svg = chart(column, named, None, baseline_name)
-        lengths.append(f'<div class="card lengths"><h3>{_e(column)}</h3>{svg}</div>')
+    lengths = _cards(entries, of_runs, "card lengths", None, baseline_name)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     every = [ln for e in entries for ln in e.every_line]
     n_ok = sum(1 for ln in every if ln.get("status") == "ok")
@@ -420,6 +402,28 @@ def render_entries(
     )
 
 
+def _cards(
+    entries: list[Entry],
+    series: list[dict[str, Points]],
+    css: str,
+    baseline: dict[str, Any] | None,
+    baseline_name: str,
+) -> list[str]:
+    """A chart card per column any entry has (`series`: each entry's points by column), a
+    curve per entry that has it (unnamed for a run alone)."""
+    alone = _alone(entries)
+    cards = []
+    for column in dict.fromkeys(col for by_column in series for col in by_column):
+        named = [
+            ("" if alone else e.name, by_column[column])
+            for e, by_column in zip(entries, series, strict=True)
+            if column in by_column
+        ]
+        svg = chart(column, named, _base(baseline, column), baseline_name)
+        cards.append(f'<div class="{css}"><h3>{_e(column)}</h3>{svg}</div>')
+    return cards
+
+
 def _base(baseline: dict[str, Any] | None, column: str) -> float | None:
     v = (baseline or {}).get(column)
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
@@ -434,11 +438,9 @@ def write_report(
     judge: Judge | None = None,
 ) -> Path:
     """Write the run's page (default `<ledger_dir>/<run_path>/report.html`); returns the path."""
-    lines = read_lines(ledger_path(ledger_dir, run_path)).lines
+    entries = [Entry(run_path, [run_path], [read_lines(ledger_path(ledger_dir, run_path)).lines])]
     out = out or ledger_dir / run_path / REPORT_NAME
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, render_page(lines, run_path, ledger_dir, baseline, baseline_name, judge))
-    return out
+    return write_comparison(entries, ledger_dir, out, baseline, baseline_name, judge)
 
 
 def write_comparison(
@@ -449,7 +451,7 @@ def write_comparison(
     baseline_name: str = "baseline",
     judge: Judge | None = None,
 ) -> Path:
-    """Write the page of runs compared to `out`; returns it."""
+    """Write the page of runs compared (or of one run) to `out`; returns it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, render_entries(entries, ledger_dir, baseline, baseline_name, judge))
     return out

@@ -120,9 +120,7 @@ def figure_of(
         ax.set_ylim(0, 1)
     ax.set_xlabel("step")
     ax.set_ylabel("metric")
-    names = ", ".join(e.name for e in entries)
-    title = names if len(names) <= 70 else f"{len(entries)} runs"
-    ax.set_title(f"{title}: lm-eval metrics by step")
+    ax.set_title(f"{_title(entries)}: lm-eval metrics by step")
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8 if one else 7)
@@ -167,16 +165,19 @@ def lengths_figure(entries: list[Entry]) -> tuple[Any, int]:
     share_ax.set_ylabel("share of responses")
     share_ax.set_ylim(0, 1)
     share_ax.set_xlabel("step")
-    names = ", ".join(e.name for e in entries)
-    tokens_ax.set_title(
-        f"{names if len(names) <= 70 else f'{len(entries)} runs'}: response lengths"
-    )
+    tokens_ax.set_title(f"{_title(entries)}: response lengths")
     for ax in (tokens_ax, share_ax):
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
     return fig, drawn
+
+
+def _title(entries: list[Entry]) -> str:
+    """The runs' names, or how many there are where the names would not fit a title."""
+    names = ", ".join(e.name for e in entries)
+    return names if len(names) <= 70 else f"{len(entries)} runs"
 
 
 def _label(entry: Entry, column: str) -> str:

@@ -20,13 +20,14 @@ def step_changes(ledger_dir: Path, run_path: str, lines: list[dict[str, Any]], v
     if not base:
         steps = sorted({ln["step"] for ln in ok if isinstance(ln.get("step"), int)})
         raise WatcherError(f"no ok result at step {vs}; steps with results: {steps or 'none'}")
+    base_records = {label: _records(ledger_dir, run_path, ln) for label, ln in base.items()}
     rows: list[list[Any]] = []
     for ln in sorted(ok, key=lambda x: (x.get("step") or 0, task_label(x))):
         label, step = task_label(ln), ln.get("step")
         ref = base.get(label)
         if ref is None or step == vs or not isinstance(step, int):
             continue
-        before, after = _records(ledger_dir, run_path, ref), _records(ledger_dir, run_path, ln)
+        before, after = base_records[label], _records(ledger_dir, run_path, ln)
         keys = [k for k in ln.get("metrics", {}) if k in ref.get("metrics", {})]
         for key in keys:
             if "_stderr" in key or not isinstance(ln["metrics"][key], int | float):
@@ -39,21 +40,10 @@ def step_changes(ledger_dir: Path, run_path: str, lines: list[dict[str, Any]], v
             )
             if change is None:
                 rows.append([step, label, key, value, value - was, None, None, None, None])
-            else:
-                real = "yes" if change.real else "no"
-                rows.append(
-                    [
-                        step,
-                        label,
-                        key,
-                        value,
-                        change.delta,
-                        change.low,
-                        change.high,
-                        change.documents,
-                        real,
-                    ]
-                )
+                continue
+            real = "yes" if change.real else "no"
+            figures = [change.delta, change.low, change.high, change.documents, real]
+            rows.append([step, label, key, value, *figures])
     columns = ["step", "task", "metric", "value", f"Δ vs {vs}", "ci95_low", "ci95_high"]
     return Table([*columns, "documents", "beyond noise"], rows)
 

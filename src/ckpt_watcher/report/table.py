@@ -263,12 +263,22 @@ def metric_series(lines: list[dict[str, Any]]) -> dict[str, list[tuple[int, floa
     """Each metric column's (step, value, stderr; 0 where none) points, by step, from the newest
     version of each step: what `watcher plot` and the HTML report draw."""
     table = metric_table(lines, include_stderr=True)
+    return _series(table, [c for c in table.columns[1:] if not is_stderr_column(c)])
+
+
+def length_series(lines: list[dict[str, Any]]) -> dict[str, list[tuple[int, float, float]]]:
+    """Each generation task's response lengths (`length_columns`) by step, as `metric_series`
+    gives metrics (no stderr): what the report and `plot --stats` draw."""
+    table = metric_table(lines, include_stats=True)
+    return _series(table, [c for c in table.columns[1:] if c.rsplit(" ", 1)[-1] in STAT_KEYS])
+
+
+def _series(table: Table, columns: list[str]) -> dict[str, list[tuple[int, float, float]]]:
+    """(step, value, stderr; 0 where none) points of `columns` over a table's step rows."""
     at = {c: i for i, c in enumerate(table.columns)}
     rows = [r for r in table.rows if isinstance(r[0], int)]
     out: dict[str, list[tuple[int, float, float]]] = {}
-    for column in table.columns[1:]:
-        if is_stderr_column(column):
-            continue
+    for column in columns:
         i, e = at[column], at.get(stderr_column(column))
         points = [
             (r[0], float(r[i]), float(r[e]) if e is not None and _is_number(r[e]) else 0.0)
@@ -277,19 +287,6 @@ def metric_series(lines: list[dict[str, Any]]) -> dict[str, list[tuple[int, floa
         ]
         if points:
             out[column] = points
-    return out
-
-
-def length_series(lines: list[dict[str, Any]]) -> dict[str, list[tuple[int, float, float]]]:
-    """Each generation task's response lengths (`length_columns`) by step, as `metric_series`
-    gives metrics (no stderr): what the report charts beside the metrics."""
-    out: dict[str, list[tuple[int, float, float]]] = {}
-    for line in sorted(newest_versions(lines), key=lambda ln: ln.get("step") or 0):
-        if line.get("status") == "ok" and isinstance(line.get("step"), int):
-            for col, value in length_columns(line).items():
-                points = out.setdefault(col, [])
-                points[:] = [p for p in points if p[0] != line["step"]]  # the step's last line
-                points.append((line["step"], float(value), 0.0))
     return out
 
 
@@ -324,12 +321,13 @@ def render(table: Table, fmt: str, width: int | None = None) -> str:
         body = ["| " + " | ".join(r) + " |" for r in text]
         return "\n".join([head, sep, *body])
     one_line = [("", c) for c in table.columns]
-    plain = _aligned(one_line, text, list(range(len(one_line))))
+    plain = _aligned(one_line, text, _widths(one_line, text), list(range(len(one_line))))
     if width is None or max(len(line) for line in plain) <= width:
         return "\n".join(plain)
     heads = [_two_lines(c) for c in table.columns]
-    blocks = _blocks(heads, text, width)
-    return "\n\n".join("\n".join(_aligned(heads, text, cols)) for cols in blocks)
+    widths = _widths(heads, text)
+    blocks = _blocks(heads, widths, width)
+    return "\n\n".join("\n".join(_aligned(heads, text, widths, cols)) for cols in blocks)
 
 
 KEY_COLUMNS = frozenset({"run", "step", "n", "fingerprint", "checkpoint", "dataset", "problems"})
@@ -346,10 +344,9 @@ def _widths(heads: list[tuple[str, str]], text: list[list[str]]) -> list[int]:
     return [max(len(a), len(b), *(len(r[i]) for r in text)) for i, (a, b) in enumerate(heads)]
 
 
-def _blocks(heads: list[tuple[str, str]], text: list[list[str]], width: int) -> list[list[int]]:
+def _blocks(heads: list[tuple[str, str]], widths: list[int], width: int) -> list[list[int]]:
     """Column indexes per block: the leading key columns, then as many others as fit `width`
     (at least one)."""
-    widths = _widths(heads, text)
     keys = 0
     while keys < len(heads) and heads[keys][1] in KEY_COLUMNS and not heads[keys][0]:
         keys += 1
@@ -368,9 +365,11 @@ def _blocks(heads: list[tuple[str, str]], text: list[list[str]], width: int) -> 
     return blocks
 
 
-def _aligned(heads: list[tuple[str, str]], text: list[list[str]], cols: list[int]) -> list[str]:
-    """Right-aligned text lines of `cols`: two header lines, a rule, the rows."""
-    widths = _widths(heads, text)
+def _aligned(
+    heads: list[tuple[str, str]], text: list[list[str]], widths: list[int], cols: list[int]
+) -> list[str]:
+    """Right-aligned text lines of `cols`: two header lines (the first left out where empty),
+    a rule, the rows."""
     out = [
         "  ".join(heads[i][0].rjust(widths[i]) for i in cols).rstrip(),
         "  ".join(heads[i][1].rjust(widths[i]) for i in cols),
