@@ -241,3 +241,51 @@ def test_the_jobs_own_worker_waits_for_a_held_chunk_and_takes_it_when_its_holder
     out = own.answer(units, lambda r: int(r[3:]), lambda rs: [r.upper() for r in rs], "responses")
     other.wait()
     assert out == [f"REQ{i}" for i in range(8)] and own.computed == 8
+
+
+HELP_AHEAD = """
+import sys, time
+from ckpt_watcher.evaluators.resume import TaskJournal
+from ckpt_watcher.journal import JournalRef
+ref = JournalRef(sys.argv[1], {"fingerprint": "sampled:aa", "settings": "s1", "task": "addition",
+                               "num_fewshot": 0})
+units = [(f"k{i}", f"req{i}") for i in range(16)]
+done = []
+def compute(reqs):
+    if len(done) == 2:
+        raise RuntimeError("stop here")
+    done.append(reqs)
+    return [r.upper() for r in reqs]
+helper = TaskJournal(ref, "helper", chunk=4, device="cpu:1", helper=True)
+try:
+    helper.answer(units, lambda r: int(r[3:]), compute, "responses")
+except RuntimeError:
+    print("ahead", helper.computed, flush=True)
+time.sleep(600)
+"""
+
+
+def test_chunks_a_live_helper_did_before_the_jobs_worker_began_are_not_counted_as_resumed(
+    tmp_path: Path,
+) -> None:
+    ref = _ref(tmp_path)
+    Path(ref.folder).mkdir(parents=True)  # the daemon makes it before a helper starts
+    helper = subprocess.Popen(
+        [sys.executable, "-c", HELP_AHEAD, ref.folder], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert helper.stdout is not None and helper.stdout.readline().strip() == "ahead 8"
+        units = [(f"k{i}", f"req{i}") for i in range(16)]
+        own = TaskJournal(ref, "own", chunk=4, device="cpu:0")
+        out = own.answer(units, lambda r: int(r[3:]), lambda rs: [r.upper() for r in rs], "x")
+        own.close()
+        assert out == [f"REQ{i}" for i in range(16)]
+        assert (own.resumed, own.computed) == (0, 8), "nothing was interrupted"
+    finally:
+        os.kill(helper.pid, signal.SIGKILL)
+        helper.wait()
+    # a later attempt (here the same process, as a warm engine's retry) takes all 16 from the
+    # journal: what a dead helper or an earlier attempt computed counts as resumed
+    again = TaskJournal(ref, "again", chunk=4, device="cpu:0")
+    again.answer(units, lambda r: int(r[3:]), lambda rs: [r.upper() for r in rs], "x")
+    assert (again.resumed, again.computed) == (16, 0)

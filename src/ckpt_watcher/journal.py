@@ -249,7 +249,12 @@ class ChunkQueue:
         """The chunk's records are in the journal."""
         mark = self.folder / f".{chunk}.done.{self.me.pid}.{time_ns()}"
         try:
-            mark.write_text(json.dumps({"device": self.me.device, "units": units}), "utf-8")
+            mark.write_text(
+                json.dumps(
+                    {"device": self.me.device, "units": units, "by": dataclasses.asdict(self.me)}
+                ),
+                "utf-8",
+            )
             os.replace(mark, self._done_path(chunk))
             self._claim_path(chunk).unlink(missing_ok=True)
         except FileNotFoundError:  # the journal is gone: its result is in the ledger
@@ -266,6 +271,16 @@ class ChunkQueue:
 
     def is_done(self, chunk: str) -> bool:
         return self._done_path(chunk).exists()
+
+    def done_alongside(self, chunk: str) -> bool:
+        """`chunk` was computed by another worker that is still alive: a helper of this attempt,
+        not an attempt that was interrupted."""
+        try:
+            by = json.loads(self._done_path(chunk).read_text(encoding="utf-8"))["by"]
+            holder = Holder(**by)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        return holder != self.me and holder.alive()
 
     def busy_elsewhere(self, chunk: str) -> bool:
         """Another live worker holds `chunk`."""

@@ -54,7 +54,7 @@ class TaskJournal:
     progress: ProgressFn | None = None
     device: str = ""  # the device label this worker computes on (named in done marks)
     helper: bool = False
-    resumed: int = 0  # units taken from the journal when the task began
+    resumed: int = 0  # units an interrupted attempt left in the journal, taken when the task began
     computed: int = 0  # units this worker asked of its engine
     _replay: dict[str, Any] | None = None
     _writer: journal.Writer | None = None
@@ -114,7 +114,9 @@ class TaskJournal:
             self._report(sum(filled) + elsewhere, len(units), unit)
 
         found = fill(self.replay)
-        self.resumed += found
+        # what helpers of this attempt computed before this worker began was not interrupted
+        alongside = sum(len(chunks[c]) for c, n in enumerate(names) if self.queue.done_alongside(n))
+        self.resumed += max(0, found - alongside)
         if found:
             log.info("journal.replayed", task=self.ref.identity.get("task"), units=found)
         if not self.helper:  # helpers only join a journal the job's own worker has
