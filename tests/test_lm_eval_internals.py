@@ -126,3 +126,30 @@ def test_the_environment_report_is_built_once_per_worker_and_directory(tmp_path:
     }
     assert "PyTorch version" in out["own"]["pretty_env_info"]
     assert out["elsewhere"]["pretty_env_info"] == out["own"]["pretty_env_info"]
+
+
+def test_a_marker_of_digits_is_a_token_id_on_hf_only_and_judges_the_raw_output() -> None:
+    """`think_end` as lm-eval's own `think_end_token` reads it: its hf backend takes a marker of
+    digits as a token id (looked for in the output's ids), its vLLM backend as text; a string
+    marker is looked for in the output's text. Without a marker nothing is judged."""
+    from ckpt_watcher.evaluators.lm_eval_internals import ClampMixin
+
+    class HF(ClampMixin):
+        seeds_per_request = False
+
+    class VLLM(ClampMixin):
+        seeds_per_request = True
+
+    hf, vllm = HF(), VLLM()
+    assert hf._unterminated(("<think>1+2=3", [4, 5])) is None  # no marker
+    hf.set_think_end("10", wrong=True)
+    assert (hf.think_end_token, hf.unterminated_wrong) == (10, True)
+    assert hf._unterminated(("10 as text", [4, 5])) is True  # the id, not the text
+    assert hf._unterminated(("", [4, 10, 5])) is False
+    vllm.set_think_end("10", wrong=False)
+    assert vllm.think_end_token == "10" and vllm._unterminated(("x10", [4])) is False
+    for lm in (hf, vllm):
+        lm.set_think_end("</think>", wrong=False)
+        assert lm._unterminated(("<think>a</think>7", [1])) is False
+        assert lm._unterminated(("<think>a", [1])) is True
+        assert lm._unterminated(None) is None  # an output that was not measured

@@ -21,7 +21,6 @@ from .conftest import WATCHER, base_config, write_config
 from .helpers import (
     check_lengths_against_records,
     check_pass_at_k_from_records,
-    lm_eval_cli,
     watcher_once,
 )
 
@@ -330,60 +329,6 @@ def test_a_step_to_step_change_carries_its_paired_95_percent_interval() -> None:
     assert same.delta == 0 and not same.real and "within noise" in same.text()
     with pytest.raises(ValueError):
         paired_delta([1.0], [1.0, 0.0])
-
-
-@pytest.mark.e2e
-def test_think_end_cuts_responses_as_lm_eval_does_and_counts_the_unterminated(
-    tmp_path: Path, addition_tasks: Path, copy_checkpoint
-) -> None:
-    """`think_end` through lm-eval's own `think_end_token`: the result equals `lm_eval` run
-    with the same marker; `unterminated_rate` is the share of responses that never wrote it
-    (checked against the plain entry's responses); `unterminated: wrong` scores those wrong.
-    The demo model writes no `</think>`: its digit "6" (token id 10: lm-eval's hf backend reads
-    a marker of digits as a token id) stands in for the marker, at batch size 1 so that each
-    response ends at its own "\\n"."""
-    watch = tmp_path / "ckpts"
-    ck = copy_checkpoint(watch / "s_step300")
-    think = {"task": "addition", "num_fewshot": 0, "think_end": "10"}
-    entries = [
-        {"task": "addition", "num_fewshot": 0},
-        think | {"name": "addition_think"},
-        think | {"name": "addition_wrong", "unterminated": "wrong"},
-    ]
-    lines = _once(tmp_path, watch, addition_tasks, tasks=entries, limit=40, batch_size=1)
-    by = {ln.get("name") or ln["task"]: ln for ln in lines}
-    plain = {r["doc_id"]: r["responses"][0] for r in _records(tmp_path, by["addition"])}
-    thought = {r["doc_id"]: r for r in _records(tmp_path, by["addition_think"])}
-    open_docs = {d for d, text in plain.items() if "6" not in text}
-    assert 0 < len(open_docs) < len(plain)  # some responses wrote the marker, some did not
-    for doc, text in plain.items():
-        rec = thought[doc]
-        assert rec["unterminated"] == [doc in open_docs]
-        assert rec["responses"] == [text if doc in open_docs else text.split("6")[-1].lstrip()]
-    line = by["addition_think"]
-    assert line["unterminated_rate"] == pytest.approx(len(open_docs) / len(plain))
-    assert by["addition"]["unterminated_rate"] is None  # no marker: not judged
-    # unterminated: wrong scores exactly those as wrong
-    wrong = {r["doc_id"]: r for r in _records(tmp_path, by["addition_wrong"])}
-    assert all(wrong[d]["responses"] == [""] for d in open_docs)
-    right = [r["scores"]["exact_match,none"][0] for r in thought.values()]
-    kept = [thought[d]["scores"]["exact_match,none"][0] for d in thought if d not in open_docs]
-    assert by["addition_wrong"]["metrics"]["exact_match,none"] == pytest.approx(sum(kept) / 40)
-    assert line["metrics"]["exact_match,none"] == pytest.approx(sum(right) / 40)
-    assert len({ln["settings_hash"] for ln in lines}) == 3
-    # and lm_eval itself, with the same marker, gives the same figures
-    direct = lm_eval_cli(
-        ck,
-        addition_tasks,
-        "addition",
-        0,
-        tmp_path / "direct",
-        model_args="dtype=float32,max_length=64,think_end_token=10",
-        batch_size="1",
-        limit="40",
-    )
-    expected = {k: v for k, v in direct["results"]["addition"].items() if "," in k}
-    assert line["metrics"] == expected
 
 
 def test_length_summary_reads_its_measures_once_each_and_judges_only_with_a_marker() -> None:

@@ -3,6 +3,10 @@
 The task: `47+85=` is answered `132`, every sum written with 3 digits (`10+20=` -> `030`), so
 each answer digit sits at the same place in every example.
 
+Its thinking variant (`thinking=True`), a stand-in for a reasoning model, writes its working
+between `<think>` and `</think>` before the answer (`thought`); a sum whose ones digits carry
+thinks longer, so a small `max_gen_toks` cuts those responses before `</think>`.
+
 Imports torch/transformers: used by the trainer process and by tests, never by the daemon.
 """
 
@@ -15,13 +19,16 @@ from typing import Any
 
 CHARS = list("0123456789+= \n")
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
+THINK = ("<think>", "</think>")  # the thinking variant's markers: tokens of their own
 # Not a .yaml: lm-eval would index it if `include_path` pointed here, and its data path is a
 # placeholder that `write_task` fills in.
 TASK_TEMPLATE = Path(__file__).parent / "tasks" / "addition.yaml.template"
 
 
-def build_tokenizer() -> Any:
-    """A character-level WordLevel tokenizer wrapped for transformers (no files needed)."""
+def build_tokenizer(thinking: bool = False) -> Any:
+    """A character-level WordLevel tokenizer wrapped for transformers (no files needed);
+    `thinking` adds `<think>` and `</think>` as tokens (not special: decoding keeps them, as
+    reasoning models' tokenizers do)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -29,7 +36,7 @@ def build_tokenizer() -> Any:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
         eos_token="</s>",
@@ -37,6 +44,9 @@ def build_tokenizer() -> Any:
         unk_token="<unk>",
         model_max_length=64,
     )
+    if thinking:
+        fast.add_tokens(list(THINK))
+    return fast
 
 
 # 16 heads of size 8 learn the task on every seed tried (0-6 reach 0.98-1.0 at step 600, 1 or
@@ -52,6 +62,17 @@ VLLM_HEADS = 2
 def answer(a: int, b: int) -> str:
     """The target the task scores: the sum with 3 digits."""
     return f"{a + b:03d}"
+
+
+def thought(a: int, b: int) -> str:
+    """The thinking variant's response: the ones digits' sum, and where it carries the tens'
+    sum with the carry, in `<think>...</think>`, then the answer (`47+85=` ->
+    `<think>7+5=12 1+4+8=13</think>132`: 19 tokens; `41+35=` -> `<think>1+5=6</think>076`: 10)."""
+    x, y = a % 10, b % 10
+    work = f"{x}+{y}={x + y}"
+    if x + y >= 10:
+        work += f" 1+{a // 10}+{b // 10}={1 + a // 10 + b // 10}"
+    return f"{THINK[0]}{work}{THINK[1]}{answer(a, b)}"
 
 
 def build_model(

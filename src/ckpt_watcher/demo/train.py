@@ -29,17 +29,25 @@ def train(
     tie_word_embeddings: bool = False,
     stop_after: int | None = None,
     keep_last: int | None = None,
+    thinking: bool = False,
 ) -> list[Path]:
     """Train and save checkpoints; returns their paths in the order written. `stop_after`: end
     at that step, on the learning-rate schedule of all `steps` (a run cut short). `keep_last`:
     after each save, delete all but the newest that many checkpoints (HF `save_total_limit`,
-    torchtitan `keep_latest_k`)."""
+    torchtitan `keep_latest_k`). `thinking`: the variant that thinks before it answers
+    (`tiny.thought`)."""
     import torch
 
-    from ckpt_watcher.demo.tiny import answer, build_model, build_tokenizer, save_checkpoint
+    from ckpt_watcher.demo.tiny import (
+        answer,
+        build_model,
+        build_tokenizer,
+        save_checkpoint,
+        thought,
+    )
 
     torch.set_num_threads(threads)
-    tok = build_tokenizer()
+    tok = build_tokenizer(thinking)
     model = build_model(len(tok), seed=seed, heads=heads, tie_word_embeddings=tie_word_embeddings)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     # One-cycle schedule: a constant 3e-3 or 1e-2 stalls near loss 1.7 on this task.
@@ -53,7 +61,7 @@ def train(
         for _ in range(64):
             a, b = rng.randint(10, 99), rng.randint(10, 99)
             prompts.append(f"{a}+{b}=")
-            answers.append(answer(a, b) + "\n")
+            answers.append((thought(a, b) if thinking else answer(a, b)) + "\n")
         ids, labels = [], []
         for prompt, target in zip(prompts, answers, strict=True):
             p_ids = tok.encode(prompt, add_special_tokens=False)
@@ -99,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         "--keep-last", type=int, default=None, help="delete all but the newest N checkpoints"
     )
     ap.add_argument(
+        "--thinking", action="store_true", help="write <think>working</think> before the answer"
+    )
+    ap.add_argument(
         "--heads",
         type=int,
         default=DEMO_HEADS,
@@ -117,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         final=args.final,
         heads=args.heads,
         keep_last=args.keep_last,
+        thinking=args.thinking,
     )
     print(f"training done in {time.monotonic() - t0:.1f}s", flush=True)
     return 0
