@@ -111,6 +111,74 @@ def test_results_already_in_the_ledger_are_history_not_news() -> None:
     assert r.step == 400 and r.against == "step 100"
 
 
+# --- the paired test, where both results kept per-document records ----------------------------
+def _with_records(
+    ledger_dir: Path, step: Any, correct: list[int], k: int = 16, **over: Any
+) -> dict[str, Any]:
+    """A line whose records give document i `correct[i]` right answers of `k`; its ledger
+    figures are their mean and an (unpaired) stderr of 0.07."""
+    import gzip
+
+    run_path = over.get("run_path", "r")
+    name = f"samples_{step}.jsonl.gz"
+    (ledger_dir / run_path).mkdir(parents=True, exist_ok=True)
+    with gzip.open(ledger_dir / run_path / name, "wt") as f:
+        for i, c in enumerate(correct):
+            scores = [1.0] * c + [0.0] * (k - c)
+            f.write(json.dumps({"task": "gsm8k", "doc_id": i, "scores": {ACC: scores}}) + "\n")
+    value = sum(correct) / (k * len(correct))
+    return line(step, value, se=0.07, samples_file=name, **over)
+
+
+# 30 problems of very different difficulty (AIME-like), K=16; a later step loses 1 or 3 right
+# answers on every problem (-0.125 on average): consistent, so real, but small beside the
+# spread between problems that the unpaired stderrs carry
+BEFORE = [3 + (i * 7) % 13 for i in range(30)]  # 3..15 right of 16
+AFTER = [c - (1 if i % 2 else 3) for i, c in enumerate(BEFORE)]
+
+
+def test_with_records_on_both_sides_the_paired_test_decides(tmp_path: Path) -> None:
+    w = RegressionWatch(2.0, [], "base", ledger_dir=tmp_path)
+    assert w.observe(_with_records(tmp_path, 100, BEFORE)) == []
+    (r,) = w.observe(_with_records(tmp_path, 200, AFTER))
+    assert (r.step, r.against, r.documents) == (200, "step 100", 30)
+    assert r.ci95 is not None and r.ci95[0] < -0.125 < r.ci95[1] < 0
+    assert "-0.1250 [95% CI " in r.text() and "over 30 paired documents from step 100" in r.text()
+    # the same ledger figures without records: the unpaired stderr rule calls it noise
+    # (0.125 < 2 * sqrt(2) * 0.07)
+    plain = RegressionWatch(2.0, [], "base")
+    plain.observe(line(100, sum(BEFORE) / 480, se=0.07))
+    assert plain.observe(line(200, sum(AFTER) / 480, se=0.07)) == []
+    # a change within the noise: half the problems lose one answer, half gain one
+    w = RegressionWatch(2.0, [], "base", ledger_dir=tmp_path / "noise")
+    w.observe(_with_records(tmp_path / "noise", 100, BEFORE))
+    mixed = [c + (1 if i % 2 else -1) for i, c in enumerate(BEFORE)]
+    assert w.observe(_with_records(tmp_path / "noise", 200, mixed)) == []
+
+
+def test_min_drop_keeps_small_sure_drops_quiet_and_an_evaluated_baseline_pairs_too(
+    tmp_path: Path,
+) -> None:
+    from ckpt_watcher.config import load_config
+
+    # the daemon's watch, from a config: its ledgers' records and alerts.min_drop
+    data = base_config(tmp_path, tmp_path / "ckpts", tmp_path / "tasks")
+    data["alerts"] = {"min_drop": 0.2}
+    w = RegressionWatch.of(load_config(write_config(tmp_path / "w.yaml", data)))
+    ledgers = tmp_path / "ledgers"
+    w.observe(_with_records(ledgers, 100, BEFORE))
+    assert w.observe(_with_records(ledgers, 200, AFTER)) == []  # sure, but under 0.2
+    worse = [c // 2 for c in AFTER]  # about 0.3 lower: beyond min_drop too
+    (r,) = w.observe(_with_records(ledgers, 300, worse))
+    assert r.documents == 30 and r.against == "step 100"
+    # against the evaluated baseline's own records
+    w = RegressionWatch(2.0, [], "base", ledger_dir=tmp_path)
+    base = {"run_path": "baseline", "run": "baseline", "label": "baseline"}
+    assert w.observe(_with_records(tmp_path, None, BEFORE, **base)) == []
+    (r,) = w.observe(_with_records(tmp_path, 300, AFTER))
+    assert r.against == "the baseline (base)" and r.documents == 30
+
+
 # --- the webhook -------------------------------------------------------------------------------
 class Hook:
     """A loopback HTTP endpoint: records JSON bodies; `fail` answers 500 that many times first;

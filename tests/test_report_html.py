@@ -198,11 +198,11 @@ def test_the_report_lists_the_regressions_its_results_show(tmp_path: Path) -> No
     assert (
         "<td>100</td><td>addition (0-shot)</td><td>exact_match,none</td><td>0.5000</td>" in section
     )
-    assert "the baseline (teacher): 0.7000</td><td>4.0</td>" in section
+    assert "the baseline (teacher): 0.7000</td><td>4.0 stderr</td>" in section
     assert (
         "<td>400</td><td>addition (0-shot)</td><td>exact_match,none</td><td>0.6000</td>" in section
     )
-    assert "step 200: 0.8000</td><td>2.8</td>" in section
+    assert "step 200: 0.8000</td><td>2.8 stderr</td>" in section
     assert "<td>300</td>" not in section
 
 

@@ -448,8 +448,12 @@ class AlertsConfig(_Model):
     """When a result counts as a regression."""
 
     drop_stderr: float = Field(2.0, gt=0)
-    """A result this many standard errors (of the difference) below the best earlier step of
-    its run, or below the baseline, is a regression."""
+    """Where either side has no per-document records: a result this many standard errors (of
+    the difference) below the best earlier step of its run, or below the baseline, is a
+    regression. Where both have them, the paired test over documents decides instead."""
+    min_drop: float = Field(0.0, ge=0)
+    """A regression also drops by more than this, in the metric's own units (0.02: two
+    points of accuracy): smaller changes are never alerted, however sure."""
 
 
 class WebhookSink(_Model):

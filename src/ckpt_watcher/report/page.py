@@ -227,8 +227,9 @@ def _failures(entries: list[Entry]) -> str:
 
 
 def _regressions(entries: list[Entry], judge: Judge | None) -> str:
-    """Each run's standing regressions (`sinks.alerts.standing`): a result more than
-    `alerts.drop_stderr` standard errors below its run's best earlier step or the baseline."""
+    """Each run's standing regressions (`sinks.alerts.standing`): a result below its run's
+    best earlier step or the baseline by more than the noise (the paired test over documents,
+    or `alerts.drop_stderr` standard errors) and `alerts.min_drop`."""
     if judge is None:
         return '<p class="none">Not judged.</p>'
     runs = _runs(entries)
@@ -241,14 +242,14 @@ def _regressions(entries: list[Entry], judge: Judge | None) -> str:
                 f'<tr class="regression">{where}<td>{r.step}</td>'
                 f"<td>{_e(r.task)} ({_e(shots)}-shot)</td><td>{_e(r.metric)}</td>"
                 f"<td>{r.value:.4f}</td><td>{_e(r.against)}: {r.reference:.4f}</td>"
-                f"<td>{r.sigmas:.1f}</td></tr>"
+                f"<td>{_e(r.beyond_noise())}</td></tr>"
             )
     if not rows:
         return '<p class="none">No regressions.</p>'
     head = "<th>run</th>" if len(runs) > 1 else ""
     return (
         f'<table class="regressions"><thead><tr>{head}<th>step</th><th>task</th><th>metric</th>'
-        "<th>value</th><th>below</th><th>stderrs below</th></tr></thead>"
+        "<th>value</th><th>below</th><th>beyond the noise</th></tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table>"
     )
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +62,7 @@ def find_line(
 
 
 def read_records(ledger_dir: Path, run_path: str, line: dict[str, Any]) -> Records:
-    path = ledger_dir / run_path / line["samples_file"]
+    path = ledger_dir / run_path / line["samples_file"]  # run_path: as the user named the run
     if not path.exists():
         raise WatcherError(f"per-document records missing: {path} (moved or deleted?)")
     with gzip.open(path, "rt", encoding="utf-8") as f:
@@ -110,12 +112,61 @@ def flips(a: Records, b: Records, key: str, only_wrong: bool = False) -> list[tu
 def paired_change(a: Records, b: Records, key: str) -> PairedDelta | None:
     """The change of `key` from `a` to `b` over the documents both have, each document's mean
     over its responses (`report.paired`); None without two documents in common."""
-    common = sorted(set(a.by_doc) & set(b.by_doc), key=_doc_order)
+    return paired_scores(scores_of(a.by_doc.values()), scores_of(b.by_doc.values()), key)
+
+
+# A result's documents, each with its score per `<metric>,<filter>` key (its mean over its
+# responses): all a paired comparison needs, a few floats per document
+DocScores = dict[tuple[str, Any], dict[str, float]]
+_SCORES: OrderedDict[tuple[str, int, int], DocScores | None] = OrderedDict()
+_SCORES_KEPT = 256  # files; a 1,319-document task's scores take about 0.3 MB
+
+
+def scores_of(recs: Iterable[dict[str, Any]]) -> DocScores:
+    return {(r["task"], r["doc_id"]): {k: doc_score(r, k) for k in r["scores"]} for r in recs}
+
+
+def doc_scores(path: Path | None) -> DocScores | None:
+    """The scores in a records file (None: no file, or unreadable), kept for the files read
+    last: a records file is written once (a rewritten checkpoint's result is another file),
+    so its path, mtime and size name its content."""
+    if path is None:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    if key in _SCORES:
+        _SCORES.move_to_end(key)
+        return _SCORES[key]
+    found: DocScores | None
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            found = scores_of(json.loads(x) for x in f if x.strip())
+    except (OSError, EOFError, ValueError, KeyError, TypeError):
+        found = None
+    _SCORES[key] = found
+    while len(_SCORES) > _SCORES_KEPT:
+        _SCORES.popitem(last=False)
+    return found
+
+
+def paired_scores(before: DocScores, after: DocScores, key: str) -> PairedDelta | None:
+    """`key`'s paired change from `before` to `after` over the documents both scored (None
+    under two: a pass@k estimate, say, has no per-document scores)."""
+    common = sorted(
+        (d for d, m in after.items() if key in m and key in before.get(d, {})), key=_doc_order
+    )
     if len(common) < 2:
         return None
-    before = [doc_score(a.by_doc[d], key) for d in common]
-    after = [doc_score(b.by_doc[d], key) for d in common]
-    return paired_delta(before, after)
+    return paired_delta([before[d][key] for d in common], [after[d][key] for d in common])
+
+
+def records_path(ledger_dir: Path, line: dict[str, Any]) -> Path | None:
+    """Where a ledger line's per-document records are (None: it kept none)."""
+    name = line.get("samples_file")
+    return ledger_dir / (line.get("run_path") or line["run"]) / name if name else None
 
 
 def _doc_order(doc: tuple[str, Any]) -> tuple[str, int, str]:
