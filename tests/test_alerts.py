@@ -179,6 +179,31 @@ def test_min_drop_keeps_small_sure_drops_quiet_and_an_evaluated_baseline_pairs_t
     assert r.against == "the baseline (base)" and r.documents == 30
 
 
+def test_the_results_tables_baseline_delta_is_marked_by_the_paired_test_where_it_can_be(
+    tmp_path: Path,
+) -> None:
+    """`watcher results` beside an evaluated baseline: a Δ whose both sides kept records is
+    marked `*` by the paired test (here a consistent drop the stderrs call noise); one without
+    records keeps the stderr rule."""
+    from ckpt_watcher.report.samples import baseline_pairing
+    from ckpt_watcher.report.table import baseline_values, metric_table
+
+    base = {"run_path": "baseline", "run": "baseline", "label": "baseline"}
+    baseline = [_with_records(tmp_path, 0, BEFORE, **base)]
+    lines = [
+        _with_records(tmp_path, 100, AFTER),
+        line(200, sum(AFTER) / 480, se=0.07),  # no records: the stderr rule
+    ]
+    pairing = baseline_pairing(tmp_path, baseline)
+    assert pairing is not None
+    table = metric_table(
+        lines, baseline=baseline_values([], baseline), baseline_name="base", pairing=pairing
+    )
+    delta = table.columns.index(f"Δ gsm8k (8-shot) {ACC}")
+    assert [row[delta] for row in table.rows] == [None, "-0.1250*", "-0.1250"]
+    assert baseline_pairing(tmp_path, [line(0, 0.5, **base)]) is None  # nothing to pair with
+
+
 # --- the webhook -------------------------------------------------------------------------------
 class Hook:
     """A loopback HTTP endpoint: records JSON bodies; `fail` answers 500 that many times first;

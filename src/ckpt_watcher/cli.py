@@ -323,6 +323,7 @@ def results(
         render,
         stderr_column,
     )
+    from ckpt_watcher.sources.baseline import run_pairing
     from ckpt_watcher.suites import get_suite
 
     cfg = _load(config_path)
@@ -359,7 +360,8 @@ def results(
         return
     if compared is not None:
         base, base_name = _baseline(cfg, compared[0].runs[0])
-        table = compare_table(compared, with_stderr, only, base, base_name, with_stats)
+        pairing = run_pairing(cfg, compared[0].runs[0])
+        table = compare_table(compared, with_stderr, only, base, base_name, with_stats, pairing)
         click.echo(render(table, fmt, _terminal_width()))
         return
     run_path, lines = _run_ledger(config_path, run_names[0])
@@ -372,6 +374,7 @@ def results(
         baseline=base,
         baseline_name=base_name,
         include_stats=with_stats,
+        pairing=run_pairing(cfg, run_path),
     )
     click.echo(render(table, fmt, _terminal_width()))
 
@@ -599,6 +602,7 @@ def report(config_path: Path, run_names: tuple[str, ...], output: Path | None, m
     Several runs (or a quoted pattern): one page, a curve per run in each chart."""
     from ckpt_watcher.report.page import write_comparison, write_report
     from ckpt_watcher.sinks.alerts import standing
+    from ckpt_watcher.sources.baseline import run_pairing
 
     cfg = _load(config_path)
 
@@ -609,12 +613,14 @@ def report(config_path: Path, run_names: tuple[str, ...], output: Path | None, m
     if compared is None:
         run_path, _lines = _run_ledger(config_path, run_names[0])
         base, base_name = _baseline(cfg, run_path)
-        out = write_report(cfg.ledger_dir, run_path, output, base, base_name, judge)
+        pairing = run_pairing(cfg, run_path)
+        out = write_report(cfg.ledger_dir, run_path, output, base, base_name, judge, pairing)
     else:
         if output is None:
             raise ConfigError("comparing runs: name the page to write with -o FILE.html")
         base, base_name = _baseline(cfg, compared[0].runs[0])
-        out = write_comparison(compared, cfg.ledger_dir, output, base, base_name, judge)
+        pairing = run_pairing(cfg, compared[0].runs[0])
+        out = write_comparison(compared, cfg.ledger_dir, output, base, base_name, judge, pairing)
     click.echo(f"wrote {out} (one self-contained page: open it in any browser)")
 
 

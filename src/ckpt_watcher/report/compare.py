@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_watcher.report.table import (
+    Noise,
+    Pairing,
     Table,
     is_stderr_column,
     metric_rows,
@@ -76,36 +78,44 @@ def compare_table(
     baseline: dict[str, Any] | None = None,
     baseline_name: str = "baseline",
     include_stats: bool = False,
+    pairing: Pairing | None = None,
 ) -> Table:
     """One table: a `run` column (the run path, or the group's name), `step` (and `n` where a
     group is shown), then each metric column any entry has; the baseline's row first, with a Δ
     column per metric, as for one run. A group's Δ is marked `*` beyond twice the standard
-    error of its mean (sd/√n) combined with the baseline's stderr."""
+    error of its mean (sd/√n) combined with the baseline's stderr; a run's, as for one run
+    (`pairing`: by the paired test over documents where both sides kept records)."""
     grouped = any(e.grouped for e in entries)
-    parts: list[tuple[str, Table, list[dict[str, float]]]] = []
+    parts: list[tuple[str, Table, list[Noise]]] = []
     for e in entries:
         if e.grouped:
             parts.append((e.name, *_group_rows(e, only)))
         else:
-            one = metric_rows(e.lines[0], include_stderr, only=only, include_stats=include_stats)
+            one = metric_rows(
+                e.lines[0],
+                include_stderr,
+                only=only,
+                include_stats=include_stats,
+                pairing=pairing if baseline is not None else None,
+            )
             parts.append((e.name, *one))
     columns = _merged_columns([t.columns[1:] for _, t, _ in parts])
     head = ["run", "step", "n"] if grouped else ["run", "step"]
     rows: list[list[Any]] = []
-    errs: list[dict[str, float]] = []
-    for name, table, row_errs in parts:
-        for row, err in zip(table.rows, row_errs, strict=True):
+    noise: list[Noise] = []
+    for name, table, row_noise in parts:
+        for row, judged in zip(table.rows, row_noise, strict=True):
             cells = dict(zip(table.columns, row, strict=True))
             n = [cells.pop("n", None)] if grouped else []
             rows.append([name, cells.pop("step"), *n, *(cells.get(c) for c in columns)])
-            errs.append(err)
+            noise.append(judged)
     out = Table([*head, *columns], rows)
     if baseline is not None:
-        out = with_baseline(out, len(head), baseline, baseline_name, errs)
+        out = with_baseline(out, len(head), baseline, baseline_name, noise)
     return out
 
 
-def _group_rows(entry: Entry, only: list[str] | None) -> tuple[Table, list[dict[str, float]]]:
+def _group_rows(entry: Entry, only: list[str] | None) -> tuple[Table, list[Noise]]:
     """A group's rows (step, n, each metric's mean and sd) and the standard error of each mean."""
     group = _group(entry)
     metrics = [c for c in (only if only is not None else group) if not is_stderr_column(c)]
@@ -124,7 +134,7 @@ def _group_rows(entry: Entry, only: list[str] | None) -> tuple[Table, list[dict[
             if sd is not None:
                 err[col] = sd / math.sqrt(n)
         rows.append([step, max(counts, default=0), *cells])
-        errs.append(err)
+        errs.append(Noise(stderr=err))
     return Table(columns, rows), errs
 
 

@@ -21,6 +21,7 @@ from ckpt_watcher.ledger import REPORT_NAME, ledger_path, read_lines
 from ckpt_watcher.report import samples as samples_mod
 from ckpt_watcher.report.compare import Entry, Points, compare_table, curves
 from ckpt_watcher.report.table import (
+    Pairing,
     entry_name,
     length_series,
     metric_table,
@@ -141,18 +142,27 @@ def _legend(entries: list[Entry]) -> str:
 
 
 # --- the page's other parts -----------------------------------------------------------------------
-def _table(entries: list[Entry], baseline: dict[str, Any] | None, base_name: str) -> str:
+def _table(
+    entries: list[Entry],
+    baseline: dict[str, Any] | None,
+    base_name: str,
+    pairing: Pairing | None,
+) -> str:
     """The results table: one run's newest step first (the baseline's row stays on top), or the
     runs compared (`compare_table`), each run's steps in order."""
     if _alone(entries):
         table = metric_table(
-            entries[0].lines[0], baseline=baseline, baseline_name=base_name, include_stats=True
+            entries[0].lines[0],
+            baseline=baseline,
+            baseline_name=base_name,
+            include_stats=True,
+            pairing=pairing,
         )
         first = 1 if baseline is not None else 0
         rows = table.rows[:first] + table.rows[first:][::-1]
     else:
         table = compare_table(
-            entries, baseline=baseline, baseline_name=base_name, include_stats=True
+            entries, baseline=baseline, baseline_name=base_name, include_stats=True, pairing=pairing
         )
         rows = table.rows
     head = "".join(f"<th>{_e(c)}</th>" for c in table.columns)
@@ -346,10 +356,11 @@ def render_page(
     baseline: dict[str, Any] | None = None,
     baseline_name: str = "baseline",
     judge: Judge | None = None,
+    pairing: Pairing | None = None,
 ) -> str:
     """The whole page for one run's ledger lines."""
     entries = [Entry(run_path, [run_path], [lines])]
-    return render_entries(entries, ledger_dir, baseline, baseline_name, judge)
+    return render_entries(entries, ledger_dir, baseline, baseline_name, judge, pairing)
 
 
 def render_entries(
@@ -358,10 +369,12 @@ def render_entries(
     baseline: dict[str, Any] | None = None,
     baseline_name: str = "baseline",
     judge: Judge | None = None,
+    pairing: Pairing | None = None,
 ) -> str:
     """The whole page for one run, or for runs compared (`report.compare`): a chart per metric
-    with a curve per run (a group's mean, its sd as the band), one table, every run's failures,
-    regressions (`judge`: a run's ledger lines -> its regressions) and flips."""
+    with a curve per run (a group's mean, its sd as the band), one table (its Δ marks by
+    `pairing` where it pairs, `report.table.Pairing`), every run's failures, regressions
+    (`judge`: a run's ledger lines -> its regressions) and flips."""
     alone = _alone(entries)
     cards = _cards(entries, [curves(e) for e in entries], "card", baseline, baseline_name)
     of_runs = [length_series(e.lines[0]) if not e.grouped else {} for e in entries]
@@ -392,7 +405,7 @@ def render_entries(
             else ""
         )
         + "<h2>Results</h2>"
-        + _table(entries, baseline, baseline_name)
+        + _table(entries, baseline, baseline_name, pairing)
         + "<h2>Failures</h2>"
         + _failures(entries)
         + "<h2>Regressions</h2>"
@@ -437,11 +450,12 @@ def write_report(
     baseline: dict[str, Any] | None = None,
     baseline_name: str = "baseline",
     judge: Judge | None = None,
+    pairing: Pairing | None = None,
 ) -> Path:
     """Write the run's page (default `<ledger_dir>/<run_path>/report.html`); returns the path."""
     entries = [Entry(run_path, [run_path], [read_lines(ledger_path(ledger_dir, run_path)).lines])]
     out = out or ledger_dir / run_path / REPORT_NAME
-    return write_comparison(entries, ledger_dir, out, baseline, baseline_name, judge)
+    return write_comparison(entries, ledger_dir, out, baseline, baseline_name, judge, pairing)
 
 
 def write_comparison(
@@ -451,8 +465,10 @@ def write_comparison(
     baseline: dict[str, Any] | None = None,
     baseline_name: str = "baseline",
     judge: Judge | None = None,
+    pairing: Pairing | None = None,
 ) -> Path:
     """Write the page of runs compared (or of one run) to `out`; returns it."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, render_entries(entries, ledger_dir, baseline, baseline_name, judge))
+    page = render_entries(entries, ledger_dir, baseline, baseline_name, judge, pairing)
+    write_atomic(out, page)
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,6 +161,31 @@ def paired_scores(before: DocScores, after: DocScores, key: str) -> PairedDelta 
     if len(common) < 2:
         return None
     return paired_delta([before[d][key] for d in common], [after[d][key] for d in common])
+
+
+def baseline_pairing(
+    ledger_dir: Path, baseline_lines: list[dict[str, Any]]
+) -> Callable[[dict[str, Any], str], bool | None] | None:
+    """A results table's `Pairing` against an evaluated baseline: whether a line's metric is
+    beyond the noise from the baseline's, by the paired test over documents (None where either
+    side kept no records of it). None without an evaluated baseline that kept records."""
+    refs = {
+        (entry_name(ln), ln.get("num_fewshot")): records_path(ledger_dir, ln)
+        for ln in newest_versions(baseline_lines)
+        if ln.get("status") == "ok" and ln.get("samples_file")
+    }
+    if not refs:
+        return None
+
+    def paired(line: dict[str, Any], metric: str) -> bool | None:
+        ref = refs.get((entry_name(line), line.get("num_fewshot")))
+        if ref is None or not line.get("samples_file"):
+            return None
+        before, after = doc_scores(ref), doc_scores(records_path(ledger_dir, line))
+        change = paired_scores(before, after, metric) if before and after else None
+        return None if change is None else change.real
+
+    return paired
 
 
 def records_path(ledger_dir: Path, line: dict[str, Any]) -> Path | None:

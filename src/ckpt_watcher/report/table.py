@@ -5,7 +5,8 @@ from __future__ import annotations
 import csv
 import io
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -69,6 +70,20 @@ def _stderr_of(metric: str) -> str | None:
     return f"{name[: -len('_stderr')]}{sep}{filt}" if name.endswith("_stderr") else None
 
 
+@dataclass
+class Noise:
+    """What a row's Δ marks go by: each metric column's stderr (shown or not), and where both
+    sides kept per-document records, the paired test's verdict (`Pairing`)."""
+
+    stderr: dict[str, float] = field(default_factory=dict)
+    paired: dict[str, bool] = field(default_factory=dict)  # column -> beyond the noise
+
+
+# (a ledger line, one of its metric keys) -> whether its change from the baseline is beyond
+# the noise by the paired test over documents (None: not paired: the stderr rule decides)
+Pairing = Callable[[dict[str, Any], str], bool | None]
+
+
 def metric_table(
     lines: list[dict[str, Any]],
     include_stderr: bool = False,
@@ -77,6 +92,7 @@ def metric_table(
     baseline: dict[str, Any] | None = None,
     baseline_name: str = "baseline",
     include_stats: bool = False,
+    pairing: Pairing | None = None,
 ) -> Table:
     """One row per checkpoint (by step), one column per task/shots/metric; the latest ok line
     wins. A task with failed lines and no ok line for a checkpoint shows `FAILED` (`SKIPPED`
@@ -86,13 +102,17 @@ def metric_table(
 
     `only`: exactly these columns, in this order (a suite's headline metrics). `baseline`:
     values by column (stderr columns too, where known): a first row, and after each metric
-    a `Δ` column, the checkpoint minus the baseline, marked `*` where |Δ| exceeds twice the
-    stderr of the difference (sqrt(se² + se_baseline²); a baseline without stderr counts 0).
+    a `Δ` column, the checkpoint minus the baseline, marked `*` where it is beyond the noise:
+    by the paired test over documents where `pairing` can pair it (both sides kept records),
+    else where |Δ| exceeds twice the stderr of the difference (sqrt(se² + se_baseline²); a
+    baseline without stderr counts 0).
     """
-    table, errs = metric_rows(lines, include_stderr, all_versions, only, include_stats)
+    table, noise = metric_rows(
+        lines, include_stderr, all_versions, only, include_stats, pairing if baseline else None
+    )
     if baseline is not None:
         head = 3 if all_versions else 1
-        table = with_baseline(table, head, baseline, baseline_name, errs)
+        table = with_baseline(table, head, baseline, baseline_name, noise)
     return table
 
 
@@ -102,17 +122,18 @@ def metric_rows(
     all_versions: bool = False,
     only: list[str] | None = None,
     include_stats: bool = False,
-) -> tuple[Table, list[dict[str, float]]]:
-    """`metric_table` without a baseline, and each row's stderr by metric column (shown or
-    not): what a baseline's Δ needs to mark a difference beyond noise. `include_stats`: after
-    a task's metrics, its responses' lengths (`length_columns`)."""
+    pairing: Pairing | None = None,
+) -> tuple[Table, list[Noise]]:
+    """`metric_table` without a baseline, and each row's `Noise`: what a baseline's Δ needs to
+    mark a difference beyond the noise (`pairing`: judge each metric by it where it can).
+    `include_stats`: after a task's metrics, its responses' lengths (`length_columns`)."""
     Key = tuple[Any, str, str]  # (step, label, fingerprint)
     cells: dict[Key, dict[str, Any]] = {}
     columns: list[str] = []
     failed: dict[Key, set[str]] = {}
     skipped: dict[Key, set[str]] = {}  # by policy (the backlog): a gap, not a failure
     where: dict[Key, str] = {}
-    errs: dict[Key, dict[str, float]] = {}  # each metric column's stderr, shown or not
+    noise: dict[Key, Noise] = {}
     for line in lines if all_versions else newest_versions(lines):
         key = (*_point(line), _version(line))
         where.setdefault(key, line.get("checkpoint", ""))
@@ -122,12 +143,17 @@ def metric_rows(
             gone.setdefault(key, set()).add(task_label(line))
             continue
         row = cells[key]
+        judged = noise.setdefault(key, Noise())
         for metric, value in line.get("metrics", {}).items():
             of = _stderr_of(metric)
             if of is not None and isinstance(value, int | float):
-                errs.setdefault(key, {})[column(entry_name(line), line.get("num_fewshot"), of)] = (
-                    value
-                )
+                judged.stderr[column(entry_name(line), line.get("num_fewshot"), of)] = value
+            if of is None and pairing is not None:
+                verdict = pairing(line, metric)
+                if verdict is not None:
+                    judged.paired[column(entry_name(line), line.get("num_fewshot"), metric)] = (
+                        verdict
+                    )
             if of is not None and not include_stderr:
                 continue
             col = column(entry_name(line), line.get("num_fewshot"), metric)
@@ -165,7 +191,7 @@ def metric_rows(
             [first, version or None, where[key], *values] if all_versions else [first, *values]
         )
     head = ["step", "fingerprint", "checkpoint"] if all_versions else ["step"]
-    return Table([*head, *columns], out_rows), [errs.get(k, {}) for k in keys]
+    return Table([*head, *columns], out_rows), [noise.get(k, Noise()) for k in keys]
 
 
 STAT_KEYS = (
@@ -198,20 +224,24 @@ def length_columns(line: dict[str, Any]) -> dict[str, Any]:
     return {column(label, shots, k): v for k, v in length_stats(line).items()}
 
 
-def _delta(value: Any, base: Any, se: float | None, se_base: float | None) -> Any:
+def _delta(
+    value: Any, base: Any, se: float | None, se_base: float | None, paired: bool | None
+) -> Any:
     if not isinstance(value, int | float) or not isinstance(base, int | float):
         return None
     d = value - base
+    if paired is not None:
+        return f"{d:+.4f}{'*' if paired else ''}"
     bound = 2 * ((se or 0.0) ** 2 + (se_base or 0.0) ** 2) ** 0.5
     return f"{d:+.4f}{'*' if se is not None and abs(d) > bound else ''}"
 
 
 def with_baseline(
-    table: Table, head: int, base: dict[str, Any], name: str, errs: list[dict[str, float]]
+    table: Table, head: int, base: dict[str, Any], name: str, noise: list[Noise]
 ) -> Table:
     """The baseline's row first, and a `Δ` column after each metric column (after its stderr
     column, where that is shown: a metric and its stderr stay side by side). `head`: how many
-    columns come before the metrics; `errs`: each row's stderr by metric column (for the `*`)."""
+    columns come before the metrics; `noise`: each row's `Noise` (for the `*`)."""
     shown = set(table.columns[head:])
     metrics = [c for c in table.columns[head:] if c in base and not is_stderr_column(c)]
     # the column each Δ follows: its metric's stderr where shown, else the metric itself
@@ -223,14 +253,15 @@ def with_baseline(
             columns.append(f"Δ {delta_after[c]}")
     first = [name] + [None] * (head - 1)
     rows = [first + [base.get(c) if not c.startswith("Δ ") else None for c in columns[head:]]]
-    for row, err in zip(table.rows, errs, strict=True):
+    for row, judged in zip(table.rows, noise, strict=True):
         by_col = dict(zip(table.columns, row, strict=True))
         out = list(row[:head])
         for c in columns[head:]:
             if c.startswith("Δ "):
                 m = c[2:]
                 se_base = base.get(stderr_column(m))
-                out.append(_delta(by_col.get(m), base.get(m), err.get(m), se_base))
+                se, paired = judged.stderr.get(m), judged.paired.get(m)
+                out.append(_delta(by_col.get(m), base.get(m), se, se_base, paired))
             else:
                 out.append(by_col.get(c))
         rows.append(out)

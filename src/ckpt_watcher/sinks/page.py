@@ -11,6 +11,7 @@ import structlog
 
 from ckpt_watcher.lane import Coalescing
 from ckpt_watcher.report.page import Judge, write_report
+from ckpt_watcher.report.table import Pairing
 
 log = structlog.get_logger("ckpt_watcher.sinks.page")
 
@@ -22,7 +23,7 @@ class ReportWriter:
     def __init__(
         self,
         ledger_dir: Path,
-        baseline: Callable[[str], tuple[dict[str, Any] | None, str]],
+        baseline: Callable[[str], tuple[dict[str, Any] | None, str, Pairing | None]],
         written: Callable[[str], None] | None = None,
         judge: Judge | None = None,
     ) -> None:
@@ -37,9 +38,14 @@ class ReportWriter:
 
     def _write(self, run_path: str) -> bool:
         try:
-            values, name = self.baseline(run_path)
+            values, name, pairing = self.baseline(run_path)
             write_report(
-                self.ledger_dir, run_path, baseline=values, baseline_name=name, judge=self.judge
+                self.ledger_dir,
+                run_path,
+                baseline=values,
+                baseline_name=name,
+                judge=self.judge,
+                pairing=pairing,
             )
         except Exception as e:  # a page is a view: never worth more than a log line
             log.error("report.write_failed", run_path=run_path, error=str(e))

@@ -106,3 +106,14 @@ def run_baseline(cfg: Any, run_path: str) -> tuple[dict[str, Any] | None, str, P
             waiting = ledger_mod.ledger_path(cfg.ledger_dir, BASELINE_RUN)
     fixed = [(e.task, e.num_fewshot, e.metrics) for e in cfg.baseline.metrics]
     return baseline_values(fixed, evaluated) or None, cfg.baseline.name, waiting
+
+
+def run_pairing(cfg: Any, run_path: str) -> Any:
+    """A run's paired test against the evaluated baseline's per-document records, for the Δ
+    marks of its results table (`report.table.Pairing`; None: no evaluated baseline with
+    records, so the marks go by the stderrs). `cfg` is a WatcherConfig."""
+    from ckpt_watcher.report.samples import baseline_pairing
+
+    if run_path == BASELINE_RUN:
+        return None
+    return baseline_pairing(Path(cfg.ledger_dir), baseline_lines(cfg))
