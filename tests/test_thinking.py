@@ -113,15 +113,18 @@ def test_a_thinking_checkpoint_on_vllm_greedy_and_sampled_counts_what_its_record
 ) -> None:
     """On vLLM lm-eval sends only EOS as a stop when a marker is set (the task's "\\n" is
     applied after the cut), so responses run on to the cap: the marker is found in vLLM's own
-    text, the K=4 sampled entry is judged response by response."""
+    text, the K=4 sampled entry is judged response by response. On a warm engine (the daemon's
+    usual vLLM worker), each task journaled as any long one is."""
     sampled = THINK_ENTRY | {
         "name": "addition_think_k4",
         "samples": 4,
         "gen_kwargs": {"max_gen_toks": CAP, "temperature": 0.6},
     }
+    entries = [THINK_ENTRY, sampled]
     by = _once(
-        tmp_path, thinking_checkpoint, addition_tasks, **VLLM_EVAL, tasks=[THINK_ENTRY, sampled]
+        tmp_path, thinking_checkpoint, addition_tasks, **VLLM_EVAL, warm_engine=True, tasks=entries
     )
+    assert (tmp_path / "state" / "jobs" / "_warm" / "cpu_0" / "worker.log").exists()
     run = tmp_path / "ledgers" / "t"
     for name in ("addition_think", "addition_think_k4"):
         line = by[name]
