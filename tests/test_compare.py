@@ -127,6 +127,38 @@ def test_mean_groups_a_patterns_runs_into_mean_sd_and_n_per_step(tmp_path: Path)
     assert one[f"Δ {COL}"] == "+0.4000"
 
 
+def test_mean_with_stats_averages_response_lengths_over_the_seeds(tmp_path: Path) -> None:
+    """`--mean --stats`: a group's response lengths are its runs' mean and sd per step, as its
+    metrics are; `plot --stats --mean` draws them with the sd as error bars."""
+    from ckpt_watcher.report.compare import Entry, length_curves
+    from ckpt_watcher.report.plot import lengths_figure
+
+    ledgers = tmp_path / "l"
+    tokens = {"lr1_seed1": 100.0, "lr1_seed2": 140.0, "lr1_seed3": 120.0}
+    for run, mean in tokens.items():
+        stats = {
+            "response_tokens": {"mean": mean, "p50": mean, "p90": mean * 2, "max": 512},
+            "length_capped_rate": mean / 1000,
+        }
+        append(ledgers, _line(run, 400, {STRICT: 0.5}, **stats))
+    cfg = sweep(tmp_path)  # steps 100-300 of each run, without lengths
+    by = {r["step"]: r for r in rows(cfg, "lr1_seed*", "--mean", "--stats")}
+    col = "gsm8k (8-shot) response_tokens.mean"
+    assert by[400][col] == pytest.approx(statistics.mean(tokens.values()))
+    assert by[400][col + " sd"] == pytest.approx(statistics.stdev(tokens.values()))
+    capped = "gsm8k (8-shot) length_capped_rate"
+    assert by[400][capped] == pytest.approx(0.12) and by[200].get(col) is None
+    lines = [
+        [ln for ln in (json.loads(x) for x in (ledgers / f"sweep/{run}/ledger.jsonl").open())]
+        for run in tokens
+    ]
+    group = Entry("lr1_seed*", [f"sweep/{r}" for r in tokens], lines, grouped=True)
+    ((step, mean, sd),) = length_curves(group)[col]
+    assert (step, mean) == (400, pytest.approx(120.0)) and sd == pytest.approx(20.0)
+    fig, drawn = lengths_figure([group])
+    assert drawn == 3  # mean, p90 and the capped share
+
+
 def test_a_table_wider_than_the_terminal_is_wrapped_to_fit_with_every_name_whole(
     tmp_path: Path,
 ) -> None:

@@ -19,6 +19,7 @@ from ckpt_watcher.report.table import (
     Pairing,
     Table,
     is_stderr_column,
+    length_series,
     metric_rows,
     metric_series,
     stderr_column,
@@ -51,11 +52,28 @@ def curves(entry: Entry) -> dict[str, Points]:
     return {col: [(s, m, sd or 0.0) for s, m, sd, _ in pts] for col, pts in _group(entry).items()}
 
 
-def _group(entry: Entry) -> dict[str, list[tuple[int, float, float | None, int]]]:
-    """(step, mean, sd or None with one value, n) per metric column of a group."""
+def length_curves(entry: Entry) -> dict[str, Points]:
+    """Each generation task's response lengths by step (`length_series`): a run's, or a
+    group's means across its runs with their standard deviations."""
+    if not entry.grouped:
+        return length_series(entry.lines[0])
+    return {
+        col: [(s, m, sd or 0.0) for s, m, sd, _ in pts]
+        for col, pts in _group(entry, metrics=False, lengths=True).items()
+    }
+
+
+def _group(
+    entry: Entry, metrics: bool = True, lengths: bool = False
+) -> dict[str, list[tuple[int, float, float | None, int]]]:
+    """(step, mean, sd or None with one value, n) per metric column (and with `lengths`, per
+    response-length column) of a group."""
     values: dict[str, dict[int, list[float]]] = {}
     for lines in entry.lines:
-        for col, points in metric_series(lines).items():
+        series = (metric_series(lines) if metrics else {}) | (
+            length_series(lines) if lengths else {}
+        )
+        for col, points in series.items():
             for step, value, _ in points:
                 values.setdefault(col, {}).setdefault(step, []).append(value)
     return {
@@ -89,7 +107,7 @@ def compare_table(
     parts: list[tuple[str, Table, list[Noise]]] = []
     for e in entries:
         if e.grouped:
-            parts.append((e.name, *_group_rows(e, only)))
+            parts.append((e.name, *_group_rows(e, only, include_stats)))
         else:
             one = metric_rows(
                 e.lines[0],
@@ -115,9 +133,11 @@ def compare_table(
     return out
 
 
-def _group_rows(entry: Entry, only: list[str] | None) -> tuple[Table, list[Noise]]:
+def _group_rows(
+    entry: Entry, only: list[str] | None, include_stats: bool = False
+) -> tuple[Table, list[Noise]]:
     """A group's rows (step, n, each metric's mean and sd) and the standard error of each mean."""
-    group = _group(entry)
+    group = _group(entry, lengths=include_stats)
     metrics = [c for c in (only if only is not None else group) if not is_stderr_column(c)]
     steps = sorted({s for col in metrics for s, *_ in group.get(col, [])})
     at = {col: {s: (m, sd, n) for s, m, sd, n in group.get(col, [])} for col in metrics}

@@ -19,11 +19,10 @@ from ckpt_watcher.durable import write_atomic
 from ckpt_watcher.errors import WatcherError
 from ckpt_watcher.ledger import REPORT_NAME, ledger_path, read_lines
 from ckpt_watcher.report import samples as samples_mod
-from ckpt_watcher.report.compare import Entry, Points, compare_table, curves
+from ckpt_watcher.report.compare import Entry, Points, compare_table, curves, length_curves
 from ckpt_watcher.report.table import (
     Pairing,
     entry_name,
-    length_series,
     metric_table,
     newest_versions,
     task_label,
@@ -377,7 +376,7 @@ def render_entries(
     (`judge`: a run's ledger lines -> its regressions) and flips."""
     alone = _alone(entries)
     cards = _cards(entries, [curves(e) for e in entries], "card", baseline, baseline_name)
-    of_runs = [length_series(e.lines[0]) if not e.grouped else {} for e in entries]
+    of_runs = [length_curves(e) for e in entries]
     lengths = _cards(entries, of_runs, "card lengths", None, baseline_name)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     every = [ln for e in entries for ln in e.every_line]

@@ -8,8 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckpt_watcher.report.compare import Entry, curves
-from ckpt_watcher.report.table import length_series
+from ckpt_watcher.report.compare import Entry, curves, length_curves
 
 MARKERS = "osD^v<>ph"
 LINESTYLES = ("-", ":", "-.")  # "--" is the baseline's
@@ -131,8 +130,8 @@ def figure_of(
 def lengths_figure(entries: list[Entry]) -> tuple[Any, int]:
     """(the figure, how many series) of response lengths by step: tokens per response (mean,
     p90) above, the share the length cap stopped (and, with think_end, left unterminated)
-    below on [0, 1]. One run: a colour per column; several: a colour per run. Groups have
-    none (lengths are not averaged over seeds)."""
+    below on [0, 1]. One run: a colour per column; several: a colour per run, a group as its
+    runs' mean with their sd as error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -140,25 +139,27 @@ def lengths_figure(entries: list[Entry]) -> tuple[Any, int]:
 
     one = len(entries) == 1
     fig, (tokens_ax, share_ax) = plt.subplots(2, 1, figsize=(8, 6.5), dpi=120, sharex=True)
-    of_entry = [length_series(e.lines[0]) if not e.grouped else {} for e in entries]
+    of_entry = [length_curves(e) for e in entries]
     order = list(dict.fromkeys(col for c in of_entry for col in c))
     drawn = 0
     for e, (entry, series) in enumerate(zip(entries, of_entry, strict=True)):
         for column, points in series.items():
             m = order.index(column)
-            xs, ys, _ = zip(*points, strict=True)
+            xs, ys, sds = zip(*points, strict=True)
             tokens = column.rsplit(" ", 1)[-1].startswith("response_tokens.")
             ax = tokens_ax if tokens else share_ax
-            ax.plot(
-                xs,
-                ys,
-                marker=MARKERS[m % len(MARKERS)],
-                markerfacecolor="none",
-                linestyle=LINESTYLES[m % len(LINESTYLES)],
-                color=None if one else f"C{e % 10}",
-                label=column if one else _label(entry, column),
-                clip_on=False,
-            )
+            style: dict[str, Any] = {
+                "marker": MARKERS[m % len(MARKERS)],
+                "markerfacecolor": "none",
+                "linestyle": LINESTYLES[m % len(LINESTYLES)],
+                "color": None if one else f"C{e % 10}",
+                "label": column if one else _label(entry, column),
+                "clip_on": False,
+            }
+            if entry.grouped:  # the runs' mean, their sd as error bars
+                ax.errorbar(xs, ys, yerr=sds, capsize=3, **style)
+            else:
+                ax.plot(xs, ys, **style)
             drawn += 1
     tokens_ax.set_ylim(bottom=0)
     tokens_ax.set_ylabel("tokens per response")
