@@ -190,14 +190,20 @@ except Helped:
 """
 
 
+def _helper(ref: JournalRef, script: str) -> subprocess.Popen[str]:
+    """A helper process running `script` on the task's journal (the daemon makes the journal's
+    folder before a helper starts)."""
+    Path(ref.folder).mkdir(parents=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", script, ref.folder], stdout=subprocess.PIPE, text=True
+    )
+
+
 def test_two_workers_share_one_task_and_the_jobs_own_worker_gets_every_answer(
     tmp_path: Path,
 ) -> None:
     ref = _ref(tmp_path)
-    Path(ref.folder).mkdir(parents=True)  # the daemon makes it before a helper starts
-    helper = subprocess.Popen(
-        [sys.executable, "-c", HELP_WITH, ref.folder], stdout=subprocess.PIPE, text=True
-    )
+    helper = _helper(ref, HELP_WITH)
     assert helper.stdout is not None and helper.stdout.readline().strip() == "ready"
     units = [(f"k{i}", f"req{i}") for i in range(40)]
     mine: list[str] = []
@@ -269,10 +275,7 @@ def test_chunks_a_live_helper_did_before_the_jobs_worker_began_are_not_counted_a
     tmp_path: Path,
 ) -> None:
     ref = _ref(tmp_path)
-    Path(ref.folder).mkdir(parents=True)  # the daemon makes it before a helper starts
-    helper = subprocess.Popen(
-        [sys.executable, "-c", HELP_AHEAD, ref.folder], stdout=subprocess.PIPE, text=True
-    )
+    helper = _helper(ref, HELP_AHEAD)
     try:
         assert helper.stdout is not None and helper.stdout.readline().strip() == "ahead 8"
         units = [(f"k{i}", f"req{i}") for i in range(16)]
