@@ -103,7 +103,6 @@ def test_a_thinking_checkpoint_on_hf_is_cut_at_its_last_marker_as_lm_eval_cuts_i
     model_args = "dtype=float32,max_length=64"
     expected = _direct(thinking_checkpoint, addition_tasks, tmp_path / "direct", "hf", model_args)
     assert line["metrics"] == expected
-    assert 0 < expected["exact_match,none"] < 1
 
 
 @pytest.mark.vllm
