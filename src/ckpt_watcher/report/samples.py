@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -119,7 +120,10 @@ def paired_change(a: Records, b: Records, key: str) -> PairedDelta | None:
 # responses): all a paired comparison needs, a few floats per document
 DocScores = dict[tuple[str, Any], dict[str, float]]
 _SCORES: OrderedDict[tuple[str, int, int], DocScores | None] = OrderedDict()
-_SCORES_KEPT = 256  # files; a 1,319-document task's scores take about 0.3 MB
+# files kept: a 1,319-document task's scores (2 metrics) take about 0.7 MB; a re-read of a file
+# that fell out costs about 30 ms
+_SCORES_KEPT = 64
+_SCORES_LOCK = threading.Lock()
 
 
 def scores_of(recs: Iterable[dict[str, Any]]) -> DocScores:
@@ -137,18 +141,20 @@ def doc_scores(path: Path | None) -> DocScores | None:
     except OSError:
         return None
     key = (str(path), st.st_mtime_ns, st.st_size)
-    if key in _SCORES:
-        _SCORES.move_to_end(key)
-        return _SCORES[key]
+    with _SCORES_LOCK:  # the daemon's alerts (its loop) and its pages (their lane) share it
+        if key in _SCORES:
+            _SCORES.move_to_end(key)
+            return _SCORES[key]
     found: DocScores | None
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             found = scores_of(json.loads(x) for x in f if x.strip())
     except (OSError, EOFError, ValueError, KeyError, TypeError):
         found = None
-    _SCORES[key] = found
-    while len(_SCORES) > _SCORES_KEPT:
-        _SCORES.popitem(last=False)
+    with _SCORES_LOCK:
+        _SCORES[key] = found
+        while len(_SCORES) > _SCORES_KEPT:
+            _SCORES.popitem(last=False)
     return found
 
 
