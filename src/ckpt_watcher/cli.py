@@ -62,19 +62,19 @@ def _load(config_path: Path, overrides: tuple[str, ...] = ()) -> WatcherConfig:
     return load_config(config_path, list(overrides))
 
 
-def _baseline(cfg: WatcherConfig, run_path: str) -> tuple[dict[str, Any] | None, str]:
-    """(the config's baseline by column (report.baseline_values), None without one; its row's
-    name); says so on stderr while the baseline checkpoint has no results yet."""
+def _baseline(cfg: WatcherConfig, run_path: str) -> Any:
+    """What the run is compared with (`sources.baseline.RunBaseline`); says so on stderr while
+    the baseline checkpoint has no results yet."""
     from ckpt_watcher.sources.baseline import run_baseline
 
-    values, name, waiting = run_baseline(cfg, run_path)
-    if waiting is not None:
+    base = run_baseline(cfg, run_path)
+    if base.waiting is not None:
         click.echo(
             f"watcher: the baseline ({cfg.baseline.checkpoint if cfg.baseline else ''}) has no "
-            f"results yet (`watcher status` shows its progress); {waiting}",
+            f"results yet (`watcher status` shows its progress); {base.waiting}",
             err=True,
         )
-    return values, name
+    return base
 
 
 def _run_ledger(config_path: Path, run_name: str) -> tuple[str, list[dict[str, Any]]]:
@@ -323,7 +323,6 @@ def results(
         render,
         stderr_column,
     )
-    from ckpt_watcher.sources.baseline import run_pairing
     from ckpt_watcher.suites import get_suite
 
     cfg = _load(config_path)
@@ -359,22 +358,23 @@ def results(
         click.echo(render(_datasets(lines, step, suite), fmt, _terminal_width()))
         return
     if compared is not None:
-        base, base_name = _baseline(cfg, compared[0].runs[0])
-        pairing = run_pairing(cfg, compared[0].runs[0])
-        table = compare_table(compared, with_stderr, only, base, base_name, with_stats, pairing)
+        base = _baseline(cfg, compared[0].runs[0])
+        table = compare_table(
+            compared, with_stderr, only, base.values, base.name, with_stats, base.pairing
+        )
         click.echo(render(table, fmt, _terminal_width()))
         return
     run_path, lines = _run_ledger(config_path, run_names[0])
-    base, base_name = _baseline(cfg, run_path)
+    base = _baseline(cfg, run_path)
     table = metric_table(
         lines,
         include_stderr=with_stderr,
         all_versions=all_versions,
         only=only,
-        baseline=base,
-        baseline_name=base_name,
+        baseline=base.values,
+        baseline_name=base.name,
         include_stats=with_stats,
-        pairing=run_pairing(cfg, run_path),
+        pairing=base.pairing,
     )
     click.echo(render(table, fmt, _terminal_width()))
 
@@ -572,8 +572,8 @@ def plot(
         entries = [Entry(run_path, [run_path], [lines])]
     else:
         entries = compared
-    base, base_name = _baseline(cfg, entries[0].runs[0])
-    drawn = plot_entries(entries, output, base, base_name, stats=with_stats)
+    base = _baseline(cfg, entries[0].runs[0])
+    drawn = plot_entries(entries, output, base.values, base.name, stats=with_stats)
     if not drawn and with_stats:
         _fail(1, "no response lengths to plot (generation results evaluated by this version)")
     if not drawn:
@@ -602,7 +602,6 @@ def report(config_path: Path, run_names: tuple[str, ...], output: Path | None, m
     Several runs (or a quoted pattern): one page, a curve per run in each chart."""
     from ckpt_watcher.report.page import write_comparison, write_report
     from ckpt_watcher.sinks.alerts import standing
-    from ckpt_watcher.sources.baseline import run_pairing
 
     cfg = _load(config_path)
 
@@ -612,15 +611,17 @@ def report(config_path: Path, run_names: tuple[str, ...], output: Path | None, m
     compared = _compared(cfg, run_names, mean)
     if compared is None:
         run_path, _lines = _run_ledger(config_path, run_names[0])
-        base, base_name = _baseline(cfg, run_path)
-        pairing = run_pairing(cfg, run_path)
-        out = write_report(cfg.ledger_dir, run_path, output, base, base_name, judge, pairing)
+        base = _baseline(cfg, run_path)
+        out = write_report(
+            cfg.ledger_dir, run_path, output, base.values, base.name, judge, base.pairing
+        )
     else:
         if output is None:
             raise ConfigError("comparing runs: name the page to write with -o FILE.html")
-        base, base_name = _baseline(cfg, compared[0].runs[0])
-        pairing = run_pairing(cfg, compared[0].runs[0])
-        out = write_comparison(compared, cfg.ledger_dir, output, base, base_name, judge, pairing)
+        base = _baseline(cfg, compared[0].runs[0])
+        out = write_comparison(
+            compared, cfg.ledger_dir, output, base.values, base.name, judge, base.pairing
+        )
     click.echo(f"wrote {out} (one self-contained page: open it in any browser)")
 
 

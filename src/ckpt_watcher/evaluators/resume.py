@@ -114,11 +114,13 @@ class TaskJournal:
             self._report(sum(filled) + elsewhere, len(units), unit)
 
         found = fill(self.replay)
-        # what helpers of this attempt computed before this worker began was not interrupted
-        alongside = sum(len(chunks[c]) for c, n in enumerate(names) if self.queue.done_alongside(n))
-        self.resumed += max(0, found - alongside)
         if found:
             log.info("journal.replayed", task=self.ref.identity.get("task"), units=found)
+            # what helpers of this attempt computed before this worker began was not interrupted
+            alongside = sum(
+                len(chunks[c]) for c, n in enumerate(names) if self.queue.done_alongside(n)
+            )
+            self.resumed += max(0, found - alongside)
         if not self.helper:  # helpers only join a journal the job's own worker has
             Path(self.ref.folder).mkdir(parents=True, exist_ok=True)
         todo = open_chunks(range(len(chunks)))

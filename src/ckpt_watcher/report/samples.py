@@ -13,14 +13,14 @@ import gzip
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpt_watcher.errors import WatcherError
 from ckpt_watcher.report.paired import PairedDelta, paired_delta
-from ckpt_watcher.report.table import entry_name, newest_versions, task_label
+from ckpt_watcher.report.table import Pairing, entry_name, newest_versions, task_label
 
 
 @dataclass(frozen=True)
@@ -169,26 +169,36 @@ def paired_scores(before: DocScores, after: DocScores, key: str) -> PairedDelta 
     return paired_delta([before[d][key] for d in common], [after[d][key] for d in common])
 
 
-def baseline_pairing(
+def paired_files(before: Path | None, after: Path | None, key: str) -> PairedDelta | None:
+    """`key`'s paired change between two results' records files (`doc_scores`); None where
+    either has none, or they pair under two documents."""
+    a, b = doc_scores(before), doc_scores(after)
+    return paired_scores(a, b, key) if a and b else None
+
+
+def baseline_records(
     ledger_dir: Path, baseline_lines: list[dict[str, Any]]
-) -> Callable[[dict[str, Any], str], bool | None] | None:
+) -> dict[tuple[str, int | None], Path]:
+    """The evaluated baseline's records files by (task entry's name, shots): its newest ok
+    line of each that kept records."""
+    return {
+        (entry_name(ln), ln.get("num_fewshot")): path
+        for ln in newest_versions(baseline_lines)
+        if ln.get("status") == "ok" and (path := records_path(ledger_dir, ln)) is not None
+    }
+
+
+def baseline_pairing(ledger_dir: Path, baseline_lines: list[dict[str, Any]]) -> Pairing | None:
     """A results table's `Pairing` against an evaluated baseline: whether a line's metric is
     beyond the noise from the baseline's, by the paired test over documents (None where either
     side kept no records of it). None without an evaluated baseline that kept records."""
-    refs = {
-        (entry_name(ln), ln.get("num_fewshot")): records_path(ledger_dir, ln)
-        for ln in newest_versions(baseline_lines)
-        if ln.get("status") == "ok" and ln.get("samples_file")
-    }
+    refs = baseline_records(ledger_dir, baseline_lines)
     if not refs:
         return None
 
     def paired(line: dict[str, Any], metric: str) -> bool | None:
         ref = refs.get((entry_name(line), line.get("num_fewshot")))
-        if ref is None or not line.get("samples_file"):
-            return None
-        before, after = doc_scores(ref), doc_scores(records_path(ledger_dir, line))
-        change = paired_scores(before, after, metric) if before and after else None
+        change = paired_files(ref, records_path(ledger_dir, line), metric) if ref else None
         return None if change is None else change.real
 
     return paired

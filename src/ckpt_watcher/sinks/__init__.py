@@ -17,7 +17,7 @@ from ckpt_watcher.sinks.page import ReportWriter
 from ckpt_watcher.sinks.prometheus import DaemonMetrics
 from ckpt_watcher.sinks.wandb import WandbSinkWorker
 from ckpt_watcher.sinks.webhook import Webhook
-from ckpt_watcher.sources.baseline import run_baseline, run_pairing
+from ckpt_watcher.sources.baseline import run_baseline
 from ckpt_watcher.state import State
 
 log = structlog.get_logger("ckpt_watcher.sinks")
@@ -47,10 +47,7 @@ class Sinks:
         self.regressions = RegressionWatch.of(cfg)
         self.pages = ReportWriter(
             cfg.ledger_dir,
-            baseline=lambda run_path: (
-                *run_baseline(cfg, run_path)[:2],
-                run_pairing(cfg, run_path),
-            ),
+            baseline=lambda run_path: run_baseline(cfg, run_path),
             written=page_written,
             judge=lambda lines: standing(cfg, lines),
         )

@@ -23,13 +23,12 @@ from typing import Any
 
 from ckpt_watcher.config import BASELINE_RUN
 from ckpt_watcher.report.paired import PairedDelta, t_quantile
-from ckpt_watcher.report.samples import doc_scores, paired_scores, records_path
+from ckpt_watcher.report.samples import baseline_records, paired_files, records_path
 from ckpt_watcher.report.table import (
     baseline_values,
     column,
     entry_name,
     is_stderr_metric,
-    newest_versions,
     stderr_column,
     stderr_metric,
 )
@@ -252,8 +251,7 @@ class RegressionWatch:
         """Whether `p`'s drop from `ref` is beyond the noise: by the paired test where both
         have records, else by the stderr rule. Returns (the drop in standard errors, the paired
         change where paired), or None."""
-        before, after = doc_scores(ref_records), doc_scores(p.records)
-        change = paired_scores(before, after, metric) if before and after else None
+        change = paired_files(ref_records, p.records, metric)
         if change is not None:
             if not change.real or sign * change.delta >= 0:
                 return None
@@ -270,14 +268,9 @@ class RegressionWatch:
 
     def _baseline(self, key: Key) -> Path | None:
         """The evaluated baseline's records for `key`'s task and shots (None: numbers only)."""
-        _, task, shots, _ = key
-        for line in reversed(newest_versions(self.baseline_lines)):
-            if line.get("status") == "ok" and (entry_name(line), line.get("num_fewshot")) == (
-                task,
-                shots,
-            ):
-                return self._records_path(line)
-        return None
+        if self.ledger_dir is None:
+            return None
+        return baseline_records(self.ledger_dir, self.baseline_lines).get((key[1], key[2]))
 
     def _baseline_label(self) -> str:
         return f"the baseline ({self.baseline_name})"

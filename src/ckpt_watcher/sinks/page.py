@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import structlog
 
 from ckpt_watcher.lane import Coalescing
 from ckpt_watcher.report.page import Judge, write_report
-from ckpt_watcher.report.table import Pairing
+from ckpt_watcher.sources.baseline import RunBaseline
 
 log = structlog.get_logger("ckpt_watcher.sinks.page")
 
@@ -23,7 +22,7 @@ class ReportWriter:
     def __init__(
         self,
         ledger_dir: Path,
-        baseline: Callable[[str], tuple[dict[str, Any] | None, str, Pairing | None]],
+        baseline: Callable[[str], RunBaseline],
         written: Callable[[str], None] | None = None,
         judge: Judge | None = None,
     ) -> None:
@@ -38,14 +37,14 @@ class ReportWriter:
 
     def _write(self, run_path: str) -> bool:
         try:
-            values, name, pairing = self.baseline(run_path)
+            base = self.baseline(run_path)
             write_report(
                 self.ledger_dir,
                 run_path,
-                baseline=values,
-                baseline_name=name,
+                baseline=base.values,
+                baseline_name=base.name,
                 judge=self.judge,
-                pairing=pairing,
+                pairing=base.pairing,
             )
         except Exception as e:  # a page is a view: never worth more than a log line
             log.error("report.write_failed", run_path=run_path, error=str(e))

@@ -10,6 +10,7 @@ parent), so completeness, the naming fix, staging and fingerprints work unchange
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,15 +90,25 @@ def baseline_lines(cfg: Any) -> list[dict[str, Any]]:
     return ledger_mod.read_lines(where).lines if where.exists() else []
 
 
-def run_baseline(cfg: Any, run_path: str) -> tuple[dict[str, Any] | None, str, Path | None]:
-    """What a run is compared with: (the config's baseline by column, `report.baseline_values`,
-    None without one; its row's name; the baseline's ledger while the baseline checkpoint has
-    no results yet, else None). `cfg` is a WatcherConfig."""
+@dataclass(frozen=True)
+class RunBaseline:
+    """What a run is compared with."""
+
+    values: dict[str, Any] | None  # the baseline by column (`report.baseline_values`); None: none
+    name: str  # its row's name
+    waiting: Path | None  # the baseline's ledger while its checkpoint has no results yet
+    pairing: Any = None  # `report.table.Pairing` against its records (None: Δ marks by stderr)
+
+
+def run_baseline(cfg: Any, run_path: str) -> RunBaseline:
+    """What `run_path` is compared with, from the config's baseline and the evaluated
+    baseline's ledger (read once). `cfg` is a WatcherConfig."""
     from ckpt_watcher import ledger as ledger_mod
+    from ckpt_watcher.report.samples import baseline_pairing
     from ckpt_watcher.report.table import baseline_values
 
     if cfg.baseline is None:
-        return None, "baseline", None
+        return RunBaseline(None, "baseline", None)
     evaluated: list[dict[str, Any]] = []
     waiting = None
     if cfg.baseline.checkpoint is not None and run_path != BASELINE_RUN:
@@ -105,15 +116,9 @@ def run_baseline(cfg: Any, run_path: str) -> tuple[dict[str, Any] | None, str, P
         if not any(ln.get("status") == "ok" for ln in evaluated):
             waiting = ledger_mod.ledger_path(cfg.ledger_dir, BASELINE_RUN)
     fixed = [(e.task, e.num_fewshot, e.metrics) for e in cfg.baseline.metrics]
-    return baseline_values(fixed, evaluated) or None, cfg.baseline.name, waiting
-
-
-def run_pairing(cfg: Any, run_path: str) -> Any:
-    """A run's paired test against the evaluated baseline's per-document records, for the Δ
-    marks of its results table (`report.table.Pairing`; None: no evaluated baseline with
-    records, so the marks go by the stderrs). `cfg` is a WatcherConfig."""
-    from ckpt_watcher.report.samples import baseline_pairing
-
-    if run_path == BASELINE_RUN:
-        return None
-    return baseline_pairing(Path(cfg.ledger_dir), baseline_lines(cfg))
+    return RunBaseline(
+        baseline_values(fixed, evaluated) or None,
+        cfg.baseline.name,
+        waiting,
+        baseline_pairing(Path(cfg.ledger_dir), evaluated),
+    )
