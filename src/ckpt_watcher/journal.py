@@ -129,7 +129,9 @@ def read(ref: JournalRef) -> Replay:
 
 class Writer:
     """Appends records to one writer's file of a journal: each `append` is written, flushed and
-    fsynced before it returns (at most the call in progress is lost to a kill)."""
+    fsynced before it returns (at most the call in progress is lost to a kill). An append with
+    `sync=False` is flushed only (a killed process loses nothing of it; a machine that goes down
+    loses what came after the last `sync`)."""
 
     def __init__(self, ref: JournalRef, name: str) -> None:
         folder = Path(ref.folder)
@@ -144,16 +146,20 @@ class Writer:
         elif not _ends_with_newline(self.path):
             self._file.write(b"\n")  # a torn line stays on its own line, skipped on read
 
-    def append(self, records: Iterable[tuple[str, Any]]) -> int:
+    def append(self, records: Iterable[tuple[str, Any]], sync: bool = True) -> int:
         lines = [json.dumps({"k": k, "v": v}, ensure_ascii=False) for k, v in records]
         if lines:
-            self._write(lines)
+            self._write(lines, sync)
         return len(lines)
 
-    def _write(self, lines: list[str]) -> None:
+    def sync(self) -> None:
+        os.fsync(self._file.fileno())
+
+    def _write(self, lines: list[str], sync: bool = True) -> None:
         self._file.write(("\n".join(lines) + "\n").encode("utf-8"))
         self._file.flush()
-        os.fsync(self._file.fileno())
+        if sync:
+            self.sync()
 
     def close(self) -> None:
         self._file.close()

