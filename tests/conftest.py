@@ -74,16 +74,40 @@ def write_fake_checkpoint(folder: Path, *, naming_bug: bool = False, config: boo
     return folder
 
 
+def shared_once(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Any]
+) -> tuple[Path, Any]:
+    """A folder and what `build(folder)` returned (JSON), built once per test run: also once for all of
+    pytest-xdist's workers, which share the run's temporary folder (the first to ask builds it
+    under a lock, the others wait and read it). What it builds is read-only to its users."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = root / f"shared-{name}"
+    done = root / f"shared-{name}.json"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a build that failed part way
+            folder.mkdir()
+            done.write_text(json.dumps(build(folder)))
+    return folder, json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real tiny Llama trained for 300 steps (about 15 s), saved with the naming bug. It has
-    2 attention heads of size 64, a shape vLLM's CPU attention serves (the demo's has 16 of 8)."""
+    """A real tiny Llama trained for 300 steps (about 15 s, once per run), saved with the naming
+    bug. It has 2 attention heads of size 64, a shape vLLM's CPU attention serves (the demo's
+    has 16 of 8). Read-only: `copy_checkpoint` gives a copy of your own."""
     from ckpt_watcher.demo.tiny import VLLM_HEADS
     from ckpt_watcher.demo.train import train
 
-    out = tmp_path_factory.mktemp("trained")
-    (path,) = train(out, run="fixture", steps=300, save_every=300, heads=VLLM_HEADS)
-    return path
+    def build(out: Path) -> str:
+        (path,) = train(out, run="fixture", steps=300, save_every=300, heads=VLLM_HEADS)
+        return str(path)
+
+    return Path(shared_once(tmp_path_factory, "trained", build)[1])
 
 
 def derived_checkpoints(
@@ -333,3 +357,37 @@ def read_ledger(ledger_dir: Path, run: str) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+# A sampled task for the tests that cut one part way (resume, spread, a GPU given back):
+# 20 documents x 16 samples = 320 responses; with batch_size 2 an hf chunk is 16 of them
+SAMPLED = {
+    "task": "addition",
+    "num_fewshot": 0,
+    "samples": 16,
+    "gen_kwargs": {"temperature": 0.8},
+    "pass_at": [1, 16],
+}
+RESPONSES = 320
+CHUNK = 16  # an hf chunk at batch size 2 (8 batches); cuts come after at least this much work
+HF = {"batch_size": 2, "limit": 20, "tasks": [SAMPLED]}
+
+
+@pytest.fixture(scope="session")
+def hf_reference(
+    tmp_path_factory: pytest.TempPathFactory, trained_checkpoint: Path, addition_tasks: Path
+) -> tuple[Path, dict[str, Any]]:
+    """The `HF` task's uninterrupted run (its folder, its ledger line), once per test run: the
+    hf tests that cut the task (resume, spread, a GPU given back) compare with it."""
+
+    def build(out: Path) -> dict[str, Any]:
+        shutil.copytree(trained_checkpoint, out / "ckpts" / "r_step300")
+        from .helpers import watcher_once
+
+        cfg = write_config(out / "w.yaml", base_config(out, out / "ckpts", addition_tasks, **HF))
+        (line,) = watcher_once(cfg, out / "ledgers", "r")
+        return line
+
+    ref, line = shared_once(tmp_path_factory, "hf-reference", build)
+    assert line["status"] == "ok" and line["resumed"] == 0, line
+    return ref, line

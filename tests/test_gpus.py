@@ -7,11 +7,13 @@ import json
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from .conftest import WATCHER, base_config, idle_config, read_ledger, write_config
+from .conftest import HF, WATCHER, base_config, idle_config, read_ledger, write_config
 from .helpers import alive, status_json, wait_for, watcher_run
+from .test_resume import _cut_mid_task, _same_as_uninterrupted
 
 
 def fake_nvml(path: Path, foreign: list[list[int]]) -> None:
@@ -94,13 +96,15 @@ def test_suspected_zombies_are_reported_and_killed_only_when_allowed(
 
 @pytest.mark.e2e
 def test_a_job_gives_its_gpu_back_when_training_wants_it_and_resumes_later_without_loss(
-    tmp_path: Path, addition_tasks: Path, copy_checkpoint, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    addition_tasks: Path,
+    copy_checkpoint,
+    monkeypatch: pytest.MonkeyPatch,
+    hf_reference: tuple[Path, dict[str, Any]],
 ) -> None:
     """devices.yield_to_others: training starts on the GPU our eval uses; the eval stops,
     spends no attempt, waits while the GPU is held, then resumes from its journal."""
-    from .test_resume import HF, _cut_mid_task, _same_as_uninterrupted, _uninterrupted
-
-    reference = _uninterrupted(tmp_path / "ref", addition_tasks, copy_checkpoint, **HF)
+    ref, reference = hf_reference
     tmp = tmp_path / "gpu"
     nvml = tmp / "nvml.json"
     nvml.parent.mkdir()
@@ -132,7 +136,7 @@ def test_a_job_gives_its_gpu_back_when_training_wants_it_and_resumes_later_witho
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=60) == 0
     assert line["attempt"] == 1 and line["device"] == "cuda:6", line  # no attempt spent
-    _same_as_uninterrupted(tmp, line, tmp_path / "ref", reference)
+    _same_as_uninterrupted(tmp, line, ref, reference)
     events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
     (yielded,) = [e for e in events if e.get("event") == "eval.yielded"]
     assert yielded["device"] == "cuda:6" and yielded["job_id"] == job.id

@@ -16,9 +16,9 @@ import pytest
 
 from ckpt_watcher.state import State
 
-from .conftest import base_config, read_ledger, write_config
+from .conftest import HF, RESPONSES, base_config, read_ledger, write_config
 from .helpers import status_json, wait_for, watcher_once, watcher_run
-from .test_resume import HF, RESPONSES, _records, _uninterrupted
+from .test_resume import _records
 
 pytestmark = pytest.mark.e2e
 
@@ -48,9 +48,9 @@ def _same_numbers(tmp: Path, line: dict[str, Any], ref: Path, reference: dict[st
 
 
 def test_one_sampled_task_spread_over_two_slots_equals_one_slot_even_when_a_helper_dies(
-    tmp_path: Path, addition_tasks: Path, copy_checkpoint
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint, hf_reference
 ) -> None:
-    reference = _uninterrupted(tmp_path / "ref", addition_tasks, copy_checkpoint, **HF)
+    ref, reference = hf_reference
 
     # both slots evaluate the one task together, each with a warm engine (the helper's is the
     # warm worker of its device)
@@ -59,7 +59,7 @@ def test_one_sampled_task_spread_over_two_slots_equals_one_slot_even_when_a_help
     cfg = _two_slots(tmp, addition_tasks, warm_engine=True)
     (line,) = watcher_once(cfg, tmp / "ledgers", "r")
     assert line["resumed"] == 0, line
-    _same_numbers(tmp, line, tmp_path / "ref", reference)
+    _same_numbers(tmp, line, ref, reference)
     assert (tmp / "state" / "jobs" / "_warm" / "cpu_1" / "worker.log").exists()
 
     # one-shot workers; the helper is killed once it has journaled a chunk, and nobody replaces
@@ -92,7 +92,7 @@ def test_one_sampled_task_spread_over_two_slots_equals_one_slot_even_when_a_help
         )
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=60) == 0
-    _same_numbers(tmp, line, tmp_path / "ref", reference)
+    _same_numbers(tmp, line, ref, reference)
     events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
     helping = [e for e in events if e.get("event") == "eval.helping"]
     assert [e["device"] for e in helping] == ["cpu:1"], "a killed helper is not replaced"

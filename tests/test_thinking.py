@@ -17,7 +17,7 @@ import pytest
 from ckpt_watcher.demo.tiny import THINK, VLLM_HEADS
 from ckpt_watcher.demo.train import train
 
-from .conftest import VLLM_EVAL, base_config, write_config
+from .conftest import VLLM_EVAL, base_config, shared_once, write_config
 from .helpers import check_lengths_against_records, lm_eval_cli, read_records, watcher_once
 
 pytestmark = pytest.mark.e2e
@@ -32,15 +32,24 @@ THINK_ENTRY = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def thinking_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The thinking variant after 300 steps (it has learned the format, and about half the
     sums), with 2 heads so that vLLM's CPU attention takes it too."""
-    out = tmp_path_factory.mktemp("thinking")
-    (path,) = train(
-        out, run="t", steps=300, save_every=300, heads=VLLM_HEADS, thinking=True, naming_bug=False
-    )
-    return path
+
+    def build(out: Path) -> str:
+        (path,) = train(
+            out,
+            run="t",
+            steps=300,
+            save_every=300,
+            heads=VLLM_HEADS,
+            thinking=True,
+            naming_bug=False,
+        )
+        return str(path)
+
+    return Path(shared_once(tmp_path_factory, "thinking", build)[1])
 
 
 def _once(tmp: Path, checkpoint: Path, tasks_dir: Path, **eval_over: Any) -> dict[str, dict]:
