@@ -121,14 +121,7 @@ class TaskJournal:
         names = [_chunk_name(n, [units[i][0] for i in c]) for n, c in enumerate(chunks)]
         out: list[Any] = [None] * len(units)
         filled = [False] * len(units)
-
-        def fill(values: dict[str, Any]) -> int:
-            n = 0
-            for i, (key, _) in enumerate(units):
-                if not filled[i] and key in values:
-                    out[i], filled[i] = decode(values[key]), True
-                    n += 1
-            return n
+        fill = _filler(units, out, filled, decode)
 
         def open_chunks(among: Iterable[int]) -> list[int]:
             return [c for c in among if not all(filled[i] for i in chunks[c])]
@@ -191,16 +184,7 @@ class TaskJournal:
         at = {key: i for i, (key, _) in enumerate(units)}
         out: list[Any] = [None] * len(units)
         filled = [False] * len(units)
-
-        def fill(values: dict[str, Any]) -> int:
-            n = 0
-            for i, (key, _) in enumerate(units):
-                if not filled[i] and key in values:
-                    value = decode(values[key])
-                    if value is not None:
-                        out[i], filled[i] = value, True
-                        n += 1
-            return n
+        fill = _filler(units, out, filled, decode)
 
         def open_chunks(among: Iterable[int]) -> list[int]:
             return [c for c in among if not all(filled[i] for i in chunks[c])]
@@ -302,6 +286,25 @@ class TaskJournal:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def _filler(
+    units: Sequence[Unit], out: list[Any], filled: list[bool], decode: Callable[[Any], Any]
+) -> Callable[[dict[str, Any]], int]:
+    """`fill(values)`: the units not yet filled whose keys `values` has, decoded into `out`
+    (a value `decode` turns into None stays unfilled, to be computed); how many it filled."""
+
+    def fill(values: dict[str, Any]) -> int:
+        n = 0
+        for i, (key, _) in enumerate(units):
+            if not filled[i] and key in values:
+                value = decode(values[key])
+                if value is not None:
+                    out[i], filled[i] = value, True
+                    n += 1
+        return n
+
+    return fill
 
 
 def _chunk_name(n: int, keys: list[str]) -> str:
