@@ -77,9 +77,10 @@ def write_fake_checkpoint(folder: Path, *, naming_bug: bool = False, config: boo
 def shared_once(
     tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Any]
 ) -> tuple[Path, Any]:
-    """A folder and what `build(folder)` returned (JSON), built once per test run: also once for all of
-    pytest-xdist's workers, which share the run's temporary folder (the first to ask builds it
-    under a lock, the others wait and read it). What it builds is read-only to its users."""
+    """A folder and what `build(folder)` returned (JSON), built once per test run: also once
+    for all of pytest-xdist's workers, which share the run's temporary folder (the first to ask
+    builds it under a lock, the others wait and read it). What it builds is read-only to its
+    users."""
     import fcntl
 
     base = tmp_path_factory.getbasetemp()
@@ -381,9 +382,9 @@ def hf_reference(
     hf tests that cut the task (resume, spread, a GPU given back) compare with it."""
 
     def build(out: Path) -> dict[str, Any]:
-        shutil.copytree(trained_checkpoint, out / "ckpts" / "r_step300")
         from .helpers import watcher_once
 
+        shutil.copytree(trained_checkpoint, out / "ckpts" / "r_step300")
         cfg = write_config(out / "w.yaml", base_config(out, out / "ckpts", addition_tasks, **HF))
         (line,) = watcher_once(cfg, out / "ledgers", "r")
         return line

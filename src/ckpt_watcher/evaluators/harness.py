@@ -146,7 +146,8 @@ def run_tasks(
     device_label: str = "",
 ) -> list[TaskOutcome]:
     """Run every task on one loaded model (`engine`, or loaded here); `on_outcome` is called as
-    each task finishes, `on_progress` as each chunk of a journaled task does. A request that
+    each task finishes, `on_progress` as a journaled task moves (each chunk; on vLLM, also
+    every `resume.REPORT_SECONDS` within one). A request that
     helps another job (`req.helps`) computes chunks of its journaled tasks and leaves each
     task `helped` (that job's own worker computes the metrics)."""
     version = importlib.metadata.version("lm-eval")

@@ -167,13 +167,14 @@ class ClampMixin:
             if self.sampling is not None
             else [(req, None) for req in requests]
         )
-        if self.journal is None:
-            answers = self._generate(copies, disable_tqdm)
-        elif self.streams:  # one call; the engine's step loop journals (MeasuredVLLM)
-            keys = unit_keys([req for req, _ in copies], [seed for _, seed in copies])
+        keys = (
+            None
+            if self.journal is None
+            else unit_keys([req for req, _ in copies], [seed for _, seed in copies])
+        )
+        if keys is None or self.streams:  # streamed: one call, MeasuredVLLM's step loop journals
             answers = self._generate(copies, disable_tqdm, keys)
         else:
-            keys = unit_keys([req for req, _ in copies], [seed for _, seed in copies])
             answers = self.journal.answer(
                 list(zip(keys, copies, strict=True)),
                 order=lambda copy: self._order(copy[0]),
