@@ -109,22 +109,17 @@ def _train_seeds(out: Path, threads: int, seeds: list[int]) -> subprocess.Popen:
 
 def test_the_demo_recipe_learns_with_any_seed_and_thread_count(tmp_path: Path) -> None:
     """The demo's point is a rising curve: float kernels and seeds differ between machines, so
-    the recipe must get there from other seeds and with 1 or 2 threads, not only on the
-    default (seed 0, which the demo test above trains to the end). Seed 1 on 1 thread and seed
-    3 on 2 threads, side by side, each to the middle of the recipe, step 300, where the demo
-    reads 0.90-0.95 (a recipe that stalled stayed below 0.15 there: see the README). Seeds 0-6
-    all learned when the recipe was chosen; two of them, one per thread count, keep it honest."""
-    plan = {1: [1], 2: [3]}  # threads -> seeds
-    procs = [_train_seeds(tmp_path, threads, seeds) for threads, seeds in plan.items()]
-    for proc in procs:
-        out, _ = proc.communicate(timeout=1200)
-        assert proc.returncode == 0, out[-3000:]
-    scores = {}
-    for threads, seeds in plan.items():
-        for seed in seeds:
-            folder = tmp_path / f"t{threads}-seed{seed}"
-            first, last = folder / "demo_step150", folder / "demo_step300"
-            scores[threads, seed] = (addition_accuracy(first), addition_accuracy(last))
-    # here: 0.74-0.91 at step 300 from 0.06-0.16 at step 150; a stalled recipe stayed below 0.15
-    bad = {k: v for k, v in scores.items() if not (v[1] >= 0.5 and v[1] > v[0])}
-    assert not bad, f"(threads, seed): (first, last) that did not learn: {bad}; all: {scores}"
+    the recipe must get there from another seed and with 2 threads, not only on the demo's own
+    seed 0 on 1 thread (which the demo test above trains to the end). Seed 3 on 2 threads, to
+    the middle of the recipe, step 300, where the demo reads 0.90-0.95 (a recipe that stalled
+    stayed below 0.15 there: see the README). Seeds 0-6, on 1 and 2 threads, all learned when the
+    recipe was chosen; a recipe that learns only on seed 0, or only on 1 thread, fails here."""
+    threads, seed = 2, 3
+    proc = _train_seeds(tmp_path, threads, [seed])
+    out, _ = proc.communicate(timeout=1200)
+    assert proc.returncode == 0, out[-3000:]
+    folder = tmp_path / f"t{threads}-seed{seed}"
+    first, last = (addition_accuracy(folder / f"demo_step{step}") for step in (150, 300))
+    # here seeds 1-4 read 0.74-0.91 at step 300 from 0.06-0.16 at step 150; a stalled recipe
+    # stayed below 0.15
+    assert last >= 0.5 and last > first, f"seed {seed} on {threads} threads: {first} -> {last}"
