@@ -20,9 +20,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One compute thread per process that tests start (workers, engines, trainers, lm_eval): the
 # suite runs two tests at a time on CI's 2 cores, and torch's default of a thread per core
-# oversubscribes them (its OpenMP threads spin while they wait). Measured side by side, the
-# suite's slowest files ran 10-16% faster with it (docs/benchmarks.md). A test about thread
-# counts sets its own (the demo's seed test: torch.set_num_threads).
+# oversubscribes them. Measured one run after the other, e2e files ran 10-16% faster with it
+# (docs/benchmarks.md). A test about thread counts sets its own (the demo's seed test:
+# torch.set_num_threads).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
