@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,8 +40,10 @@ def wait_for(
     what: str,
     proc: subprocess.Popen | None = None,
     log: Path | None = None,
+    every: float = 0.3,
 ) -> Any:
-    """Poll `pred` until truthy; fail with `what` (and the daemon's log tail) on timeout."""
+    """Poll `pred` every `every` seconds until truthy; fail with `what` (and the daemon's log
+    tail) on timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = pred()
@@ -48,7 +51,7 @@ def wait_for(
             return value
         if proc is not None and proc.poll() is not None:
             break
-        time.sleep(0.3)
+        time.sleep(every)
     tail = log.read_text()[-4000:] if log and log.exists() else ""
     raise AssertionError(f"timed out waiting for {what}\n--- daemon log ---\n{tail}")
 
@@ -285,6 +288,40 @@ def addition_accuracy(checkpoint: Path) -> float:
         )
     said = [tok.decode(row[ids.shape[1] :]).split("\n")[0] for row in out]
     return sum(s == answer(a, b) for s, (a, b) in zip(said, pairs, strict=True)) / len(pairs)
+
+
+class Throttle:
+    """Slow a process group to about `share` of its speed, as cpulimit does: SIGSTOP, and a
+    SIGCONT for `share` of each `period`. A test that must catch a worker part way through a
+    task uses it, so that the moment lasts seconds on any machine (on a fast one a tiny model's
+    task is done in under a second, between two progress reports). `stop()` leaves the group
+    stopped, for the test to kill or to let stay frozen."""
+
+    def __init__(self, pgid: int, share: float = 0.25, period: float = 0.1) -> None:
+        self.pgid, self.share, self.period = pgid, share, period
+        self._quit = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _signal(self, sig: int) -> bool:
+        try:
+            os.killpg(self.pgid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def _run(self) -> None:
+        while not self._quit.is_set():
+            if not self._signal(signal.SIGSTOP) or self._quit.wait(self.period * (1 - self.share)):
+                return
+            if not self._signal(signal.SIGCONT):
+                return
+            self._quit.wait(self.period * self.share)
+
+    def stop(self) -> None:
+        self._quit.set()
+        self._thread.join()
+        self._signal(signal.SIGSTOP)
 
 
 def alive(pid: int) -> bool:
