@@ -17,7 +17,7 @@ import pytest
 from ckpt_watcher.state import State
 
 from .conftest import HF, RESPONSES, base_config, read_ledger, write_config
-from .helpers import status_json, wait_for, watcher_once, watcher_run
+from .helpers import Throttle, status_json, wait_for, watcher_once, watcher_run
 from .test_resume import _records
 
 pytestmark = pytest.mark.e2e
@@ -80,13 +80,29 @@ def test_one_sampled_task_spread_over_two_slots_equals_one_slot_even_when_a_help
                 db.close()
             return helpers[0] if helpers else None
 
-        helper = wait_for(helper_did_a_chunk, 300, "a helper's first chunk", daemon, log)
-        code, st = status_json(cfg)
+        helper = wait_for(
+            helper_did_a_chunk, 300, "a helper's first chunk", daemon, log, every=0.05
+        )
+        # both workers slowed while the test looks (on a fast machine the rest of the task
+        # takes about as long as one `watcher status`), then the helper dies
+        db = State(tmp / "state", readonly=True)
+        try:
+            (job,) = db.jobs("running")
+        finally:
+            db.close()
+        assert job.pid is not None
+        slowed = [Throttle(job.pid), Throttle(helper["pid"])]
+        try:
+            code, st = status_json(cfg)
+        finally:
+            for throttle in slowed:
+                throttle.stop()
+            os.killpg(helper["pid"], signal.SIGKILL)
+            os.killpg(job.pid, signal.SIGCONT)
         assert code == 0 and st is not None
         (running,) = st["running"]
         assert running["device"] == "cpu:0" and running["helpers"] == ["cpu:1"], running
         assert running["progress"]["total"] == RESPONSES
-        os.killpg(helper["pid"], signal.SIGKILL)
         (line,) = wait_for(
             lambda: read_ledger(tmp / "ledgers", "r"), 300, "the job's result", daemon, log
         )
