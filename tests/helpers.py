@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_watcher.proctable import process_alive
+from ckpt_watcher.state import Job, State
 
 from .conftest import WATCHER, read_ledger
 
@@ -288,6 +289,15 @@ def addition_accuracy(checkpoint: Path) -> float:
         )
     said = [tok.decode(row[ids.shape[1] :]).split("\n")[0] for row in out]
     return sum(s == answer(a, b) for s, (a, b) in zip(said, pairs, strict=True)) / len(pairs)
+
+
+def running_jobs(state_dir: Path) -> list[Job]:
+    """The jobs the state folder's database says are running, read without writing to it."""
+    db = State(state_dir, readonly=True)
+    try:
+        return db.jobs("running")
+    finally:
+        db.close()
 
 
 class Throttle:

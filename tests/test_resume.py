@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_watcher.state import Job, State
+from ckpt_watcher.state import Job
 
 from .conftest import (
     CHUNK,
@@ -36,6 +36,7 @@ from .conftest import (
 from .helpers import (
     Throttle,
     check_pass_at_k_from_records,
+    running_jobs,
     status_json,
     wait_for,
     watcher_once,
@@ -90,18 +91,14 @@ def _cut_mid_task(
     from the journal (an attempt killed just after a progress write had journaled more than
     that write says)."""
 
-    def started() -> tuple[Job, dict[str, Any]] | None:
-        p = _progress(state, attempt)
-        if p is None:
+    def started() -> Job | None:
+        if _progress(state, attempt) is None:
             return None
-        db = State(state, readonly=True)
-        try:
-            running = [j for j in db.jobs("running") if j.attempt == attempt and j.pid]
-        finally:
-            db.close()
-        return (running[0], p) if running else None
+        return next((j for j in running_jobs(state) if j.attempt == attempt and j.pid), None)
 
-    job, _ = wait_for(started, 300, f"attempt {attempt}'s first progress", daemon, log, every=0.05)
+    job: Job = wait_for(
+        started, 300, f"attempt {attempt}'s first progress", daemon, log, every=0.05
+    )
     assert job.pid is not None
     throttle = Throttle(job.pid)
     try:

@@ -17,7 +17,14 @@ import pytest
 from ckpt_watcher.state import State
 
 from .conftest import HF, RESPONSES, base_config, read_ledger, write_config
-from .helpers import Throttle, status_json, wait_for, watcher_once, watcher_run
+from .helpers import (
+    Throttle,
+    running_jobs,
+    status_json,
+    wait_for,
+    watcher_once,
+    watcher_run,
+)
 from .test_resume import _records
 
 pytestmark = pytest.mark.e2e
@@ -85,11 +92,7 @@ def test_one_sampled_task_spread_over_two_slots_equals_one_slot_even_when_a_help
         )
         # both workers slowed while the test looks (on a fast machine the rest of the task
         # takes about as long as one `watcher status`), then the helper dies
-        db = State(tmp / "state", readonly=True)
-        try:
-            (job,) = db.jobs("running")
-        finally:
-            db.close()
+        (job,) = running_jobs(tmp / "state")
         assert job.pid is not None
         slowed = [Throttle(job.pid), Throttle(helper["pid"])]
         try:
