@@ -240,12 +240,17 @@ def test_checkpoint_uploaded_shard_by_shard_is_evaluated_once_after_its_last_sha
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
+        # a checkpoint is "incomplete: just seen" from its first listing until its files are
+        # judged (on a fast machine `watcher status` can read that moment)
         st = wait_for(
             lambda: (
-                (s := status_json(cfg)[1]) and s["checkpoint_counts"].get("incomplete") == 1 and s
+                (s := status_json(cfg)[1])
+                and s["checkpoint_counts"].get("incomplete") == 1
+                and s["checkpoints"][0]["reason"] != "just seen"
+                and s
             ),
             60,
-            "an incomplete S3 checkpoint",
+            "an S3 checkpoint judged incomplete",
             daemon,
             log,
         )

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from ckpt_watcher.jobfolder import JobFolder
 from ckpt_watcher.state import State
 
 from .conftest import HF, RESPONSES, base_config, read_ledger, write_config
@@ -91,11 +92,18 @@ def test_one_sampled_task_spread_over_two_slots_equals_one_slot_even_when_a_help
             helper_did_a_chunk, 300, "a helper's first chunk", daemon, log, every=0.05
         )
         # both workers slowed while the test looks (on a fast machine the rest of the task
-        # takes about as long as one `watcher status`), then the helper dies
+        # takes about as long as one `watcher status`), then the helper dies. The helper can
+        # journal a chunk before the job's own worker has loaded its model and said where the
+        # task stands: the job's worker is slowed from that first report on.
         (job,) = running_jobs(tmp / "state")
         assert job.pid is not None
-        slowed = [Throttle(job.pid), Throttle(helper["pid"])]
+        folder = JobFolder.of(tmp / "state", job.id, job.attempt)
+        slowed = [Throttle(helper["pid"])]
         try:
+            wait_for(
+                folder.progress, 300, "the job's first progress report", daemon, log, every=0.05
+            )
+            slowed.append(Throttle(job.pid))
             code, st = status_json(cfg)
         finally:
             for throttle in slowed:
