@@ -22,18 +22,21 @@ from .conftest import (
     write_config,
     write_fake_checkpoint,
 )
-from .helpers import alive, status_json, wait_for, watcher_run
+from .helpers import alive, running_jobs, status_json, wait_for, watcher_run
 
 pytestmark = pytest.mark.e2e
 
 TASKS = [{"task": "addition", "num_fewshot": 0}, {"task": "addition", "num_fewshot": 1}]
 
 
-def running_job(cfg: Path) -> dict | None:
-    _, st = status_json(cfg)
-    if st and st["running"] and st["running"][0]["pid"]:
-        return st["running"][0]
-    return None
+def running_job(state: Path) -> Job | None:
+    """The running job once its worker has a pid, read from the state folder directly (not
+    through `watcher status`, a slower subprocess): on a fast machine a tiny eval ends a few
+    seconds after its worker starts, and the test must act on it before then."""
+    try:
+        return next((j for j in running_jobs(state) if j.pid), None)
+    except StateError:  # the daemon has not made its database yet
+        return None
 
 
 def test_kill_9_mid_eval_then_restart_loses_and_duplicates_nothing(
@@ -47,10 +50,10 @@ def test_kill_9_mid_eval_then_restart_loses_and_duplicates_nothing(
     )
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
-        job = wait_for(lambda: running_job(cfg), 60, "an eval to start", daemon, log)
+        job = wait_for(lambda: running_job(tmp_path / "state"), 60, "an eval to start", daemon, log)
         os.kill(daemon.pid, signal.SIGKILL)  # the daemon dies; its worker is left behind
         daemon.wait()
-    worker = job["pid"]
+    worker = job.pid
     assert alive(worker), "the worker should outlive a kill -9 of the daemon"
     code, st = status_json(cfg)
     assert code == 3 and st and not st["daemon"]["alive"]
@@ -59,7 +62,7 @@ def test_kill_9_mid_eval_then_restart_loses_and_duplicates_nothing(
         # the new daemon adopts the worker: it goes on, its job is not started again
         wait_for(lambda: '"event": "recovery.adopted"' in log.read_text(), 60, "adoption", daemon)
         assert alive(worker) or any(
-            ln["job_id"] == job["job_id"] for ln in read_ledger(tmp_path / "ledgers", "k")
+            ln["job_id"] == job.id for ln in read_ledger(tmp_path / "ledgers", "k")
         )
         wait_for(
             lambda: (
@@ -78,9 +81,9 @@ def test_kill_9_mid_eval_then_restart_loses_and_duplicates_nothing(
     assert counts == {(1, 0): 1, (1, 1): 1, (2, 0): 1, (2, 1): 1}
     assert all(ln["status"] == "ok" for ln in lines)
     # the adopted job ran once, in its first attempt, and cost no daemon death
-    adopted = [ln for ln in lines if ln["job_id"] == job["job_id"]]
+    adopted = [ln for ln in lines if ln["job_id"] == job.id]
     assert adopted and {ln["attempt"] for ln in adopted} == {1}
-    (attempt,) = (tmp_path / "state" / "jobs" / job["job_id"]).iterdir()
+    (attempt,) = (tmp_path / "state" / "jobs" / job.id).iterdir()
     assert (attempt / "worker.log").read_text().count("worker.started") == 1
     assert not alive(worker)
 
@@ -95,10 +98,11 @@ def test_first_sigterm_past_grace_requeues_the_running_eval_and_second_run_finis
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
-        job = wait_for(lambda: running_job(cfg), 60, "an eval to start", daemon, log)
+        job = wait_for(lambda: running_job(tmp_path / "state"), 60, "an eval to start", daemon, log)
+        os.killpg(job.pid, signal.SIGSTOP)  # frozen, so that it cannot finish first
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=60) == 0
-    assert not alive(job["pid"])
+    assert not alive(job.pid)
     assert read_ledger(tmp_path / "ledgers", "s") == []  # interrupted: never marked ok
     _, st = status_json(cfg)
     assert st and len(st["queue"]) == 1 and st["queue"][0]["attempt"] == 0  # not a used-up attempt
@@ -122,8 +126,8 @@ def test_worker_killed_mid_eval_is_retried_then_ok(
     )
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
-        job = wait_for(lambda: running_job(cfg), 60, "an eval to start", daemon, log)
-        os.killpg(job["pid"], signal.SIGKILL)  # OOM killer, say
+        job = wait_for(lambda: running_job(tmp_path / "state"), 60, "an eval to start", daemon, log)
+        os.killpg(job.pid, signal.SIGKILL)  # OOM killer, say
         wait_for(
             lambda: len(read_ledger(tmp_path / "ledgers", "w")) >= 2, 300, "2 results", daemon, log
         )
@@ -163,7 +167,10 @@ def test_second_signal_kills_running_evals_at_once(
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
-        job = wait_for(lambda: running_job(cfg), 60, "an eval to start", daemon, log)
+        job = wait_for(lambda: running_job(tmp_path / "state"), 60, "an eval to start", daemon, log)
+        # the eval frozen (SIGSTOP; the daemon's SIGKILL still ends it): on a fast machine its
+        # tiny tasks could end during the two `watcher status` calls below
+        os.killpg(job.pid, signal.SIGSTOP)
         daemon.send_signal(signal.SIGTERM)  # drain: would wait up to 600 s
         wait_for(
             lambda: (st := status_json(cfg)[1]) and st["daemon"]["stopping"],
@@ -174,7 +181,7 @@ def test_second_signal_kills_running_evals_at_once(
         )
         daemon.send_signal(signal.SIGINT)  # second signal: stop now
         assert daemon.wait(timeout=20) == 0
-    assert not alive(job["pid"])
+    assert not alive(job.pid)
     _, st = status_json(cfg)
     assert st and [q["last_error"] for q in st["queue"]] == ["interrupted by shutdown"]
 
