@@ -64,8 +64,11 @@ def write_safetensors(path: Path, tensors: dict[str, int], truncate_by: int = 0)
     return len(data)
 
 
-def write_fake_checkpoint(folder: Path, *, naming_bug: bool = False, config: bool = True) -> Path:
-    """A checkpoint-shaped folder with small synthetic weights (not loadable by a model)."""
+def write_fake_checkpoint(
+    folder: Path, *, naming_bug: bool = False, config: bool = True, tokenizer: bool = True
+) -> Path:
+    """A checkpoint-shaped folder with small synthetic weights and a tokenizer config (not
+    loadable by a model)."""
     folder.mkdir(parents=True, exist_ok=True)
     if config:
         # its path in its config: two fakes are two contents (results are reused across copies)
@@ -74,6 +77,8 @@ def write_fake_checkpoint(folder: Path, *, naming_bug: bool = False, config: boo
         )
     tensors = {"a.weight": 16, "b.weight": 8}
     write_safetensors(folder / "model.safetensors", tensors)
+    if tokenizer:
+        (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
     if naming_bug:
         index = {"weight_map": {k: "model-00001-of-00001.safetensors" for k in tensors}}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index))

@@ -50,7 +50,8 @@ def test_final_step_comes_from_trainer_state(tmp_path: Path) -> None:
 
 
 def check(path: Path, **kw: object) -> completeness.Completeness:
-    args: dict = {"now": 1000.0, "stable_seconds": 60.0} | kw
+    """The verdict of one look (no settle window unless `settle_seconds` is given)."""
+    args: dict = {"now": 1000.0, "stable_seconds": 60.0, "settle_seconds": 0.0} | kw
     return completeness.check(LocalFiles(path), **args)
 
 
@@ -105,6 +106,7 @@ def test_missing_shard_of_a_series_waits(tmp_path: Path) -> None:
     ck = tmp_path / "r_step1"
     ck.mkdir()
     (ck / "config.json").write_text("{}")
+    (ck / "tokenizer.json").write_text("{}")
     write_safetensors(ck / "model-00001-of-00002.safetensors", {"a": 4})
     v = check(ck)
     assert v.state == "incomplete" and "1 of 2 shards" in v.reason
@@ -151,6 +153,7 @@ def test_other_formats_need_a_quiet_window(tmp_path: Path) -> None:
     ck = tmp_path / "r_step3"
     ck.mkdir()
     (ck / "config.json").write_text("{}")
+    (ck / "tokenizer.json").write_text("{}")
     (ck / "pytorch_model.bin").write_bytes(b"x" * 100)
     first = check(ck, now=100.0)
     assert first.state == "incomplete" and first.write_mark

@@ -23,13 +23,14 @@ def scan(discovery: Discovery, now: float) -> None:
     while discovery.scanning():
         assert time.monotonic() < deadline, "scan did not finish"
         time.sleep(0.02)
-        discovery.tick(now, start=False)
+        discovery.tick(now, polls=False)
 
 
 def put_checkpoint(client, tmp: Path, bucket: str, key: str, fill: int) -> None:
     folder = tmp / key.replace("/", "_")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "tokenizer.json").write_text("{}")
     write_safetensors(folder / "model.safetensors", {"w": 1000})
     data = bytearray((folder / "model.safetensors").read_bytes())
     data[-100:] = bytes([fill]) * 100  # other weights, same layout and size
@@ -46,7 +47,8 @@ def test_an_s3_checkpoint_rewritten_after_evaluation_is_a_new_version(
     source = S3Source(f"s3://{bucket}/ck/", client=client, retry=NO_WAIT)
     source.recheck_per_scan = 2
     state = State(tmp_path / "state")
-    discovery = Discovery([source], state, stable_seconds=1, wake=lambda: None)
+    # one look judges (the settle window has tests of its own: test_writers.py)
+    discovery = Discovery([source], state, stable_seconds=1, wake=lambda: None, settle_seconds=0)
     lists: list[str] = []
     client.meta.events.register(
         "provide-client-params.s3.ListObjectsV2",

@@ -60,6 +60,7 @@ def test_completeness_over_s3_reads_headers_only_and_waits_for_the_last_shard(
     local = tmp_path / "r_step1"
     local.mkdir()
     (local / "config.json").write_text("{}")
+    (local / "tokenizer.json").write_text("{}")
     write_safetensors(local / "model-00001-of-00002.safetensors", {"a": 1000})
     write_safetensors(local / "model-00002-of-00002.safetensors", {"b": 1000})
     index = {
@@ -73,7 +74,7 @@ def test_completeness_over_s3_reads_headers_only_and_waits_for_the_last_shard(
     upload_dir(client, local, bucket, "c/r_step1/", skip=("model-00002-of-00002.safetensors",))
     src = S3Source(f"s3://{bucket}/c/", client=client, retry=NO_WAIT)
     loc = f"s3://{bucket}/c/r_step1/"
-    v = completeness.check(src.view(loc), now=0, stable_seconds=60)
+    v = completeness.check(src.view(loc), now=0, stable_seconds=60, settle_seconds=0)
     assert v.state == "incomplete" and "1 of 2 shards" in v.reason
     client.upload_file(
         str(local / "model-00002-of-00002.safetensors"),
@@ -84,7 +85,7 @@ def test_completeness_over_s3_reads_headers_only_and_waits_for_the_last_shard(
     client.meta.events.register(
         "before-call.s3.GetObject", lambda params, **_: ranges.append(params.get("Range", ""))
     )
-    assert completeness.check(src.view(loc), now=0, stable_seconds=60).ready
+    assert completeness.check(src.view(loc), now=0, stable_seconds=60, settle_seconds=0).ready
     assert all(r.startswith("bytes=") for r in ranges if r != "") and len(ranges) >= 4
     # the newest object's LastModified (for the detection-latency metric), from the listing
     last = src.view(loc).last_write()
@@ -173,12 +174,14 @@ def test_staging_fetches_only_what_an_eval_needs_and_fixes_names(
     assert dest.is_relative_to(cache)
     names = sorted(p.name for p in dest.iterdir())
     assert names == [
+        ".fetched.json",
         ".last_used",
         "config.json",
         "model-00001-of-00001.safetensors",
         "model.safetensors",
         "model.safetensors.index.json",
         "tokenizer.json",
+        "tokenizer_config.json",
     ]
     assert (dest / "model.safetensors").read_bytes() == (ck / "model.safetensors").read_bytes()
     fetched = sum(
@@ -397,7 +400,8 @@ def test_staging_through_20_percent_failures_is_byte_identical(
         found = sorted(f.location for f in src.scan() if f.ident)
         assert len(found) == 3
         for loc, ck in zip(found, sources, strict=True):
-            assert completeness.check(src.view(loc), now=0, stable_seconds=60).ready
+            view = src.view(loc)
+            assert completeness.check(view, now=0, stable_seconds=60, settle_seconds=0).ready
             dest = stage(loc, tmp_path / "cache", client=client, retry=retry)
             for p in ck.iterdir():
                 assert (dest / p.name).read_bytes() == p.read_bytes()

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ckpt_watcher import suites
+from ckpt_watcher.checkpoints.completeness import DEFAULT_SETTLE_SECONDS
 from ckpt_watcher.errors import ConfigError
 
 
@@ -507,6 +508,10 @@ class WatcherConfig(_Model):
     """First SIGTERM: running evals may finish this long, then they are re-queued."""
     stable_seconds: float = Field(120.0, ge=0)
     """Completeness fallback for weight formats with no marker and no header check."""
+    settle_seconds: float = Field(DEFAULT_SETTLE_SECONDS, ge=0)
+    """A checkpoint whose files are all there and whole is ready once the files an eval reads
+    have not changed for this long (two looks this far apart; locally a file closed wakes a
+    look). Raise it for a writer that pauses longer between files; 0 trusts the first look."""
     sources: list[Source] = Field(min_length=1)
     """Where checkpoints appear (at least one)."""
     devices: DevicesConfig = Field(default_factory=lambda: DevicesConfig())

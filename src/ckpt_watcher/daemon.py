@@ -122,6 +122,9 @@ class Daemon:
             self.wake.set,
             on_ready=self.metrics.checkpoint_ready,
             pinned=lambda location: self.pins.path(location) is not None,
+            settle_seconds=cfg.settle_seconds,
+            tokenizer_required=not cfg.eval.model_args.get("tokenizer"),
+            clock=clock,
         )
         self.book = JobBook(cfg, self.state, self.ledger, self.discovery)
         self.dispatcher = Dispatcher(
@@ -236,8 +239,8 @@ class Daemon:
                 if self._stopping(now):
                     break
             else:
-                # `once` starts its scans exactly once, then only applies what they find
-                self.discovery.tick(now, force=first_pass, start=first_pass or not self.once)
+                # `once` scans once, then only looks again at checkpoints that are settling
+                self.discovery.tick(now, force=first_pass, polls=not self.once)
                 self._plan(now)
                 self.dispatcher.enforce_backlog(now)
                 self.supervisor.check_timeouts(now)
@@ -265,15 +268,16 @@ class Daemon:
         self.state.set_meta(metrics_url=f"http://{addr}:{bound}/metrics")
 
     def _idle(self) -> bool:
-        return not self.supervisor.busy() and not self.discovery.scanning()
+        discovering = self.discovery.scanning() or self.discovery.settling()
+        return not self.supervisor.busy() and not discovering
 
     def _sleep_for(self, now: float) -> float:
         deadlines = [now + HEARTBEAT_SECONDS, *self.supervisor.deadlines()]
         watchdog = self.notifier.watchdog_due(now)
         if watchdog is not None:
             deadlines.append(watchdog)
-        scan = self.discovery.next_deadline()
-        if scan is not None and not self.once:
+        scan = self.discovery.next_deadline(polls=not self.once)
+        if scan is not None:
             deadlines.append(scan)
         retry = scheduler.next_retry_at(self.state.jobs("queued"), now)
         if retry is not None:
@@ -303,9 +307,13 @@ class Daemon:
             actions += planner.superseded(
                 self.state.checkpoints("ready", "planned", "done"), self.state.jobs("queued")
             )
+        changed: set[str] = set()  # judged again: planned later, on its new files
         for action in actions:
+            if action.location in changed:
+                continue
             if isinstance(action, planner.QueueJob):
-                self.dispatcher.queue(action, now)
+                if self.dispatcher.queue(action, now) is None:
+                    changed.add(action.location)
             elif isinstance(action, planner.ReuseResults):
                 self._reuse(action)
             elif isinstance(action, planner.SkipJob):

@@ -12,11 +12,17 @@ source that hangs or fails delays only itself:
 Checkpoint life cycle handled here: seen -> incomplete | invalid | unrecognised -> ready;
 missed when a checkpoint not yet evaluated disappears.
 
+Readiness (`checkpoints/completeness.py`): everything an eval reads is there, whole, and has
+not changed for `settle_seconds` across two looks. A look that finds a checkpoint settling asks
+its source to look again when the window ends (`_Watched.recheck_at`), so the common case costs
+the settle time and a listing, not a poll interval; inotify wakes a look at every file closed.
+
 Identity: a checkpoint judged ready gets its content fingerprint (`checkpoints/fingerprint.py`)
-and its write mark (names, sizes, mtimes or ETags). Scans re-read the write mark of evaluated
-checkpoints (all of them for a local source, `recheck_per_scan` in turn for S3); one that moved
-goes back to `incomplete` and is judged again, and a new fingerprint then makes it a new
-version: `rewritten`, evaluated again.
+and its write mark over the files an eval reads (names, sizes, mtimes or ETags). Scans re-read
+the write mark of evaluated checkpoints (all of them for a local source, `recheck_per_scan` in
+turn for S3); one that moved goes back to `incomplete` and is judged again, and a new
+fingerprint then makes it a new version: `rewritten`, evaluated again. A trainer's files an eval
+does not read (optimizer states, logs, markers), and the watcher's own pins, are no change.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from typing import Any
 import structlog
 
 from ckpt_watcher.checkpoints import completeness
-from ckpt_watcher.checkpoints.completeness import Completeness
+from ckpt_watcher.checkpoints.completeness import DEFAULT_SETTLE_SECONDS, Completeness
+from ckpt_watcher.checkpoints.files import MARK_VERSION, eval_mark
 from ckpt_watcher.checkpoints.fingerprint import fingerprint
 from ckpt_watcher.errors import NamingFixError, WatcherError
 from ckpt_watcher.jobfolder import Stage
@@ -68,6 +75,7 @@ class Judged:
     """A completeness verdict from the lane, and what the naming fix did for a ready one."""
 
     verdict: Completeness
+    observed_at: float = 0.0  # when the look's listing was done: its files were so from then
     fixes: list[str] = field(default_factory=list)
     fix_failed: bool = False
     write_mark: str = ""  # of a ready checkpoint, after the naming fix
@@ -107,6 +115,7 @@ class _Watched:
     scan: Future[ScanResult] | None = None
     scan_started: float = 0.0
     scan_started_mono: float = 0.0
+    recheck_at: float | None = None  # a checkpoint settling: look again then, poll or not
     marked_unanswered: bool = False
     rechecked: dict[str, float] = field(default_factory=dict)  # location -> last looked at
 
@@ -120,9 +129,17 @@ class Discovery:
         wake: Callable[[], None],
         on_ready: Callable[[float], None] | None = None,
         pinned: Callable[[str], bool] = lambda location: False,
+        *,
+        settle_seconds: float = DEFAULT_SETTLE_SECONDS,
+        tokenizer_required: bool = True,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock` times the looks at a checkpoint (on the sources' lanes): the daemon's."""
         self.state = state
         self.stable_seconds = stable_seconds
+        self.settle_seconds = settle_seconds
+        self.tokenizer_required = tokenizer_required
+        self.clock = clock
         self._wake = wake
         self._on_ready = on_ready  # seconds from a checkpoint's last write to judging it ready
         self._pinned = pinned  # its files are held for its eval (pins.py): a delete is no loss
@@ -171,6 +188,17 @@ class Discovery:
         if w is not None:
             w.lane.submit(_logged("source.release_failed", w.source.release, location))
 
+    def look_again(self, source_name: str, location: str, now: float, why: str) -> None:
+        """A ready checkpoint whose files changed before anything read them (a pin found
+        them other than judged): judged again from scratch, at its source's next tick."""
+        self.state.upsert_checkpoint(
+            location, source_name, now, state="incomplete", reason=why, fingerprint=None
+        )
+        log.warning("checkpoint.changed_before_eval", location=location, reason=why)
+        w = self._lane_of(source_name)
+        if w is not None:
+            w.recheck_at = now
+
     def make_room(self, needed: dict[str, list[str]]) -> None:
         """Before jobs start: each source keeps its cache in bounds, sparing its own `needed`
         locations (source name -> locations of its queued and running jobs)."""
@@ -180,23 +208,34 @@ class Discovery:
                 w.lane.submit(_logged("source.make_room_failed", w.source.make_room, locations))
 
     # --- the loop's part -------------------------------------------------------------------
-    def tick(self, now: float, *, force: bool = False, start: bool = True) -> None:
-        """Apply finished scans, flag unanswered ones, and (if `start`) start the scans due."""
+    def tick(self, now: float, *, force: bool = False, polls: bool = True) -> None:
+        """Apply finished scans, flag unanswered ones, and start the scans due: forced ones,
+        looks again at settling checkpoints, and (if `polls`) polls and inotify wake-ups."""
         for w in self.watched:
             if w.scan is not None:
                 if w.scan.done():
                     self._finish(w, now)
                 else:
                     self._flag_unanswered(w, now)
-            if start and w.scan is None and (force or w.woken or now >= w.next_scan):
+            if w.scan is not None:
+                continue
+            settle_due = w.recheck_at is not None and now >= w.recheck_at
+            if force or settle_due or (polls and (w.woken or now >= w.next_scan)):
                 self._start(w, now)
 
     def scanning(self) -> bool:
         return any(w.scan is not None for w in self.watched)
 
-    def next_deadline(self) -> float | None:
-        idle = [w.next_scan for w in self.watched if w.scan is None]
-        return min(idle) if idle else None
+    def settling(self) -> bool:
+        """Some checkpoint waits for its settle window, and will be looked at again."""
+        return any(w.recheck_at is not None for w in self.watched)
+
+    def next_deadline(self, polls: bool = True) -> float | None:
+        idle = [w for w in self.watched if w.scan is None]
+        times = [w.recheck_at for w in idle if w.recheck_at is not None]
+        if polls:
+            times += [w.next_scan for w in idle]
+        return min(times) if times else None
 
     def close(self) -> None:
         for w in self.watched:
@@ -216,6 +255,7 @@ class Discovery:
         }
         evaluated = self._due_for_recheck(w, rows, now)
         w.woken = False
+        w.recheck_at = None  # this look takes it; its verdicts set the next one
         w.next_scan = now + w.source.poll_seconds
         w.scan_started = now
         w.scan_started_mono = time.monotonic()
@@ -223,7 +263,7 @@ class Discovery:
         wake_source = functools.partial(self._wake_source, w)
         w.scan = w.lane.submit(
             functools.partial(
-                self._scan, w.source, w.watching, wake_source, settled, recheck, evaluated, now
+                self._scan, w.source, w.watching, wake_source, settled, recheck, evaluated
             )
         )
 
@@ -264,7 +304,6 @@ class Discovery:
         settled: set[str],
         recheck: dict[str, tuple[str | None, float | None]],
         evaluated: dict[str, tuple[str | None, bool]],
-        now: float,
     ) -> ScanResult:
         if not watching:
             watching = source.watch(wake)
@@ -274,7 +313,7 @@ class Discovery:
             if f.ident is None or f.location in settled:
                 continue
             mark, since = recheck.get(f.location, (None, None))
-            j = self._judge(source, f.location, mark, since, now)
+            j = self._judge(source, f.location, mark, since)
             if j is not None:
                 judged[f.location] = j
         present = {f.location for f in found}
@@ -285,7 +324,7 @@ class Discovery:
                 if r is not None:
                     remarks[location] = r
                 if r is not None and r.changed:  # judged now: `once` sees a rewrite in one pass
-                    j = self._judge(source, location, r.write_mark, None, now)
+                    j = self._judge(source, location, r.write_mark, None)
                     if j is not None:
                         judged[location] = j
         return ScanResult(found, judged, watching, remarks)
@@ -295,8 +334,10 @@ class Discovery:
     ) -> Remark | None:
         try:
             view = source.view(location)
-            now_mark = view.write_mark()
-            if mark is None:  # evaluated before marks and fingerprints were kept: adopt them
+            now_mark = eval_mark(view)
+            if mark is None or not mark.startswith(MARK_VERSION):
+                # evaluated before marks and fingerprints were kept, or marked by a version that
+                # marked every file: adopt them (a rewrite since then shows in the fingerprint)
                 fp = None if has_fp else fingerprint(view, source.fingerprint_mode)
                 return Remark(now_mark, False, fp)
             return Remark(now_mark, True) if now_mark != mark else None
@@ -305,28 +346,35 @@ class Discovery:
             return None
 
     def _judge(
-        self, source: Source, location: str, mark: str | None, since: float | None, now: float
+        self, source: Source, location: str, mark: str | None, since: float | None
     ) -> Judged | None:
         try:
             view = source.view(location)
             verdict = completeness.check(
                 view,
-                now=now,
+                now=self.clock(),
                 stable_seconds=self.stable_seconds,
+                settle_seconds=self.settle_seconds,
                 unchanged_since=since,
                 previous_mark=mark,
+                tokenizer_required=self.tokenizer_required,
+                folder_name=location.rstrip("/").rsplit("/", 1)[-1],
             )
+            observed = self.clock()
             if not verdict.ready:
-                return Judged(verdict)
+                return Judged(verdict, observed)
             try:
                 fixes = source.prepare(location)
             except NamingFixError as e:
-                return Judged(Completeness("invalid", str(e), verdict.write_mark), fix_failed=True)
-            # after the fix: its own links are part of the folder from now on
+                failed = Completeness("invalid", str(e), verdict.write_mark)
+                return Judged(failed, observed, fix_failed=True)
+            if fixes:  # its own links are part of the folder from now on: a fresh listing
+                view = source.view(location)
             return Judged(
                 verdict,
+                observed,
                 fixes,
-                write_mark=view.write_mark(),
+                write_mark=eval_mark(view),
                 fingerprint=fingerprint(view, source.fingerprint_mode),
                 last_write=view.last_write(),
             )
@@ -364,6 +412,7 @@ class Discovery:
             row = self.state.checkpoint(location)
             if row is not None and row.state in RECHECK:
                 self._apply(row, judged, now)
+                self._recheck_at(w, row, judged)
         self._record(name, now, None, sum(1 for f in result.found if f.ident))
 
     def _record(self, name: str, now: float, error: str | None, n: int | None) -> None:
@@ -429,7 +478,7 @@ class Discovery:
             log.error("checkpoint.names_unfixable", location=row.location, error=verdict.reason)
         fields: dict[str, Any] = {"state": verdict.state, "reason": verdict.reason}
         if verdict.write_mark and verdict.write_mark != row.write_mark:
-            fields |= {"write_mark": verdict.write_mark, "unchanged_since": now}
+            fields |= {"write_mark": verdict.write_mark, "unchanged_since": judged.observed_at}
         if verdict.ready:
             fields |= {"ready_at": now, "write_mark": judged.write_mark}
             fields |= self._version(row, judged.fingerprint, now)
@@ -446,6 +495,16 @@ class Discovery:
             )
         elif "write_mark" in fields:
             self.state.upsert_checkpoint(row.location, row.source, now, **fields)
+
+    @staticmethod
+    def _recheck_at(w: _Watched, row: CheckpointRow, judged: Judged) -> None:
+        """A checkpoint waiting out a settle or quiet window: its source looks again when the
+        window ends, whether or not a poll or a write is due by then."""
+        wait = judged.verdict.recheck_in
+        if wait is None or judged.verdict.ready:
+            return
+        at = judged.observed_at + wait
+        w.recheck_at = at if w.recheck_at is None else min(w.recheck_at, at)
 
     @staticmethod
     def _version(row: CheckpointRow, new: str | None, now: float) -> dict[str, Any]:

@@ -31,6 +31,11 @@ class NamingFixError(CheckpointError):
     """The safetensors naming fix could not be applied safely."""
 
 
+class CheckpointChanged(CheckpointError):
+    """The files an eval reads are no longer those the checkpoint was judged ready (and
+    fingerprinted) with: it must be judged again before anything reads it."""
+
+
 class LedgerError(WatcherError):
     """The ledger cannot be read or appended."""
 

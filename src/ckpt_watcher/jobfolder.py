@@ -45,6 +45,7 @@ WORKER_MODULE = "ckpt_watcher.worker"
 EXIT_OK = 0  # every task ok
 EXIT_TASK_FAILED = 3  # some task failed (its outcome says why)
 EXIT_CRASH = 4  # the job stopped as a whole (crash.json says why, where the worker could say)
+EXIT_CHANGED = 5  # the checkpoint's files are not those it was judged with: nothing more read
 
 STATUS_FD_ENV = "CKPT_WATCHER_STATUS_FD"  # a warm worker's status pipe
 ENGINE_FILE = "engine.json"  # in a warm worker's home: the engine it holds
@@ -135,6 +136,9 @@ class JobSpec:
     device_label: str
     request: EvalRequest
     stage: Stage | None = None
+    # the write mark of the files the job's fingerprint was taken from: the worker reads those
+    # or nothing (checkpoints/files.check_unchanged)
+    write_mark: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -153,6 +157,7 @@ class JobSpec:
             device_label=raw["device_label"],
             request=EvalRequest(**request),
             stage=Stage(**stage) if stage else None,
+            write_mark=raw.get("write_mark"),
         )
 
 
@@ -216,10 +221,12 @@ class Progress:
 
 @dataclass(frozen=True)
 class Crash:
-    """`crash.json`: what stopped the whole job, classified like a task's error."""
+    """`crash.json`: what stopped the whole job, classified like a task's error; `changed`:
+    the checkpoint's files changed under it (it is judged again, no attempt spent)."""
 
     error: str
     heals: bool
+    changed: bool = False
 
 
 class JobFolder:
@@ -284,7 +291,7 @@ class JobFolder:
     def crash(self) -> Crash | None:
         try:
             data = json.loads((self.path / CRASH_FILE).read_text(encoding="utf-8"))
-            return Crash(str(data["error"]), bool(data["heals"]))
+            return Crash(str(data["error"]), bool(data["heals"]), bool(data.get("changed")))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 

@@ -4,6 +4,9 @@ cannot delete what an eval is about to read (or is reading).
 When a local checkpoint gets a job, the files an eval reads are hard-linked into
 `<its parent>/.ckpt-watcher-pins/<its name>/`: the same filesystem (a hard link is another name
 for the same data, no byte copied; a symlink would hold nothing), in a folder scans never enter.
+The pinned files must be exactly those the checkpoint was judged ready and fingerprinted with
+(the same write mark); a writer that changed them since is caught here, before any eval reads
+the pin (`CheckpointChanged`: the checkpoint is judged again).
 The job's worker reads the pinned copy, so a trainer that deletes the checkpoint meanwhile
 changes nothing: its data lives on until the pin is released, which happens once the
 checkpoint has no job queued or running (its results are in the ledger, or it ended otherwise).
@@ -24,7 +27,8 @@ from pathlib import Path
 
 import structlog
 
-from ckpt_watcher.checkpoints.files import needed_files
+from ckpt_watcher.checkpoints.files import LocalFiles, check_unchanged, needed_files
+from ckpt_watcher.errors import CheckpointChanged
 from ckpt_watcher.state import State
 
 log = structlog.get_logger("ckpt_watcher.pins")
@@ -71,9 +75,13 @@ class Pins:
     def held_bytes(self) -> int:
         return sum(p.bytes for p in self.all().values())
 
-    def pin(self, location: str, fingerprint: str | None, now: float) -> Pin | None:
+    def pin(
+        self, location: str, fingerprint: str | None, now: float, write_mark: str | None = None
+    ) -> Pin | None:
         """Hard-link what an eval of the (local, complete) checkpoint reads into its pin
-        folder; None where it cannot be pinned (said once per filesystem)."""
+        folder; None where it cannot be pinned (said once per filesystem). With `write_mark`
+        (the mark it was judged with), raises CheckpointChanged, holding nothing, when the
+        pinned files are not those."""
         if not self.enabled or location.startswith("s3://"):
             return None
         pins = self.all()
@@ -102,8 +110,12 @@ class Pins:
             partial.mkdir(parents=True)
             for name in names:
                 os.link(folder / name, partial / name)
+            check_unchanged(LocalFiles(partial), write_mark, location)
             shutil.rmtree(dest, ignore_errors=True)  # one an earlier daemon left half-released
             partial.rename(dest)
+        except CheckpointChanged:
+            self.release(location, "the checkpoint changed after it was judged ready")
+            raise
         except OSError as e:
             self.release(location, "could not be pinned")
             if e.errno in _REFUSALS:

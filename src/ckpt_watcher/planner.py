@@ -37,6 +37,7 @@ class QueueJob:
     order_key: float
     run_path: str = ""
     fingerprint: str | None = None
+    write_mark: str | None = None  # of the files the fingerprint was taken from
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ def plan_ready(
                 order_key(step, final),
                 run_path=row.run_path,
                 fingerprint=fp,
+                write_mark=row.write_mark,
             )
         )
         actions.append(MarkCheckpoint(loc, "planned"))

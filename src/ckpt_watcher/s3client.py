@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import structlog
 import tenacity
 
+from ckpt_watcher.checkpoints.files import MARK_VERSION
 from ckpt_watcher.errors import S3Error
 
 log = structlog.get_logger("ckpt_watcher.s3")
@@ -235,10 +236,17 @@ class S3Files:
             byte_range = f"bytes={start}-{end}"
         return get_bytes(self.client, self.retry, self.bucket, self.prefix + name, byte_range)
 
+    def etag(self, name: str) -> str:
+        """The object's ETag as listed ("" if the listing gave none)."""
+        self.files  # noqa: B018 (lists the prefix once)
+        return self._etags.get(name, "")
+
     def last_write(self) -> float | None:
         self.files  # noqa: B018 (lists the prefix once)
         return max(self._modified.values(), default=None)
 
-    def write_mark(self) -> str:
+    def write_mark(self, names: list[str] | None = None) -> str:
         sizes = self.files
-        return "\n".join(f"{n}:{sizes[n]}:{self._etags.get(n, '')}" for n in sorted(sizes))
+        chosen = sorted(sizes) if names is None else [n for n in names if n in sizes]
+        parts = [f"{n}:{sizes[n]}:{self._etags.get(n, '')}" for n in chosen]
+        return "\n".join([MARK_VERSION, *parts])

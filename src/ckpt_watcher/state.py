@@ -71,6 +71,7 @@ _ADDED_COLUMNS = (
     ("checkpoints", "rewritten_at", "REAL"),
     ("jobs", "run_path", "TEXT"),
     ("jobs", "fingerprint", "TEXT"),
+    ("jobs", "write_mark", "TEXT"),
 )
 # Run once when a column is added to a database that had none: the upgrade of its rows.
 _UPGRADES = {
@@ -102,6 +103,7 @@ class Job:
     order_key: float
     run_path: str = ""  # the run's path under its source root (the ledger's folder)
     fingerprint: str | None = None  # the checkpoint's content when the job was queued
+    write_mark: str | None = None  # the mark of the files that fingerprint was taken from
     state: str = "queued"
     attempt: int = 0  # attempts started (and not given back)
     not_before: float = 0.0  # a retry waits until then
@@ -133,12 +135,15 @@ class Job:
             order_key=self.order_key,
             run_path=self.run_path,
             fingerprint=self.fingerprint,
+            write_mark=self.write_mark,
         )
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> Job:
         have = set(row.keys())  # a database no daemon of this version has opened yet
-        values: dict[str, Any] = {name: row[name] if name in have else None for name in _JOB_COLUMNS}
+        values: dict[str, Any] = {
+            name: row[name] if name in have else None for name in _JOB_COLUMNS
+        }
         values["tasks"] = json.loads(values["tasks"])
         for name in ("not_before", "created_at", "order_key"):
             values[name] = values[name] or 0.0
@@ -402,6 +407,11 @@ class State:
             self.conn.execute(
                 f"INSERT INTO jobs({','.join(_JOB_COLUMNS)}) VALUES({marks})", job.as_row()
             )
+
+    def delete_job(self, job_id: str) -> None:
+        """Forget a job that never started (its checkpoint is to be judged again)."""
+        with self.conn:
+            self.conn.execute("DELETE FROM jobs WHERE id=? AND state='queued'", (job_id,))
 
     def job(self, job_id: str) -> Job | None:
         row = self.conn.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()

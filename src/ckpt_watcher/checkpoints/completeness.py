@@ -1,13 +1,28 @@
-"""Is a checkpoint completely written? The contract's rules, in order of trust:
+"""Is a checkpoint completely written? Two questions, both answered from listings and headers
+only (through a `CheckpointFiles` view, so the same rules hold for a local folder and an S3
+prefix), with time passed in and nothing slept.
 
-1. a marker the writer leaves last (`.checkpoint_complete`, `STABLE`, DCP `.metadata`);
-2. else every `*.safetensors` file is exactly as long as its header says, every shard of a
-   `-0000k-of-0000n` series and every file the index names exists (after the naming fix),
-   `config.json` parses, and an HF Trainer folder has its last file, `trainer_state.json`;
-3. else (other weight formats) no size or mtime change across `stable_seconds`.
+1. **Is everything an eval reads there, whole?** (`structure`)
+   - every `*.safetensors` file is exactly as long as its header says, every shard of a
+     `-0000k-of-0000n` series and every file the index names exists (after the naming fix);
+     a marker the writer leaves (`.checkpoint_complete`, `STABLE`, DCP `.metadata`) does not
+     waive this: a marker uploaded before its shards (parallel S3 uploads) proves nothing;
+   - other weight formats (`pytorch_model.bin`, ...) with no marker: no write across
+     `stable_seconds`, the only evidence they offer;
+   - `config.json` parses, and beside weights transformers loads (safetensors, `pytorch_model`
+     bins) a tokenizer is there: an eval loads it from the checkpoint, unless
+     `eval.model_args.tokenizer` names one elsewhere;
+   - an HF Trainer folder (`training_args.bin`, or a `checkpoint-N` with optimizer, scheduler
+     or RNG states) has `trainer_state.json`, the file the Trainer writes last.
+2. **Has the writer stopped?** (`check`) The files an eval reads (`files.eval_files`) have not
+   changed (names, sizes, mtimes or ETags: the write mark) for `settle_seconds`, as seen by two
+   looks at least that far apart. A writer that adds the tokenizer, the generation config or a
+   shard a moment after the weights is caught by it whatever its order; one that pauses longer
+   between files than the settle time is caught by the structural rules above where they can
+   tell (the tokenizer, the index, the Trainer's last file).
 
-An incomplete checkpoint is never evaluated. Only listings and headers are read, through a
-`CheckpointFiles` view, so the same rules hold for a local folder and an S3 prefix.
+An incomplete checkpoint is never evaluated; the caller keeps the write mark and since when it
+has not changed, passes both back on the next look, and looks again at `recheck_at`.
 """
 
 from __future__ import annotations
@@ -17,23 +32,42 @@ import re
 from dataclasses import dataclass
 from fnmatch import fnmatch
 
-from ckpt_watcher.checkpoints.files import CheckpointFiles
+from ckpt_watcher.checkpoints.files import CheckpointFiles, eval_files, eval_mark
 from ckpt_watcher.checkpoints.namefix import plan_fix
 from ckpt_watcher.checkpoints.safetensors_header import read_header
 from ckpt_watcher.errors import HeaderUnreadable, NamingFixError
 
 MARKERS = (".checkpoint_complete", "STABLE", ".metadata")
+# Any one of these is a tokenizer that transformers can load (with tokenizer_config.json or not).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+)
+# What the HF Trainer writes after the model and before `trainer_state.json`, its last file.
+TRAINER_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth")
+TRAINER_STATE = "trainer_state.json"
+DEFAULT_SETTLE_SECONDS = 0.5
+_HF_TRAINER_FOLDER = re.compile(r"^checkpoint-\d+$")
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.safetensors$")
 _OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.distcp")
 
 
 @dataclass(frozen=True)
 class Completeness:
-    """The verdict: `ready`, `incomplete` (may still become ready) or `invalid` (will not)."""
+    """The verdict: `ready`, `incomplete` (may still become ready) or `invalid` (will not).
+
+    `write_mark` is the mark of the files it was judged on; `recheck_in`, when set, is how many
+    seconds after this look the verdict may change with no further write (a settle or quiet
+    window ends there).
+    """
 
     state: str
     reason: str
     write_mark: str = ""
+    recheck_in: float | None = None
 
     @property
     def ready(self) -> bool:
@@ -45,45 +79,106 @@ def check(
     *,
     now: float,
     stable_seconds: float,
+    settle_seconds: float = DEFAULT_SETTLE_SECONDS,
     unchanged_since: float | None = None,
     previous_mark: str | None = None,
+    tokenizer_required: bool = True,
+    folder_name: str = "",
 ) -> Completeness:
-    """Decide whether a checkpoint is complete. Time is passed in; nothing is slept.
+    """Decide whether a checkpoint is complete (see the module's docstring).
 
-    For the stability fallback the caller keeps the previous write mark and since when it has
-    not changed, and passes both back on the next call.
+    `previous_mark` and `unchanged_since` are what the caller kept from its last look (the
+    returned `write_mark`, and since when it has been the same); `now` is taken before this
+    look's listing.
     """
+    mark = eval_mark(files)
+    quiet = now - unchanged_since if mark == previous_mark and unchanged_since is not None else None
+    problem, evidence, window = structure(
+        files,
+        tokenizer_required=tokenizer_required,
+        folder_name=folder_name,
+        stable_seconds=stable_seconds,
+        settle_seconds=settle_seconds,
+    )
+    if problem is not None:
+        return Completeness(problem.state, problem.reason, mark)
+    if window <= 0 or (quiet is not None and quiet >= window):
+        return Completeness("ready", evidence, mark)
+    left = window if quiet is None else window - quiet
+    if window == settle_seconds:  # short: one steady reason, not a countdown
+        reason = f"settling: waiting until the files an eval reads are unchanged for {window:g}s"
+    elif quiet is None:
+        reason = f"waiting {window:g}s without writes (no marker)"
+    else:
+        reason = f"unchanged for {quiet:.0f}s of {window:g}s (no marker)"
+    return Completeness("incomplete", reason, mark, left)
+
+
+def structure(
+    files: CheckpointFiles,
+    *,
+    tokenizer_required: bool,
+    folder_name: str,
+    stable_seconds: float,
+    settle_seconds: float,
+) -> tuple[Completeness | None, str, float]:
+    """Whether everything an eval reads is there, whole: (the problem, or None; what proves it
+    complete, for the ready verdict's reason; how long its files must then stay unchanged)."""
     names = files.files
-    for marker in MARKERS:
-        if marker in names:
-            cfg = _config_problem(files)
-            if cfg:
-                return Completeness("invalid", f"marker {marker} present but {cfg}")
-            return Completeness("ready", f"marker {marker}")
-
+    marker = next((m for m in MARKERS if m in names), None)
     shards = sorted(n for n in names if n.endswith(".safetensors"))
+    window = settle_seconds
     if shards:
-        return _check_safetensors(files, shards)
-
-    if not any(fnmatch(n, pat) for n in names for pat in _OTHER_WEIGHTS):
-        return Completeness("incomplete", "no weight files yet")
-    fp = files.write_mark()
-    if previous_mark != fp or unchanged_since is None:
-        return Completeness(
-            "incomplete", f"waiting {stable_seconds:g}s without writes (no marker)", fp
-        )
-    quiet = now - unchanged_since
-    if quiet < stable_seconds:
-        return Completeness(
-            "incomplete", f"unchanged for {quiet:.0f}s of {stable_seconds:g}s (no marker)", fp
-        )
+        problem = _check_safetensors(files, shards)
+        if problem is not None:
+            return problem, "", window
+        evidence = f"{len(shards)} safetensors file(s) complete"
+        if marker:
+            evidence = f"marker {marker}, {evidence}"
+    elif marker:
+        evidence = f"marker {marker}"
+    elif any(fnmatch(n, pat) for n in names for pat in _OTHER_WEIGHTS):
+        evidence = "no writes (no marker)"
+        window = max(stable_seconds, settle_seconds)
+    else:
+        return Completeness("incomplete", "no weight files yet"), "", window
     cfg = _config_problem(files)
     if cfg:
-        return Completeness("incomplete", cfg, fp)
-    return Completeness("ready", f"unchanged for {quiet:.0f}s", fp)
+        state = "invalid" if marker and cfg != _NO_CONFIG else "incomplete"
+        if marker and state == "invalid":
+            cfg = f"marker {marker} present but {cfg}"
+        return Completeness(state, cfg), "", window
+    hf_weights = eval_files(names) is not None  # what transformers and vLLM load
+    if tokenizer_required and hf_weights and not any(n in names for n in TOKENIZER_FILES):
+        return (
+            Completeness(
+                "incomplete",
+                "no tokenizer files yet (an eval loads its tokenizer from the checkpoint; if "
+                "this trainer saves none, set eval.model_args.tokenizer)",
+            ),
+            "",
+            window,
+        )
+    if TRAINER_STATE not in names and _hf_trainer_folder(names, folder_name):
+        return (
+            Completeness(
+                "incomplete", f"HF Trainer folder without {TRAINER_STATE} yet (it writes it last)"
+            ),
+            "",
+            window,
+        )
+    return None, evidence, window
 
 
-def _check_safetensors(files: CheckpointFiles, shards: list[str]) -> Completeness:
+def _hf_trainer_folder(names: dict[str, int], folder_name: str) -> bool:
+    if "training_args.bin" in names:
+        return True
+    return bool(_HF_TRAINER_FOLDER.match(folder_name)) and any(
+        fnmatch(n, pat) for n in names for pat in TRAINER_FILES
+    )
+
+
+def _check_safetensors(files: CheckpointFiles, shards: list[str]) -> Completeness | None:
     for name in shards:
         size = files.files[name]
         try:
@@ -111,13 +206,7 @@ def _check_safetensors(files: CheckpointFiles, shards: list[str]) -> Completenes
         plan_fix(files)
     except NamingFixError as e:
         return Completeness("incomplete", str(e))
-    cfg = _config_problem(files)
-    if cfg:
-        return Completeness("incomplete", cfg)
-    if "training_args.bin" in files.files and "trainer_state.json" not in files.files:
-        # The HF Trainer writes trainer_state.json last; tokenizer files may still be coming.
-        return Completeness("incomplete", "HF Trainer folder without trainer_state.json yet")
-    return Completeness("ready", f"{len(shards)} safetensors file(s) complete")
+    return None
 
 
 def _shard_series_gap(shards: list[str]) -> str:
@@ -132,11 +221,14 @@ def _shard_series_gap(shards: list[str]) -> str:
     return ""
 
 
+_NO_CONFIG = "config.json not written yet"
+
+
 def _config_problem(files: CheckpointFiles) -> str:
     try:
         data = json.loads(files.read("config.json").decode("utf-8"))
     except FileNotFoundError:
-        return "config.json not written yet"
+        return _NO_CONFIG
     except (OSError, UnicodeDecodeError, ValueError):
         return "config.json does not parse (yet)"
     if not isinstance(data, dict):

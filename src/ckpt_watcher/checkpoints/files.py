@@ -8,6 +8,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
+from ckpt_watcher.errors import CheckpointChanged
+
 # What an eval reads of a checkpoint (besides its weights): staged from S3, and fingerprinted.
 NEEDED = frozenset(
     {
@@ -29,6 +31,11 @@ NEEDED = frozenset(
 )
 
 
+# The first line of every write mark: marks kept by a version that marked every file (no such
+# line) are adopted on their next look rather than taken for a rewrite (discovery.py).
+MARK_VERSION = "mark:2"
+
+
 class CheckpointFiles(Protocol):
     @property
     def files(self) -> dict[str, int]:
@@ -39,8 +46,10 @@ class CheckpointFiles(Protocol):
         """Bytes of one file (a range of it); FileNotFoundError if it is not there."""
         ...
 
-    def write_mark(self) -> str:
-        """Changes whenever a write lands (names, sizes, mtimes or ETags)."""
+    def write_mark(self, names: list[str] | None = None) -> str:
+        """Changes whenever a write lands in `names` (None: in any file): names, sizes, mtimes
+        or ETags. Marks of one kind of view compare; a local folder's and an S3 prefix's never
+        do."""
         ...
 
     def last_write(self) -> float | None:
@@ -92,15 +101,47 @@ class LocalFiles:
                 continue
         return max(times, default=None)
 
-    def write_mark(self) -> str:
-        parts = []
-        for p in sorted(self.root.rglob("*")):
+    def write_mark(self, names: list[str] | None = None) -> str:
+        paths = sorted(self.root.rglob("*")) if names is None else [self.root / n for n in names]
+        parts = [MARK_VERSION]
+        for p in paths:
             try:
-                st = p.lstat()
+                # a named file is what an eval reads: through the naming fix's symlink, if any
+                st = p.lstat() if names is None else p.stat()
             except OSError:
                 continue
             parts.append(f"{p.relative_to(self.root)}:{st.st_size}:{st.st_mtime_ns}")
         return "\n".join(parts)
+
+
+def eval_files(files: dict[str, int]) -> list[str] | None:
+    """The files whose writes move a checkpoint's write mark: those an eval reads, when they
+    include weights (so a trainer's optimizer states, logs and markers written later are no
+    change to the checkpoint); None (every file, subfolders too) for formats an eval reads no
+    named weights of, which only a quiet folder can vouch for."""
+    names = needed_files(files)
+    weights = [n for n in names if n.endswith((".safetensors", ".bin"))]
+    return names if weights else None
+
+
+def eval_mark(view: CheckpointFiles) -> str:
+    """The view's write mark over `eval_files`."""
+    return view.write_mark(eval_files(view.files))
+
+
+def comparable(mark: str | None) -> bool:
+    """A mark this version can compare (one kept by an earlier version marked other files)."""
+    return mark is not None and mark.startswith(MARK_VERSION)
+
+
+def check_unchanged(view: CheckpointFiles, mark: str | None, where: str) -> None:
+    """Raise CheckpointChanged unless the files an eval reads in `view` are those `mark` was
+    taken from. A mark this version cannot compare is taken as it is, and so are formats whose
+    weights an eval does not read by name (their mark is the whole folder's, which a pinned or
+    staged copy does not have)."""
+    names = eval_files(view.files)
+    if comparable(mark) and names is not None and view.write_mark(names) != mark:
+        raise CheckpointChanged(f"{where}: its files changed after it was judged ready")
 
 
 def needed_files(files: dict[str, int]) -> list[str]:

@@ -182,6 +182,20 @@ class JobBook:
                 job.location, row.source, now, state=mark.state, reason=mark.reason
             )
 
+    def changed(self, job: Job, reason: str, now: float) -> None:
+        """The checkpoint's files changed under the job (its worker found them other than
+        judged): what it finished before stands; the rest of this job and of the checkpoint's
+        queued jobs is dropped, and the checkpoint is judged again (no attempt spent)."""
+        self.state.update_job(
+            job.id, state="skipped", finished_at=now, error=f"judged again: {reason}", pid=None
+        )
+        for waiting in self.state.jobs("queued", location=job.location):
+            self.state.delete_job(waiting.id)
+        source = self.source_name(job)
+        if not self.state.jobs("running", location=job.location):
+            self.discovery.release(source, job.location)
+        self.discovery.look_again(source, job.location, now, reason)
+
     def missed(self, job: Job, reason: str, now: float) -> None:
         """The checkpoint was deleted before its results were in."""
         self.state.update_job(job.id, state="skipped", error=reason, pid=None)

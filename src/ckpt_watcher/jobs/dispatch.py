@@ -20,6 +20,7 @@ from ckpt_watcher import planner, scheduler
 from ckpt_watcher.config import BASELINE_RUN, WatcherConfig
 from ckpt_watcher.devices import Device
 from ckpt_watcher.discovery import Discovery
+from ckpt_watcher.errors import CheckpointChanged
 from ckpt_watcher.executors.base import Executor
 from ckpt_watcher.jobfolder import EvalRequest, JobFolder, JobSpec, TaskRun
 from ckpt_watcher.jobs.book import JobBook
@@ -51,8 +52,9 @@ class Dispatcher:
         self.pins = pins
         self.on_skipped: Callable[[str], None] = lambda reason: None  # a checkpoint skipped
 
-    def queue(self, q: planner.QueueJob, now: float) -> Job:
-        """Carry out a planner QueueJob."""
+    def queue(self, q: planner.QueueJob, now: float) -> Job | None:
+        """Carry out a planner QueueJob; None when its checkpoint turned out to have changed
+        since it was judged ready (it is judged again, and planned then)."""
         job = Job(
             id=f"{q.run}-{q.step if q.step is not None else q.label}-{uuid.uuid4().hex[:8]}",
             location=q.location,
@@ -65,12 +67,18 @@ class Dispatcher:
             order_key=q.order_key,
             run_path=q.run_path,
             fingerprint=q.fingerprint,
+            write_mark=q.write_mark,
         )
         self.state.add_job(job)
+        try:
+            self._hold(job, now)
+        except CheckpointChanged as e:
+            self.state.delete_job(job.id)
+            self.discovery.look_again(self.book.source_name(job), job.location, now, str(e))
+            return None
         log.info(
             "job.queued", job_id=job.id, run=q.run, step=q.step, tasks=[t["task"] for t in q.tasks]
         )
-        self._hold(job, now)
         return job
 
     def _hold(self, job: Job, now: float) -> None:
@@ -80,7 +88,7 @@ class Dispatcher:
             return
         if job.location.startswith("s3://"):
             self.discovery.hold(self.book.source_name(job), job.location)
-        elif self.pins.pin(job.location, job.fingerprint, now) is not None:
+        elif self.pins.pin(job.location, job.fingerprint, now, job.write_mark) is not None:
             # over policy.pin_max_gb: the oldest pins of checkpoints not started go, and
             # those checkpoints are skipped (visibly), rather than evaluated unprotected
             spared = {j.location for j in self.state.jobs("running")} | {job.location}
@@ -192,7 +200,7 @@ class Dispatcher:
             tensor_parallel_size=ev.tensor_parallel_size,
         )
         stage = self.discovery.stage_spec(self.book.source_name(job), job.location)
-        return JobSpec(job.id, device.label, request, stage)
+        return JobSpec(job.id, device.label, request, stage, write_mark=job.write_mark)
 
     def _start(self, job: Job, device: Device) -> None:
         attempt = job.attempt + 1

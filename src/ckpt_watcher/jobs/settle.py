@@ -5,6 +5,7 @@
 | case                                   | verdict  | attempt spent | when again                  |
 |----------------------------------------|----------|---------------|-----------------------------|
 | every task has its ok line             | ok       | -             | -                           |
+| the checkpoint's files changed under it (the worker found them other than judged) | changed | no | once judged again |
 | killed by our own shutdown             | requeue  | no            | next start                  |
 | stopped to give its GPU back (another process started using it: devices.yield_to_others) | requeue | no | next free device |
 | checkpoint deleted meanwhile           | missed   | -             | never                       |
@@ -33,7 +34,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Kind = Literal["ok", "requeue", "missed", "retry", "fail"]
+Kind = Literal["ok", "changed", "requeue", "missed", "retry", "fail"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Attempt:
     yielded: str | None = None  # why it was stopped to give its device back
     timed_out_after: float | None = None  # eval.timeout_seconds, when the worker was timed out
     checkpoint_gone: bool = False
+    checkpoint_changed: bool = False  # the worker found its files other than judged
     task_errors: list[str] = field(default_factory=list)  # "task: error" from the worker
     crash_error: str | None = None  # what stopped the whole worker, if it said (crash.json)
     heals: bool = True  # False: the worker classified every remaining failure as permanent
@@ -88,6 +90,9 @@ def failure_reason(a: Attempt) -> str:
 def settle(a: Attempt) -> Verdict:
     if not a.remaining:
         return Verdict("ok", attempt=a.attempt)
+    if a.checkpoint_changed:
+        reason = a.crash_error or "the checkpoint changed under its eval"
+        return Verdict("changed", reason, attempt=max(0, a.attempt - 1))
     if a.killed_for_stop:
         return Verdict("requeue", "interrupted by shutdown", attempt=max(0, a.attempt - 1))
     if a.yielded is not None:

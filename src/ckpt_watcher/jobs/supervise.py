@@ -143,6 +143,7 @@ class Supervisor:
                 yielded=yielded,
                 timed_out_after=self.cfg.eval.timeout_seconds if timed_out else None,
                 checkpoint_gone=gone,
+                checkpoint_changed=crash is not None and crash.changed,
                 task_errors=[
                     f"{task['task']}: {outcomes[task_key(task)].error}"
                     for task in remaining
@@ -156,6 +157,8 @@ class Supervisor:
         if verdict.kind == "ok":
             self.book.finish(job, "ok", now)
             log.info("job.ok", job_id=job.id, run=job.run, step=job.step)
+        elif verdict.kind == "changed":
+            self.book.changed(job, verdict.reason, now)
         elif verdict.kind == "requeue":
             self.book.requeue(job, remaining, attempt=verdict.attempt, error=verdict.reason)
             log.info("job.requeued", job_id=job.id, reason=verdict.reason)

@@ -7,11 +7,18 @@ name, checked (size, and for safetensors the header's expected size), then renam
 The naming fix is applied to the staged copy. Runs inside the worker process, and on the daemon's
 hold lane as soon as a checkpoint is due (`S3Source.hold`), so a prefix deleted before its eval
 costs nothing.
+
+The staged copy holds exactly the objects the checkpoint was judged with: given the write mark
+it was judged with, the listing must match it, each object fetched must still have the listed
+ETag once it is down, and a file kept from an earlier staging is kept only if its
+ETag (in `.fetched.json`) is the listed one. Anything else is `CheckpointChanged`: the daemon
+judges the checkpoint again, and nothing reads a mix of two versions.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import time
@@ -22,15 +29,23 @@ from urllib.parse import quote
 
 import structlog
 
-from ckpt_watcher.checkpoints.files import LocalFiles, needed_files
+from ckpt_watcher.checkpoints.files import (
+    LocalFiles,
+    check_unchanged,
+    comparable,
+    eval_mark,
+    needed_files,
+)
 from ckpt_watcher.checkpoints.namefix import apply_fix
 from ckpt_watcher.checkpoints.safetensors_header import read_header
-from ckpt_watcher.errors import HeaderUnreadable, StagingError
+from ckpt_watcher.durable import write_json_atomic
+from ckpt_watcher.errors import CheckpointChanged, HeaderUnreadable, StagingError
 from ckpt_watcher.s3client import DEFAULT_REQUEST_TIMEOUT, Retry, S3Files, make_client, split_uri
 
 log = structlog.get_logger("ckpt_watcher.sources.staging")
 
 LAST_USED = ".last_used"
+MANIFEST = ".fetched.json"  # the objects the staged files were fetched from (`_manifest`)
 
 
 def _safe_part(part: str, location: str) -> str:
@@ -58,8 +73,11 @@ def stage(
     client: Any = None,
     retry: Retry | None = None,
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    write_mark: str | None = None,
 ) -> Path:
-    """Download what an eval of `location` needs into the cache; returns the local folder."""
+    """Download what an eval of `location` needs into the cache; returns the local folder.
+    With `write_mark` (the S3 write mark the checkpoint was judged with), raises
+    CheckpointChanged unless what is staged is exactly those objects."""
     client = client or make_client(endpoint_url, request_timeout)
     retry = retry or Retry()
     bucket, key = split_uri(location)
@@ -69,8 +87,12 @@ def stage(
     if "config.json" not in names:
         if is_staged(cache_dir, location):  # held when it was due (S3Source.hold); gone since
             log.info("staging.prefix_gone_copy_held", location=location, path=str(dest))
+            held = _manifest(dest).get("mark")
+            if comparable(write_mark) and comparable(held) and held != write_mark:
+                raise CheckpointChanged(f"{location}: the copy held is of other objects")
             return dest
         raise StagingError(f"{location}: no config.json under this prefix")
+    check_unchanged(view, write_mark, location)
     dest.mkdir(parents=True, exist_ok=True)
     # workers of one checkpoint on several devices (a split job, a helper) stage it one at a
     # time: the second finds every file in place, checked, and names already fixed
@@ -90,15 +112,18 @@ def _stage_into(
     )
     started = time.monotonic()
     fetched = 0
+    etags: dict[str, str] = _manifest(dest).get("etags") or {}
     for name in names:
         _safe_part(name, location)
         size = view.files[name]
         target = dest / name
-        if target.is_file() and target.stat().st_size == size and _verified(dest, name, size):
-            continue  # staged before (a retry of the same job)
+        etag = view.etag(name)
+        kept = target.is_file() and target.stat().st_size == size and etags.get(name) == etag
+        if kept and _verified(dest, name, size):
+            continue  # staged before, from this very object (a retry of the same job)
         tmp = dest / f".{name}.part"
         retry(
-            partial(client.download_file, bucket, key + name, str(tmp), Config=transfer),
+            partial(_fetch, client, bucket, key + name, tmp, etag, transfer, location),
             f"{location}{name}",
         )
         got = tmp.stat().st_size
@@ -109,7 +134,11 @@ def _stage_into(
         if not _verified(dest, name, size):
             target.unlink(missing_ok=True)
             raise OSError(f"{location}{name}: its safetensors header does not match its size")
+        etags[name] = etag
+        write_json_atomic(dest / MANIFEST, {"etags": etags})
         fetched += size
+    # and of the whole copy, for one held after its prefix went
+    write_json_atomic(dest / MANIFEST, {"etags": etags, "mark": eval_mark(view)})
     for action in apply_fix(dest):
         log.info("staging.names_fixed", location=location, action=action.describe())
     (dest / LAST_USED).touch()
@@ -122,6 +151,29 @@ def _stage_into(
         seconds=round(time.monotonic() - started, 2),
     )
     return dest
+
+
+def _fetch(
+    client: Any, bucket: str, key: str, tmp: Path, etag: str, transfer: Any, location: str
+) -> None:
+    """Download one object, and make sure it was still the listed one (its ETag) once it is
+    down: one that changed meanwhile may have given a mix of both versions."""
+    client.download_file(bucket, key, str(tmp), Config=transfer)
+    if etag and client.head_object(Bucket=bucket, Key=key).get("ETag", etag) != etag:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointChanged(
+            f"{location}{key.rsplit('/', 1)[-1]}: rewritten while it was staged"
+        )
+
+
+def _manifest(dest: Path) -> dict[str, Any]:
+    """What the staged copy was fetched from: `etags` (name -> ETag) and, once complete, the
+    `mark` of the objects (an empty dict for a copy staged by an earlier version)."""
+    try:
+        data = json.loads((dest / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def is_staged(cache_dir: Path, location: str) -> bool:

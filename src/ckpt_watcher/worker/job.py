@@ -3,6 +3,11 @@ every task on it with the model loaded once (or swapped into a warm engine), and
 task's outcome as it finishes, so a crash later in the job keeps the tasks already done. The
 daemon reads the outcomes and is the only writer of the ledger. The exit code says how the job
 ended (`jobfolder.EXIT_*`); what stopped a whole job goes in the folder's crash file.
+
+A result is of exactly the bytes its fingerprint names: the files read are those the checkpoint
+was judged with (the spec's write mark) before the model loads, and still are when each task
+ends, or nothing more is recorded (`EXIT_CHANGED`: the daemon judges the checkpoint again). A
+staged S3 copy is checked object by object as it is fetched (sources/staging.py).
 """
 
 from __future__ import annotations
@@ -14,7 +19,16 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from ckpt_watcher.jobfolder import EXIT_CRASH, EXIT_OK, EXIT_TASK_FAILED, Crash, JobFolder
+from ckpt_watcher.checkpoints.files import LocalFiles, check_unchanged
+from ckpt_watcher.errors import CheckpointChanged
+from ckpt_watcher.jobfolder import (
+    EXIT_CHANGED,
+    EXIT_CRASH,
+    EXIT_OK,
+    EXIT_TASK_FAILED,
+    Crash,
+    JobFolder,
+)
 
 if TYPE_CHECKING:
     from ckpt_watcher.evaluators.keeper import EngineKeeper
@@ -25,12 +39,18 @@ PROGRESS_EVERY_SECONDS = 1.0
 log = structlog.get_logger("ckpt_watcher.worker")
 
 
-def _record_crash(folder: JobFolder, e: BaseException) -> None:
-    """What stopped the whole job (staging, loading the model), classified like a task's error."""
+def _record_crash(folder: JobFolder, e: BaseException) -> int:
+    """What stopped the whole job (staging, loading the model), classified like a task's error;
+    returns the exit code that says so."""
+    if isinstance(e, CheckpointChanged):
+        log.warning("worker.checkpoint_changed", error=str(e))
+        folder.write_crash(Crash(str(e), heals=True, changed=True))
+        return EXIT_CHANGED
     from ckpt_watcher.evaluators.failures import classify
 
     failure = classify(e)
     folder.write_crash(Crash(failure.error, failure.heals))
+    return EXIT_CRASH
 
 
 def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
@@ -50,6 +70,19 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
     from ckpt_watcher.evaluators.harness import run_tasks
 
     req = spec.request
+    # a local checkpoint (or its pin) is read where the trainer may still write: the files read
+    # must be those judged, before loading and after each task (a staged copy is ours, and
+    # was checked object by object as it was fetched)
+    live = Path(req.checkpoint) if spec.stage is None else None
+
+    def unchanged() -> None:
+        if live is not None:
+            check_unchanged(LocalFiles(live), spec.write_mark, str(live))
+
+    try:
+        unchanged()
+    except CheckpointChanged as e:
+        return _record_crash(folder, e)
     if spec.stage is not None:
         from ckpt_watcher.sources.staging import stage as stage_checkpoint
 
@@ -59,11 +92,12 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
                 Path(spec.stage.cache_dir),
                 spec.stage.endpoint_url,
                 request_timeout=spec.stage.request_timeout,
+                write_mark=spec.write_mark,
             )
         except Exception as e:
-            log.exception("worker.staging_failed", location=spec.stage.location)
-            _record_crash(folder, e)
-            return EXIT_CRASH
+            if not isinstance(e, CheckpointChanged):
+                log.exception("worker.staging_failed", location=spec.stage.location)
+            return _record_crash(folder, e)
         log.info("worker.staged", location=spec.stage.location, path=str(local))
         req = dataclasses.replace(req, checkpoint=str(local))
     index = {t.key: i for i, t in enumerate(req.tasks)}
@@ -76,6 +110,7 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
             last_progress[0] = now.at
 
     def record(outcome: TaskOutcome) -> None:
+        unchanged()  # raises: this task's result is of no bytes the job was asked about
         folder.write_outcome(index[outcome.key], outcome)
         log.info(
             "worker.task_done",
@@ -103,10 +138,11 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
                 for o in run_tasks(sub, record, keeper.acquire(sub), progress, spec.device_label)
             }
             outcomes = [again.get(o.key, o) for o in outcomes]
+    except CheckpointChanged as e:
+        return _record_crash(folder, e)
     except Exception as e:
         log.exception("worker.crashed")
-        _record_crash(folder, e)
         if keeper is not None:  # whatever broke may have broken the engine: start cold next
             keeper.drop()
-        return EXIT_CRASH
+        return _record_crash(folder, e)
     return EXIT_OK if all(o.status != "failed" for o in outcomes) else EXIT_TASK_FAILED

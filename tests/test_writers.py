@@ -1,0 +1,413 @@
+"""Writers nobody here wrote: each checkpoint is evaluated once, on exactly the bytes its
+fingerprint names, whatever order its writer writes in.
+
+The rules (checkpoints/completeness.py): everything an eval reads is there and whole (shards,
+index, config, a tokenizer, an HF Trainer's last file), then unchanged for `settle_seconds`
+across two looks; a pin holds only the files the checkpoint was judged with (pins.py). Here:
+the rules on real files and a real S3 API with the clock in hand, then the real transformers
+Trainer and two hand-written writers beside `watcher run`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt_watcher.checkpoints import completeness
+from ckpt_watcher.checkpoints.files import LocalFiles, eval_mark
+from ckpt_watcher.checkpoints.fingerprint import fingerprint
+from ckpt_watcher.discovery import Discovery
+from ckpt_watcher.errors import CheckpointChanged
+from ckpt_watcher.pins import Pins, pin_path
+from ckpt_watcher.s3client import Retry, make_client
+from ckpt_watcher.sources.local import LocalSource
+from ckpt_watcher.sources.s3 import S3Source
+from ckpt_watcher.state import State
+
+from .conftest import (
+    base_config,
+    derived_checkpoints,
+    read_ledger,
+    write_config,
+    write_fake_checkpoint,
+    write_safetensors,
+)
+from .helpers import status_json, wait_for, watcher_run
+
+HERE = Path(__file__).parent
+
+
+class Clock:
+    """The daemon's clock, in the test's hand."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def look(discovery: Discovery, clock: Clock, advance: float = 0.0) -> None:
+    """Let `advance` seconds pass, then one tick that starts what is due and applies it."""
+    clock.t += advance
+    discovery.tick(clock.t, polls=False)
+    deadline = time.monotonic() + 30
+    while discovery.scanning():
+        assert time.monotonic() < deadline, "scan did not finish"
+        time.sleep(0.01)
+        discovery.tick(clock.t, polls=False)
+
+
+def first_look(discovery: Discovery, clock: Clock) -> None:
+    clock.t += 0.01
+    discovery.tick(clock.t, force=True, polls=False)
+    look(discovery, clock)
+
+
+# --- the rules, one look at a time ------------------------------------------------------------
+def test_a_checkpoint_is_ready_only_once_its_files_stay_unchanged_for_the_settle_time(
+    tmp_path: Path,
+) -> None:
+    ck = write_fake_checkpoint(tmp_path / "r_step1")
+
+    def at(now: float, **kw: Any) -> completeness.Completeness:  # one look: a fresh listing
+        return completeness.check(LocalFiles(ck), now=now, stable_seconds=60, **kw)
+
+    first = at(10.0, settle_seconds=0.5)
+    assert first.state == "incomplete" and "settling" in first.reason
+    assert first.recheck_in == 0.5
+    again = dict(previous_mark=first.write_mark, unchanged_since=10.0)
+    early = at(10.3, settle_seconds=0.5, **again)
+    assert early.state == "incomplete" and early.recheck_in == pytest.approx(0.2)
+    assert at(10.5, **again).ready
+    # a file an eval reads changes in the window: the window starts again
+    (ck / "generation_config.json").write_text("{}")
+    moved = at(10.6, **again)
+    assert moved.state == "incomplete" and moved.write_mark != first.write_mark
+    # 0 trusts the first look
+    assert at(10.6, settle_seconds=0).ready
+
+
+def test_the_tokenizer_and_an_hf_trainers_last_file_are_waited_for(tmp_path: Path) -> None:
+    def verdict(ck: Path, **kw: Any) -> completeness.Completeness:
+        return completeness.check(LocalFiles(ck), now=0, stable_seconds=60, settle_seconds=0, **kw)
+
+    bare = write_fake_checkpoint(tmp_path / "r_step1", tokenizer=False)
+    v = verdict(bare)
+    assert v.state == "incomplete" and "tokenizer" in v.reason
+    assert "eval.model_args.tokenizer" in v.reason  # what to do when none ever comes
+    assert verdict(bare, tokenizer_required=False).ready  # the config names one elsewhere
+    # the HF Trainer writes optimizer/scheduler/RNG states before trainer_state.json: a
+    # `checkpoint-N` folder with them waits for it, as does any folder with training_args.bin
+    hf = write_fake_checkpoint(tmp_path / "out" / "checkpoint-20")
+    (hf / "optimizer.pt").write_bytes(b"o" * 100)
+    v = verdict(hf, folder_name="checkpoint-20")
+    assert v.state == "incomplete" and "trainer_state.json" in v.reason
+    (hf / "trainer_state.json").write_text(json.dumps({"global_step": 20}))
+    assert verdict(hf, folder_name="checkpoint-20").ready
+    # a custom trainer that keeps its optimizer beside the model under its own naming never
+    # writes trainer_state.json: not waited for
+    custom = write_fake_checkpoint(tmp_path / "mine_step5")
+    (custom / "optimizer.pt").write_bytes(b"o" * 100)
+    assert verdict(custom, folder_name="mine_step5").ready
+    args = write_fake_checkpoint(tmp_path / "mine_step6")
+    (args / "training_args.bin").write_bytes(b"a")
+    assert "trainer_state.json" in verdict(args, folder_name="mine_step6").reason
+
+
+def test_files_an_eval_does_not_read_are_no_change_to_the_checkpoint(tmp_path: Path) -> None:
+    ck = write_fake_checkpoint(tmp_path / "checkpoint-7")
+    mark = eval_mark(LocalFiles(ck))
+    (ck / "optimizer.pt").write_bytes(b"o" * 1000)  # the trainer goes on writing its own files
+    (ck / "trainer_state.json").write_text("{}")
+    (ck / "global_step7").mkdir()
+    (ck / "global_step7" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"z")
+    assert eval_mark(LocalFiles(ck)) == mark
+    (ck / "tokenizer_config.json").write_text("{}")  # one it does read
+    assert eval_mark(LocalFiles(ck)) != mark
+
+
+def test_a_marker_does_not_vouch_for_missing_or_cut_shards(tmp_path: Path) -> None:
+    ck = write_fake_checkpoint(tmp_path / "r_step1")
+    (ck / ".checkpoint_complete").write_text("")  # written first, as a parallel upload may
+    write_safetensors(ck / "model.safetensors", {"a.weight": 16, "b.weight": 8}, truncate_by=8)
+    v = completeness.check(LocalFiles(ck), now=0, stable_seconds=60, settle_seconds=0)
+    assert v.state == "incomplete" and "bytes written" in v.reason
+    write_safetensors(ck / "model.safetensors", {"a.weight": 16, "b.weight": 8})
+    v = completeness.check(LocalFiles(ck), now=0, stable_seconds=60, settle_seconds=0)
+    assert v.ready and ".checkpoint_complete" in v.reason
+
+
+# --- discovery: looks again when the window ends, with no poll and no write -------------------
+def test_weights_first_and_the_tokenizer_2s_later_is_ready_once_settled_after_the_tokenizer(
+    tmp_path: Path,
+) -> None:
+    watch = tmp_path / "ckpts"
+    ck = write_fake_checkpoint(watch / "r_step1", tokenizer=False)
+    state = State(tmp_path / "state")
+    clock = Clock()
+    source = LocalSource(watch, poll_seconds=1000, inotify=False)
+    discovery = Discovery([source], state, 60, wake=lambda: None, clock=clock)
+    try:
+        first_look(discovery, clock)
+        row = state.checkpoint(str(ck))
+        assert row is not None and "tokenizer" in row.reason
+        assert not discovery.settling()  # nothing to look at again until a write
+        look(discovery, clock, 2.0)  # still no tokenizer (no poll is due: nothing looked)
+        (ck / "tokenizer_config.json").write_text("{}")
+        (ck / "tokenizer.json").write_text("{}")
+        discovery.tick(clock.t, force=True, polls=False)  # the write's inotify wake-up
+        look(discovery, clock)
+        row = state.checkpoint(str(ck))
+        assert row is not None and row.state == "incomplete" and "settling" in row.reason
+        assert discovery.settling()
+        deadline = discovery.next_deadline(polls=False)
+        assert deadline is not None and deadline == pytest.approx(clock.t + 0.5, abs=0.05)
+        look(discovery, clock, 0.3)  # not yet due: nothing looks
+        assert state.checkpoint(str(ck)).state == "incomplete"  # type: ignore[union-attr]
+        look(discovery, clock, 0.3)  # the window's end: the source looks by itself
+        row = state.checkpoint(str(ck))
+        assert row is not None and row.state == "ready" and not discovery.settling()
+        assert row.fingerprint == fingerprint(LocalFiles(ck))  # the tokenizer is in it
+    finally:
+        discovery.close()
+        state.close()
+
+
+def test_s3_uploads_in_any_order_are_ready_only_when_all_are_there_and_settled(
+    s3_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    client = make_client(s3_endpoint)
+    local = tmp_path / "r_step1"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    (local / "tokenizer.json").write_text("{}")
+    write_safetensors(local / "model-00001-of-00002.safetensors", {"a": 1000})
+    write_safetensors(local / "model-00002-of-00002.safetensors", {"b": 1000})
+    index = {
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        }
+    }
+    (local / "model.safetensors.index.json").write_text(json.dumps(index))
+    (local / "STABLE").write_text("")
+    source = S3Source(
+        f"s3://{bucket}/c/", client=client, retry=Retry(attempts=3, initial=0, maximum=0)
+    )
+    source.poll_seconds = 1000
+    state = State(tmp_path / "state")
+    clock = Clock()
+    discovery = Discovery([source], state, 60, wake=lambda: None, clock=clock)
+    location = f"s3://{bucket}/c/r_step1/"
+    order = [  # the marker first, a shard before its index, the tokenizer last
+        "STABLE",
+        "model-00002-of-00002.safetensors",
+        "config.json",
+        "model.safetensors.index.json",
+        "model-00001-of-00002.safetensors",
+        "tokenizer.json",
+    ]
+    try:
+        for i, name in enumerate(order):
+            client.upload_file(str(local / name), bucket, f"c/r_step1/{name}")
+            first_look(discovery, clock) if i == 0 else look(discovery, clock, 0.01)
+            discovery.tick(clock.t, force=True, polls=False)  # a poll after every upload
+            look(discovery, clock)
+            row = state.checkpoint(location)
+            assert row is not None and row.state == "incomplete", (name, row)
+        assert "settling" in state.checkpoint(location).reason  # type: ignore[union-attr]
+        look(discovery, clock, 0.6)  # the window's end: looked at again without a poll
+        row = state.checkpoint(location)
+        assert row is not None and row.state == "ready", row
+        assert row.fingerprint == fingerprint(LocalFiles(local))
+    finally:
+        discovery.close()
+        state.close()
+
+
+# --- pins hold only what was judged ---------------------------------------------------------
+def test_a_pin_of_files_that_changed_since_they_were_judged_holds_nothing(tmp_path: Path) -> None:
+    ck = write_fake_checkpoint(tmp_path / "ck" / "r_step1")
+    judged = eval_mark(LocalFiles(ck))
+    state = State(tmp_path / "state")
+    pins = Pins(state, max_bytes=None)
+    try:
+        # what was judged: pinned
+        assert pins.pin(str(ck), "f1", 1.0, judged) is not None
+        pins.release(str(ck), "done")
+        # the writer added a file an eval reads after the judgement: no pin, nothing held
+        (ck / "chat_template.jinja").write_text("{{ messages }}")
+        with pytest.raises(CheckpointChanged, match="changed after it was judged"):
+            pins.pin(str(ck), "f1", 2.0, judged)
+        assert pins.all() == {} and not pin_path(str(ck)).exists()
+        # a trainer's own files are no change: pinned
+        (ck / "chat_template.jinja").unlink()
+        (ck / "optimizer.pt").write_bytes(b"o" * 100)
+        assert pins.pin(str(ck), "f1", 3.0, judged) is not None
+    finally:
+        state.close()
+
+
+# --- beside `watcher run` ---------------------------------------------------------------------
+def _once_each_on_final_bytes(ledgers: Path, run: str, folders: dict[int, Path], log: Path) -> None:
+    """Every checkpoint of `run` has exactly one `ok` line, no other line, and the line's
+    fingerprint is that of the folder as its writer left it."""
+    lines = read_ledger(ledgers, run)
+    ok = Counter(ln["step"] for ln in lines if ln["status"] == "ok")
+    assert ok == Counter(dict.fromkeys(folders, 1)), (ok, [ln.get("error") for ln in lines])
+    assert all(ln["status"] == "ok" for ln in lines), [ln.get("error") for ln in lines]
+    for line in lines:
+        assert line["fingerprint"] == fingerprint(LocalFiles(folders[line["step"]])), line["step"]
+    events = [json.loads(x).get("event") for x in log.read_text().splitlines() if x.startswith("{")]
+    for bad in (
+        "checkpoint.rewritten",
+        "checkpoint.files_changed",
+        "checkpoint.changed_before_eval",
+    ):
+        assert bad not in events, bad
+
+
+@pytest.mark.e2e
+def test_hf_trainer_checkpoints_are_each_evaluated_once_on_their_final_bytes(
+    tmp_path: Path, addition_tasks: Path
+) -> None:
+    watch = tmp_path / "ckpts"
+    watch.mkdir()
+    # a warm engine: 12 checkpoints, each a weight swap rather than a new worker
+    data = base_config(tmp_path, watch, addition_tasks, limit=20, warm_engine=True)
+    data["sources"][0]["poll_seconds"] = 30  # inotify and the settle window do the looking
+    cfg = write_config(tmp_path / "w.yaml", data)
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        wait_for(lambda: status_json(cfg)[0] == 0, 60, "the daemon to be up", daemon, log)
+        # 60 steps, a save every 5, 0.2 s a step: a save every second, each to a watcher idle
+        # enough to look at once (before the settle rule: 3 of 12 evaluated twice, here)
+        trainer = subprocess.run(
+            [sys.executable, str(HERE / "hf_trainer.py"), str(watch / "hf"), "60", "5", "0.2"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert trainer.returncode == 0, trainer.stderr[-3000:]
+        folders = {n: watch / "hf" / f"checkpoint-{n}" for n in range(5, 61, 5)}
+        assert all((f / "trainer_state.json").exists() for f in folders.values())
+        ledgers = tmp_path / "ledgers"
+        wait_for(
+            lambda: len({ln["step"] for ln in read_ledger(ledgers, "hf")}) == 12,
+            300,
+            "a result for each of the 12 checkpoints",
+            daemon,
+            log,
+        )
+        wait_for(lambda: status_json(cfg)[1]["pinned"] == [], 30, "pins released", daemon, log)
+    _once_each_on_final_bytes(ledgers, "hf", folders, log)
+
+
+def _copy_slowly(src: Path, dest: Path, pieces: int = 4, pause: float = 0.1) -> None:
+    """Write `src` to `dest` in place, a piece at a time (a reader sees it growing)."""
+    data = src.read_bytes()
+    step = -(-len(data) // pieces)
+    with open(dest, "wb") as f:
+        for i in range(0, len(data), step):
+            f.write(data[i : i + step])
+            f.flush()
+            time.sleep(pause)
+
+
+def _split_in_two_shards(ck: Path, out: Path) -> list[str]:
+    """The checkpoint's weights as a 2-shard series in `out`, with its index; the file names."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(ck / "model.safetensors")
+    names = sorted(tensors)
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    files = [f"model-0000{i + 1}-of-00002.safetensors" for i in range(2)]
+    for half, name in zip(halves, files, strict=True):
+        save_file({n: tensors[n] for n in half}, out / name, metadata={"format": "pt"})
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+        "weight_map": {n: f for half, f in zip(halves, files, strict=True) for n in half},
+    }
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return files
+
+
+TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
+
+
+@pytest.mark.e2e
+def test_writers_that_pause_or_write_the_index_first_are_evaluated_once_on_the_complete_set(
+    tmp_path: Path, trained_checkpoint: Path, addition_tasks: Path
+) -> None:
+    material = tmp_path / "material"
+    late_src, index_src = derived_checkpoints(trained_checkpoint, material, "m", (1, 2))
+    shards = _split_in_two_shards(index_src, material)
+    watch = tmp_path / "ckpts"
+    watch.mkdir()
+    cfg = write_config(tmp_path / "w.yaml", base_config(tmp_path, watch, addition_tasks, limit=20))
+    log = tmp_path / "daemon.log"
+    late, indexed = watch / "late_step10", watch / "index_step10"
+
+    def weights_then_tokenizer_2s_later() -> None:
+        late.mkdir()
+        shutil.copy(late_src / "config.json", late)
+        shutil.copy(late_src / "generation_config.json", late)
+        _copy_slowly(late_src / "model.safetensors", late / "model.safetensors")
+        time.sleep(2.0)
+        for name in TOKENIZER:
+            shutil.copy(late_src / name, late)
+
+    def index_before_its_shards() -> None:
+        indexed.mkdir()
+        shutil.copy(material / "model.safetensors.index.json", indexed)
+        for name in ("config.json", "generation_config.json", *TOKENIZER):
+            shutil.copy(index_src / name, indexed)
+        _copy_slowly(material / shards[0], indexed / shards[0])
+        time.sleep(1.5)
+        _copy_slowly(material / shards[1], indexed / shards[1])
+
+    seen: list[str] = []
+    with watcher_run(cfg, log) as daemon:
+        wait_for(lambda: status_json(cfg)[0] == 0, 60, "the daemon to be up", daemon, log)
+        writers = [
+            threading.Thread(target=weights_then_tokenizer_2s_later),
+            threading.Thread(target=index_before_its_shards),
+        ]
+        for w in writers:
+            w.start()
+
+        def waiting_reasons() -> bool:  # what status says while the writers pause
+            body = status_json(cfg)[1] or {}
+            for c in body.get("checkpoints") or []:
+                seen.append(f"{c['label']} {c['state']}: {c['reason']}")
+            return not any(w.is_alive() for w in writers)
+
+        wait_for(waiting_reasons, 60, "the writers to finish", daemon, log, every=0.2)
+        ledgers = tmp_path / "ledgers"
+        wait_for(
+            lambda: read_ledger(ledgers, "late") and read_ledger(ledgers, "index"),
+            180,
+            "both results",
+            daemon,
+            log,
+        )
+    _once_each_on_final_bytes(ledgers, "late", {10: late}, log)
+    _once_each_on_final_bytes(ledgers, "index", {10: indexed}, log)
+    # each was started only after its writer's last file
+    for folder, last in ((late, "tokenizer.json"), (indexed, shards[1])):
+        (line,) = read_ledger(ledgers, folder.name.split("_")[0])
+        written = (folder / last).stat().st_mtime
+        started = datetime.fromisoformat(line["started_at"].replace("Z", "+00:00")).timestamp()
+        assert started >= written, (folder.name, line["started_at"])
+    assert any("late_step10" in s and "tokenizer" in s for s in seen), seen
