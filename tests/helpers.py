@@ -20,14 +20,17 @@ from ckpt_watcher.state import Job, State
 from .conftest import WATCHER, read_ledger
 
 
-def watcher_once(config: Path, ledgers: Path, run: str, expect: int = 0) -> list[dict[str, Any]]:
-    """`watcher once -c config`; the run's ledger lines. Fails, quoting stderr and the lines'
-    errors, unless it exits `expect`."""
+def watcher_once(
+    config: Path, ledgers: Path, run: str, expect: int = 0, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """`watcher once -c config` (in `env`, default this process's); the run's ledger lines.
+    Fails, quoting stderr and the lines' errors, unless it exits `expect`."""
     r = subprocess.run(
         [*WATCHER, "--log-json", "once", "-c", str(config)],
         capture_output=True,
         text=True,
         timeout=600,
+        env=env,
     )
     lines = read_ledger(ledgers, run)
     errors = "\n".join(str(ln.get("error")) for ln in lines)

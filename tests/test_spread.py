@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ckpt_watcher.devices import THREAD_VARS
 from ckpt_watcher.jobfolder import JobFolder
 from ckpt_watcher.state import State
 
@@ -61,14 +63,23 @@ def test_one_sampled_task_spread_over_two_slots_equals_one_slot_even_when_a_help
     ref, reference = hf_reference
 
     # both slots evaluate the one task together, each with a warm engine (the helper's is the
-    # warm worker of its device)
+    # warm worker of its device); no thread count set: each worker takes its slot's share of
+    # the cores (on 2 cores one thread each, as the rest of the suite sets for every process)
     tmp = tmp_path / "spread"
     copy_checkpoint(tmp / "ckpts" / "r_step300", same_content=True)
     cfg = _two_slots(tmp, addition_tasks, warm_engine=True)
-    (line,) = watcher_once(cfg, tmp / "ledgers", "r")
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
+    (line,) = watcher_once(cfg, tmp / "ledgers", "r", env=env)
     assert line["resumed"] == 0, line
     _same_numbers(tmp, line, ref, reference)
     assert (tmp / "state" / "jobs" / "_warm" / "cpu_1" / "worker.log").exists()
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    threads = [
+        int(m[1])
+        for log in (tmp / "state" / "jobs").glob("*/attempt-*/worker.log")
+        for m in re.finditer(r"worker\.threads\s.*\btorch=(\d+)", log.read_text())
+    ]
+    assert threads == [share, share], threads  # the job's own worker, and its helper
 
     # one-shot workers; the helper is killed once it has journaled a chunk, and nobody replaces
     # it on its device

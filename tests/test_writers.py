@@ -26,6 +26,7 @@ import pytest
 from ckpt_watcher.checkpoints import completeness
 from ckpt_watcher.checkpoints.files import LocalFiles, eval_mark
 from ckpt_watcher.checkpoints.fingerprint import fingerprint
+from ckpt_watcher.devices import cpu_slots
 from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.errors import CheckpointChanged
 from ckpt_watcher.pins import Pins, pin_path
@@ -257,6 +258,17 @@ def test_a_pin_of_files_that_changed_since_they_were_judged_holds_nothing(tmp_pa
         assert pins.pin(str(ck), "f1", 3.0, judged) is not None
     finally:
         state.close()
+
+
+def test_cpu_slots_share_the_cores_unless_the_environment_sets_threads() -> None:
+    two = cpu_slots(2, cores=8)
+    assert [d.threads for d in two] == [4, 4]
+    env = two[0].worker_env(environ={})
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "4"
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    assert two[0].worker_env(environ={"OMP_NUM_THREADS": "2"}).get("OMP_NUM_THREADS") is None
+    assert cpu_slots(3, cores=2)[0].threads == 1  # never none
+    assert cpu_slots(1, cores=8)[0].threads == 8
 
 
 # --- beside `watcher run` ---------------------------------------------------------------------

@@ -4,13 +4,17 @@ A GPU is identified by its UUID end to end (`CUDA_VISIBLE_DEVICES` accepts UUIDs
 renumbering never sends an eval to training's GPU. A GPU is busy for us when processes that are
 not our workers hold more than `idle_memory_mib` on it. `FakeInventory` stands in for NVML where
 there is no GPU (tests, the demo).
+
+CPU slots share the machine's cores: a worker on one gets `cores / slots` compute threads
+(torch, OpenMP, MKL), unless the daemon's own environment sets them, so slots evaluating side
+by side (or one task spread over them) never fight over cores.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,6 +25,9 @@ from ckpt_watcher.config import DevicesConfig
 
 log = structlog.get_logger("ckpt_watcher.devices")
 
+# the compute thread counts torch and the math libraries under it read at start
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
 
 @dataclass(frozen=True)
 class Device:
@@ -29,10 +36,20 @@ class Device:
     visible: str  # CUDA_VISIBLE_DEVICES for a worker on it ("" hides every GPU)
     label: str  # what users read: "cpu:0", "cuda:6"
     runs_on: str = ""  # where the worker computes: cuda, cpu (CPU slots, fake GPUs), auto (Ray)
+    threads: int | None = None  # a CPU slot's share of the cores (None: the worker's default)
 
     @property
     def compute(self) -> str:
         return self.runs_on or ("cuda" if self.kind == "cuda" else "cpu")
+
+    def worker_env(self, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+        """What a worker on this device adds to the daemon's environment: the GPU it may see
+        and, on a CPU slot, its share of the cores (a thread count the daemon's environment
+        sets is kept)."""
+        env = {"CUDA_VISIBLE_DEVICES": self.visible}
+        if self.threads is not None:
+            env |= {var: str(self.threads) for var in THREAD_VARS if var not in environ}
+        return env
 
 
 @dataclass(frozen=True)
@@ -53,8 +70,12 @@ class Inventory(Protocol):
         ...
 
 
-def cpu_slots(n: int) -> list[Device]:
-    return [Device(f"cpu:{i}", "cpu", "", f"cpu:{i}") for i in range(n)]
+def cpu_slots(n: int, cores: int | None = None) -> list[Device]:
+    """`n` CPU slots, each with its share of `cores` (default: the cores this process may
+    run on)."""
+    cores = cores or len(os.sched_getaffinity(0))
+    share = max(1, cores // n) if n else None
+    return [Device(f"cpu:{i}", "cpu", "", f"cpu:{i}", threads=share) for i in range(n)]
 
 
 def foreign_busy(

@@ -218,7 +218,7 @@ class Dispatcher:
             pid_start=None,
         )
         try:
-            handle = self.executor.start(job.id, folder, {"CUDA_VISIBLE_DEVICES": device.visible})
+            handle = self.executor.start(job.id, folder, device.worker_env())
         except OSError as e:
             self.book.requeue(job, job.tasks, attempt=job.attempt, error=f"could not start: {e}")
             log.error("eval.start_failed", job_id=job.id, error=str(e))

@@ -93,9 +93,7 @@ class Helpers:
             )
             folder.write_spec(job_spec)
             try:
-                handle = self.executor.start(
-                    helper_id, folder, {"CUDA_VISIBLE_DEVICES": device.visible}
-                )
+                handle = self.executor.start(helper_id, folder, device.worker_env())
             except OSError as e:
                 log.warning(
                     "eval.helper_start_failed", job_id=job.id, device=device.label, error=str(e)

@@ -67,7 +67,12 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
         CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
         warm=keeper is not None,
     )
+    import torch
+
     from ckpt_watcher.evaluators.harness import run_tasks
+
+    # a CPU slot's share of the cores (devices.py), as torch took it
+    log.info("worker.threads", torch=torch.get_num_threads(), omp=os.environ.get("OMP_NUM_THREADS"))
 
     req = spec.request
     # a local checkpoint (or its pin) is read where the trainer may still write: the files read
