@@ -149,3 +149,50 @@ def test_a_vanished_data_file_and_an_unloadable_checkpoint_get_one_attempt_each(
     assert "Unrecognized model" in broken_line["error"]
     assert "config.json or tokenizer files cannot be loaded" in broken_line["error"]
     assert '"event": "eval.retry"' not in log.read_text()
+
+
+def test_a_wall_clock_stepped_forward_times_out_no_running_eval(tmp_path: Path) -> None:
+    """Running time is monotonic from the moment the daemon sees a job running: NTP stepping
+    the clock a day ahead (or a VM resumed) kills nothing; a real hour over the limit does."""
+    from ckpt_watcher.config import parse_config
+    from ckpt_watcher.daemon import Daemon
+    from ckpt_watcher.devices import FakeInventory
+    from ckpt_watcher.executors.simulated import SimClock, SimulatedExecutor
+    from ckpt_watcher.state import Job
+
+    (tmp_path / "ckpts").mkdir()
+    cfg = parse_config(
+        {
+            "state_dir": str(tmp_path / "state"),
+            "ledger_dir": str(tmp_path / "ledgers"),
+            "sources": [{"kind": "local", "path": str(tmp_path / "ckpts"), "inotify": False}],
+            "eval": {"tasks": [{"task": "t1"}], "timeout_seconds": 3600},
+        }
+    )
+    sim = SimClock()
+    killed: list[str] = []
+    daemon = Daemon(
+        cfg,
+        clock=sim,
+        inventory=FakeInventory(cpu=1),
+        executor_factory=lambda cb: SimulatedExecutor(cb, lambda task, k: 1.0, sim),
+    )
+    daemon.executor.kill = killed.append  # type: ignore[method-assign]
+    mono = [500.0]
+    supervisor = daemon.supervisor
+    supervisor.monotonic = lambda: mono[0]
+    try:
+        job = Job("j", "/c/j", "r", 1, "j", [{"task": "t1", "num_fewshot": None}], "h", 0, 1)
+        daemon.state.add_job(job)
+        daemon.state.update_job("j", state="running", attempt=1, started_at=1000.0)
+        supervisor.check_timeouts(1600.0)  # first seen 10 minutes in
+        mono[0] += 60
+        supervisor.check_timeouts(1660.0 + 86400)  # a minute later, the clock a day ahead
+        assert killed == [] and not supervisor.timed_out
+        (deadline,) = supervisor.deadlines(1660.0 + 86400)
+        assert deadline == pytest.approx(1660.0 + 86400 + 3600 - 660)
+        mono[0] += 3600 - 660 + 1  # a second over the hour, really
+        supervisor.check_timeouts(1660.0 + 86400 + 2941)
+        assert killed == ["j"]
+    finally:
+        daemon.state.close()

@@ -87,3 +87,32 @@ def test_spare_devices_join_and_leave_when_their_job_ends_or_a_checkpoint_needs_
     helpers.stop_all()
     assert "a.help-cpu:1.1" in executor.killed
     state.close()
+
+
+def test_a_helpers_spec_makes_no_journal_for_a_task_nobody_has_begun(tmp_path: Path) -> None:
+    """What a helper runs names the job's journaled tasks; their folders are made by the job's
+    own worker as it begins each (a helper waits for it), never ahead by the daemon: a helper
+    never runs a task the job's own worker has not reached."""
+    from ckpt_watcher.config import parse_config
+    from ckpt_watcher.daemon import Daemon
+    from ckpt_watcher.devices import FakeInventory
+
+    (tmp_path / "ckpts").mkdir()
+    cfg = parse_config(
+        {
+            "state_dir": str(tmp_path / "state"),
+            "ledger_dir": str(tmp_path / "ledgers"),
+            "sources": [{"kind": "local", "path": str(tmp_path / "ckpts"), "inotify": False}],
+            "eval": {"tasks": [{"task": "t1"}, {"task": "t2"}]},
+        }
+    )
+    daemon = Daemon(cfg, inventory=FakeInventory(cpu=2), executor_factory=lambda cb: Recording())
+    try:
+        job = Job("j", "/c/j", "r", 1, "j", [t.model_dump() for t in cfg.eval.tasks], "h", 0, 1)
+        job.fingerprint = "sampled:j"
+        spec = daemon.dispatcher.helper_spec(job, cpu_slots(2)[1])
+        assert spec is not None and [t.task for t in spec.request.tasks] == ["t1", "t2"]
+        for t in spec.request.tasks:
+            assert t.journal is not None and not Path(t.journal.folder).exists()
+    finally:
+        daemon.state.close()

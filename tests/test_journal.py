@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ckpt_watcher import journal
-from ckpt_watcher.evaluators.resume import TaskJournal
+from ckpt_watcher.evaluators.resume import Helped, TaskJournal
 from ckpt_watcher.journal import JournalRef
 
 
@@ -108,7 +108,8 @@ def test_a_resumed_task_computes_only_what_is_missing_in_the_backends_order(
     ]
     first.close()
     assert asked == [["req5", "req4", "req3", "req2"], ["req1", "req0"]]  # chunks in order
-    assert seen == [(0, 6), (4, 6), (6, 6)]
+    # progress as the task begins and ends (in between at most every REPORT_SECONDS)
+    assert seen[0] == (0, 6) and seen[-1] == (6, 6)
     # killed after that call; the next attempt asks for all 10 and computes only 4
     asked.clear()
     again = TaskJournal(ref, "w2", chunk=4)
@@ -162,7 +163,7 @@ def test_a_chunk_has_one_live_holder_and_a_dead_holders_chunk_is_taken_over(
         os.kill(other.pid, signal.SIGKILL)
         other.wait()
     assert not me.busy_elsewhere("00001-x") and me.claim("00001-x")  # its holder died
-    me.done("00001-x", 16)
+    me.done("00001-x")
     assert me.is_done("00001-x") and not me.claim("00001-x")
     assert me.devices() == ["cpu:0"]
     journal.remove(Path(ref.folder))  # the result is in the ledger
@@ -251,7 +252,7 @@ def test_the_jobs_own_worker_waits_for_a_held_chunk_and_takes_it_when_its_holder
 
 HELP_AHEAD = """
 import sys, time
-from ckpt_watcher.evaluators.resume import TaskJournal
+from ckpt_watcher.evaluators.resume import Helped, TaskJournal
 from ckpt_watcher.journal import JournalRef
 ref = JournalRef(sys.argv[1], {"fingerprint": "sampled:aa", "settings": "s1", "task": "addition",
                                "num_fewshot": 0})
@@ -292,3 +293,195 @@ def test_chunks_a_live_helper_did_before_the_jobs_worker_began_are_not_counted_a
     again = TaskJournal(ref, "again", chunk=4, device="cpu:0")
     again.answer(units, lambda r: int(r[3:]), lambda rs: [r.upper() for r in rs], "x")
     assert (again.resumed, again.computed) == (16, 0)
+
+
+# --- the review's defects (issue 37) ----------------------------------------------------------
+
+
+def test_a_helper_never_scores_a_task_even_when_it_journaled_every_chunk(tmp_path: Path) -> None:
+    """With no other worker on the task, a helper claims every chunk; it still leaves the
+    metrics to the job's own worker (which replays them all), so results are filed once and a
+    code-executing task runs the model's code once."""
+    ref = _ref(tmp_path)
+    Path(ref.folder).mkdir(parents=True)  # the job's own worker has begun the task
+    units = [(f"k{i}", f"req{i}") for i in range(12)]
+    helper = TaskJournal(ref, "helper", chunk=4, device="cpu:1", helper=True)
+    try:
+        helper.answer(units, lambda r: int(r[3:]), lambda rs: [r.upper() for r in rs], "x")
+    except Helped as e:
+        assert "every chunk" in str(e)
+    else:
+        raise AssertionError("a helper returned a task's answers: it would score the task")
+    helper.close()
+    own = TaskJournal(ref, "own", chunk=4, device="cpu:0")
+    out = own.answer(units, lambda r: int(r[3:]), lambda rs: 1 / 0, "x")  # computes nothing
+    assert out == [f"REQ{i}" for i in range(12)] and own.computed == 0
+
+
+def test_a_helper_joins_only_a_task_the_jobs_own_worker_has_begun(tmp_path: Path) -> None:
+    import threading
+
+    ref = _ref(tmp_path)
+    units = [(f"k{i}", f"req{i}") for i in range(40)]
+    theirs: list[str] = []
+    ended: list[BaseException] = []
+
+    def slow(reqs: list[str], into: list[str]) -> list[str]:
+        import time
+
+        time.sleep(0.02)
+        into.extend(reqs)
+        return [r.upper() for r in reqs]
+
+    def help_out() -> None:
+        helper = TaskJournal(ref, "helper", chunk=4, device="cpu:1", helper=True)
+        try:
+            helper.answer(units, lambda r: int(r[3:]), lambda rs: slow(rs, theirs), "x")
+        except BaseException as e:  # Helped, or a failure the test reports
+            ended.append(e)
+
+    thread = threading.Thread(target=help_out)
+    thread.start()
+    thread.join(1.5)
+    assert thread.is_alive() and not theirs, "a helper ran a task nobody had begun"
+    assert not Path(ref.folder).exists()
+    mine: list[str] = []
+    own = TaskJournal(ref, "own", chunk=4, device="cpu:0")
+    out = own.answer(units, lambda r: int(r[3:]), lambda rs: slow(rs, mine), "x")
+    thread.join(30)
+    assert out == [f"REQ{i}" for i in range(40)]
+    assert len(ended) == 1 and isinstance(ended[0], Helped), ended
+    assert sorted(mine + theirs) == sorted(r for _, r in units)  # each unit computed once
+
+
+def test_a_chunk_whose_done_mark_cannot_be_written_is_given_back(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """ENOSPC, EIO or NFS's ESTALE while marking a chunk done fails the task, and gives the
+    chunk back: a holder that lives on (an idle warm worker) must not block the job's worker."""
+    import errno
+
+    import pytest
+
+    ref = _ref(tmp_path)
+    Path(ref.folder).mkdir(parents=True)
+
+    def full(self: journal.ChunkQueue, chunk: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(journal.ChunkQueue, "done", full)
+    units = [(f"k{i}", f"req{i}") for i in range(8)]
+    helper = TaskJournal(ref, "helper", chunk=4, device="cpu:1", helper=True)
+    with pytest.raises(OSError, match="No space"):
+        helper.answer(units, lambda r: int(r[3:]), lambda rs: [r.upper() for r in rs], "x")
+    monkeypatch.undo()
+    from ckpt_watcher.evaluators.resume import _chunk_name
+
+    first = _chunk_name(0, [f"k{i}" for i in range(4)])
+    assert helper.queue.holder(first) is None, "the claim was left behind"
+    own = TaskJournal(ref, "own", chunk=4, device="cpu:0")
+    assert own.answer(units, lambda r: int(r[3:]), lambda rs: [r.upper() for r in rs], "x") == [
+        f"REQ{i}" for i in range(8)
+    ]
+
+
+def test_journal_bookkeeping_is_linear_in_chunks(tmp_path: Path, monkeypatch) -> None:
+    """With compute doing nothing, the queue is asked about each chunk a bounded number of
+    times: after every chunk the old bookkeeping looked at every chunk still to do (2,000
+    chunks: ~2 million looks; bench/journal_bookkeeping.py times it)."""
+    looks = [0]
+    is_done = journal.ChunkQueue.is_done
+
+    def counted(self: journal.ChunkQueue, chunk: str) -> bool:
+        looks[0] += 1
+        return is_done(self, chunk)
+
+    monkeypatch.setattr(journal.ChunkQueue, "is_done", counted)
+    n = 2000
+    units = [(f"k{i}", i) for i in range(n)]
+    reports: list[int] = []
+    own = TaskJournal(_ref(tmp_path), "own", chunk=1, progress=lambda d, t, u: reports.append(d))
+    out = own.answer(units, lambda r: r, lambda rs: rs, "x")
+    assert out == list(range(n)) and reports[-1] == n
+    assert looks[0] <= 4 * n, looks[0]
+
+
+def test_a_live_claim_moved_aside_by_mistake_is_put_back(tmp_path: Path) -> None:
+    """Two takers of a dead holder's chunk: the first moves the dead claim aside and claims;
+    the second, which read the dead holder a moment before, must not move the live claim."""
+    ref = _ref(tmp_path)
+    Path(ref.folder).mkdir(parents=True)
+    late = journal.ChunkQueue(ref, journal.Holder.me("cpu:0"))
+    alive = _holder(ref, "00001-x")  # the first taker, now holding the chunk
+    try:
+        claim = late.folder / "00001-x.claim"
+        late._move_aside_if_dead(claim)  # the second taker's move, on what it read before
+        assert late.busy_elsewhere("00001-x") and not late.claim("00001-x")
+        assert late.holder("00001-x") is not None and late.holder("00001-x").pid == alive.pid  # type: ignore[union-attr]
+    finally:
+        os.kill(alive.pid, signal.SIGKILL)
+        alive.wait()
+
+
+def test_journals_are_kept_only_while_a_job_can_use_them_and_within_their_budget(
+    tmp_path: Path,
+) -> None:
+    """Swept at the daemon's start and every minute: a journal no queued or running job names
+    goes (a result filed but killed before its removal, a failed or skipped job, a rewritten
+    checkpoint's old content, a helper's empty folder). Over policy.journal_max_gb the queued
+    jobs' journals go, never a running job's; status shows what is left."""
+    from ckpt_watcher.config import parse_config
+    from ckpt_watcher.daemon import Daemon
+    from ckpt_watcher.devices import FakeInventory
+    from ckpt_watcher.executors.simulated import SimClock, SimulatedExecutor
+    from ckpt_watcher.state import Job
+
+    (tmp_path / "ckpts").mkdir()
+    cfg = parse_config(
+        {
+            "state_dir": str(tmp_path / "state"),
+            "ledger_dir": str(tmp_path / "ledgers"),
+            "sources": [{"kind": "local", "path": str(tmp_path / "ckpts"), "inotify": False}],
+            "eval": {"tasks": [{"task": "t1"}]},
+            "policy": {"journal_max_gb": 1},
+        }
+    )
+    sim = SimClock()
+    daemon = Daemon(
+        cfg,
+        clock=sim,
+        inventory=FakeInventory(cpu=1),
+        executor_factory=lambda cb: SimulatedExecutor(cb, lambda task, k: 1.0, sim),
+    )
+    state, book = daemon.state, daemon.book
+
+    def job_with_journal(jid: str, status: str, size: int) -> Path:
+        job = Job(jid, f"/c/{jid}", "r", 1, jid, [{"task": "t1", "num_fewshot": None}], "h", 0, 1)
+        job.fingerprint, job.settings_hash = f"sampled:{jid}", book.settings_hash
+        state.add_job(job)
+        state.update_job(jid, state=status)
+        ref = book.journal_ref(job, job.tasks[0])
+        assert ref is not None
+        journal.Writer(ref, "w").append([("k", "v" * size)])
+        return Path(ref.folder)
+
+    try:
+        running = job_with_journal("run", "running", 1000)
+        queued = job_with_journal("wait", "queued", 1000)
+        filed = job_with_journal("done", "ok", 1000)  # killed between the ledger and removal
+        failed = job_with_journal("bad", "failed", 1000)
+        empty = journal.journals_root(cfg.state_dir) / "0123456789abcdef01234567"
+        empty.mkdir()  # a helper's
+        daemon.journals.sweep()
+        assert running.exists() and queued.exists()
+        assert not filed.exists() and not failed.exists() and not empty.exists()
+        left = state.get_meta("journals")
+        assert left["folders"] == 2 and left["bytes"] > 2000 and left["max_bytes"] == 2**30
+        daemon.journals.max_bytes = 1500  # the two hold more: the queued job's goes first
+        daemon.journals.sweep()
+        assert running.exists() and not queued.exists()
+        daemon.journals.max_bytes = 10  # the running job's alone: kept (its result needs it)
+        daemon.journals.sweep()
+        assert running.exists() and state.get_meta("journals")["folders"] == 1
+    finally:
+        state.close()

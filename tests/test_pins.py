@@ -5,7 +5,10 @@ links there: said once, nothing pinned, everything else as before."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
 import signal
 import subprocess
 from collections import Counter
@@ -13,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_watcher.pins import PIN_FOLDER, Pins, pin_path
+from ckpt_watcher.checkpoints.namefix import apply_fix
+from ckpt_watcher.pins import PIN_FOLDER, Pins, held_alone, pin_path
 from ckpt_watcher.state import State
 
 from .conftest import base_config, read_ledger, write_config, write_fake_checkpoint
@@ -92,6 +96,52 @@ def test_a_filesystem_without_hard_links_there_is_said_once_and_nothing_is_pinne
     state.close()
 
 
+def test_a_pin_of_files_the_trainer_still_keeps_costs_no_budget_and_a_file_counts_once(
+    tmp_path: Path,
+) -> None:
+    """Two pins of 140-GB-like checkpoints the trainer keeps hold no disk of their own; with the
+    naming fix's second name for the weights, a deleted checkpoint's weights count once."""
+    state = State(tmp_path / "state")
+    pins = Pins(state, max_bytes=1)  # any byte held only by pins is over
+    fixed = write_fake_checkpoint(tmp_path / "ck" / "r_step1", naming_bug=True)
+    apply_fix(fixed)  # model-00001-of-00001.safetensors: a second name of model.safetensors
+    other = write_fake_checkpoint(tmp_path / "ck" / "r_step2")
+    for i, ck in enumerate((fixed, other)):
+        assert pins.pin(str(ck), f"f{i}", float(i)) is not None
+        assert pins.keep_within_budget(started=set()) == [], "nothing pinned costs any disk"
+    assert pins.held_bytes() == 0
+    shutil.rmtree(fixed)  # keep-last-k: the weights now live on in the pin alone, under 2 names
+    files = list(pin_path(str(fixed)).iterdir())
+    by_name = sum(p.stat().st_size for p in files)
+    by_file = sum({(p.stat().st_ino): p.stat().st_size for p in files}.values())
+    weights = (pin_path(str(fixed)) / "model.safetensors").stat().st_size
+    assert by_file == by_name - weights  # the weights have two names in the pin
+    assert held_alone(pins.all()) == {str(fixed): by_file, str(other): 0}
+    assert pins.keep_within_budget(started=set()) == [str(fixed)]  # now over budget
+    state.close()
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSYS])
+def test_a_read_only_or_linkless_mount_is_said_once_and_nothing_is_pinned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """A trainer's folder mounted read-only (EROFS), or a FUSE filesystem with no link()
+    (ENOSYS): one `pin.refused`, not a `pin.failed` for every checkpoint."""
+
+    def refuse(src: object, dst: object, **kw: object) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr("ckpt_watcher.pins.os.link", refuse)
+    state = State(tmp_path / "state")
+    pins = Pins(state, max_bytes=None)
+    a = write_fake_checkpoint(tmp_path / "ck" / "r_step1")
+    b = write_fake_checkpoint(tmp_path / "ck" / "r_step2")
+    assert pins.pin(str(a), "fa", 1.0) is None
+    assert len(pins.refused) == 1
+    assert pins.pin(str(b), "fb", 2.0) is None and pins.all() == {}
+    state.close()
+
+
 def test_pins_hold_the_files_release_cleanly_and_keep_within_their_budget(tmp_path: Path) -> None:
     state = State(tmp_path / "state")
     pins = Pins(state, max_bytes=None)
@@ -103,21 +153,25 @@ def test_pins_hold_the_files_release_cleanly_and_keep_within_their_budget(tmp_pa
             ck / "model.safetensors"
         ).stat().st_ino  # the same data, no byte copied
     # the trainer deletes step 1: its pinned copy is whole
-    import shutil
-
     data = (cks[0] / "model.safetensors").read_bytes()
     shutil.rmtree(cks[0])
     assert (pin_path(str(cks[0])) / "model.safetensors").read_bytes() == data
     assert pins.path(str(cks[0])) == str(pin_path(str(cks[0])))
-    # a third pin goes over a budget of two: the oldest not started (step 1) is released
-    pins.max_bytes = sum(p.bytes for p in pins.all().values())
+    # the budget counts the disk only pins hold: step 1's files (the trainer deleted them),
+    # not step 2's or step 3's, which the trainer still keeps (a pin of them costs nothing)
     assert pins.pin(str(cks[2]), "f2", 3.0) is not None
+    alone = held_alone(pins.all())
+    assert alone == {str(cks[0]): pins.all()[str(cks[0])].bytes, str(cks[1]): 0, str(cks[2]): 0}
+    pins.max_bytes = alone[str(cks[0])]
+    assert pins.keep_within_budget(started=set()) == []
+    # the trainer deletes step 2 as well: over budget, the oldest not started (step 1) goes
+    shutil.rmtree(cks[1])
     assert pins.keep_within_budget(started=set()) == [str(cks[0])]
     assert pins.path(str(cks[0])) is None and not pin_path(str(cks[0])).exists()
     # a rewrite in place is pinned again; a sweep releases what no job needs
-    first = pins.all()[str(cks[1])]
-    assert pins.pin(str(cks[1]), "f1-rewritten", 4.0).fingerprint == "f1-rewritten"  # type: ignore[union-attr]
-    assert first.path == pins.all()[str(cks[1])].path
+    first = pins.all()[str(cks[2])]
+    assert pins.pin(str(cks[2]), "f2-rewritten", 4.0).fingerprint == "f2-rewritten"  # type: ignore[union-attr]
+    assert first.path == pins.all()[str(cks[2])].path
     pins.sweep(active={str(cks[2])})
     assert list(pins.all()) == [str(cks[2])]
     pins.sweep(active=set())

@@ -252,6 +252,11 @@ def attempt(**over: Any) -> settle.Attempt:
             attempt(checkpoint_gone=True),
             settle.Verdict("missed", "checkpoint deleted during evaluation", attempt=1),
         ),
+        (  # the worker found the checkpoint's files other than judged: no attempt spent, even
+            # on the last one; judged again (what it finished before stands)
+            attempt(rc=5, attempt=3, checkpoint_changed=True, crash_error="x: its files changed"),
+            settle.Verdict("changed", "x: its files changed", attempt=2),
+        ),
         (
             attempt(rc=-9),
             settle.Verdict(

@@ -59,6 +59,7 @@ def test_spare_devices_help_the_least_helped_running_job_once_per_attempt() -> N
     a, b, plain = job("a", 100), job("b", 200), job("plain", 300)
     a.fingerprint, b.fingerprint = "sampled:a", "sampled:b"  # `plain` keeps no journal
     a.started_at, b.started_at, plain.started_at = 10.0, 20.0, 5.0
+    a.device = b.device = plain.device = "cpu:0"
     devs = cpu_slots(4)[1:]  # cpu:1..3
     plan = scheduler.help_plan([a, b, plain], devs, {}, set())
     # the longest running job with a journal first, then the other, then back to the first
@@ -71,6 +72,19 @@ def test_spare_devices_help_the_least_helped_running_job_once_per_attempt() -> N
     assert scheduler.help_plan([a, b], devs[:1], {}, tried) == []
     a.attempt = 1
     assert [j.id for j, _ in scheduler.help_plan([a, b], devs[:1], {}, tried)] == ["a"]
+
+
+def test_a_device_helps_only_jobs_running_on_its_own_kind() -> None:
+    """A CPU slot beside GPUs never joins a GPU job's task: it would hold chunks the GPU waits
+    for, and mix CPU numerics into a GPU's result."""
+    on_gpu, on_cpu = job("g", 100), job("c", 200)
+    on_gpu.fingerprint, on_cpu.fingerprint = "sampled:g", "sampled:c"
+    on_gpu.device, on_cpu.device = "gpu:GPU-a", "cpu:0"
+    on_gpu.started_at, on_cpu.started_at = 1.0, 2.0
+    gpu = FakeInventory(gpus=[FakeGpu(7, "GPU-b")]).devices()
+    plan = scheduler.help_plan([on_gpu, on_cpu], [*gpu, *cpu_slots(2)[1:]], {}, set())
+    assert [(j.id, d.label) for j, d in plan] == [("g", "cuda:7"), ("c", "cpu:1")]
+    assert scheduler.help_plan([on_gpu], cpu_slots(2)[1:], {}, set()) == []
 
 
 def test_every_n_steps_and_finals() -> None:

@@ -4,13 +4,17 @@ dispatch."""
 
 from __future__ import annotations
 
+import shutil
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from ckpt_watcher.config import parse_config
 from ckpt_watcher.daemon import Daemon
 from ckpt_watcher.devices import FakeGpu, FakeInventory
+from ckpt_watcher.executors.base import WorkerHandle
 from ckpt_watcher.executors.simulated import SimClock, SimulatedExecutor
+from ckpt_watcher.jobfolder import JobFolder
 from ckpt_watcher.state import State
 
 from .conftest import read_ledger, write_fake_checkpoint
@@ -18,7 +22,22 @@ from .conftest import read_ledger, write_fake_checkpoint
 DURATIONS = {"t1": 4.0, "t2": 2.0, "t3": 1.0, "t4": 1.0}  # simulated seconds
 
 
-def run_once(tmp_path: Path, steps: list[int], gpus: int, **over: object) -> Path:
+class KeepLastK(SimulatedExecutor):
+    """As each job starts, the trainer deletes every checkpoint but its newest (keep-last-1)."""
+
+    def __init__(self, *args: Any, watch: Path, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.watch = watch
+
+    def start(self, job_id: str, folder: JobFolder, env: dict[str, str]) -> WorkerHandle:
+        for old in sorted(self.watch.glob("r_step*"), key=lambda p: int(p.name[6:]))[:-1]:
+            shutil.rmtree(old)
+        return super().start(job_id, folder, env)
+
+
+def run_once(
+    tmp_path: Path, steps: list[int], gpus: int, keep_last: bool = False, **over: object
+) -> Path:
     watch = tmp_path / "ckpts"
     for s in steps:
         write_fake_checkpoint(watch / f"r_step{s}")
@@ -38,7 +57,9 @@ def run_once(tmp_path: Path, steps: list[int], gpus: int, **over: object) -> Pat
         clock=sim,
         wait=sim.wait,
         inventory=inv,
-        executor_factory=lambda cb: SimulatedExecutor(cb, lambda task, k: DURATIONS[task], sim),
+        executor_factory=lambda cb: (KeepLastK if keep_last else SimulatedExecutor)(
+            cb, lambda task, k: DURATIONS[task], sim, **({"watch": watch} if keep_last else {})
+        ),
     )
     assert daemon.run() == 0
     return tmp_path / "ledgers"
@@ -136,8 +157,10 @@ def test_backlog_keep_is_todays_behaviour(tmp_path: Path) -> None:
 def test_pins_over_their_budget_skip_the_oldest_waiting_checkpoints_visibly(
     tmp_path: Path,
 ) -> None:
-    policy = {"pin_max_gb": 1e-9}  # about one byte: each new pin pushes the older ones out
-    ledgers = run_once(tmp_path, [10, 20, 30], gpus=1, policy=policy)
+    # about one byte: once the trainer deletes what they pinned (pins then hold it alone), the
+    # pins of checkpoints not started go (a pin of files the trainer keeps costs nothing)
+    policy = {"pin_max_gb": 1e-9}
+    ledgers = run_once(tmp_path, [10, 20, 30], gpus=1, keep_last=True, policy=policy)
     lines = read_ledger(ledgers, "r")
     assert {ln["step"] for ln in lines if ln["status"] == "ok"} == {30}
     skipped = [ln for ln in lines if ln["status"] == "skipped"]

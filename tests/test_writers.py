@@ -272,9 +272,13 @@ def test_cpu_slots_share_the_cores_unless_the_environment_sets_threads() -> None
 
 
 # --- beside `watcher run` ---------------------------------------------------------------------
-def _once_each_on_final_bytes(ledgers: Path, run: str, folders: dict[int, Path], log: Path) -> None:
+def _once_each_on_final_bytes(
+    ledgers: Path, run: str, folders: dict[int, Path], log: Path, changed: bool = False
+) -> None:
     """Every checkpoint of `run` has exactly one `ok` line, no other line, and the line's
-    fingerprint is that of the folder as its writer left it."""
+    fingerprint is that of the folder as its writer left it. No checkpoint was seen changing
+    after it was judged ready, unless `changed` (a rewrite the test makes): then that was seen
+    before anything was filed on the old files."""
     lines = read_ledger(ledgers, run)
     ok = Counter(ln["step"] for ln in lines if ln["status"] == "ok")
     assert ok == Counter(dict.fromkeys(folders, 1)), (ok, [ln.get("error") for ln in lines])
@@ -282,12 +286,9 @@ def _once_each_on_final_bytes(ledgers: Path, run: str, folders: dict[int, Path],
     for line in lines:
         assert line["fingerprint"] == fingerprint(LocalFiles(folders[line["step"]])), line["step"]
     events = [json.loads(x).get("event") for x in log.read_text().splitlines() if x.startswith("{")]
-    for bad in (
-        "checkpoint.rewritten",
-        "checkpoint.files_changed",
-        "checkpoint.changed_before_eval",
-    ):
-        assert bad not in events, bad
+    assert "checkpoint.rewritten" not in events
+    assert "checkpoint.files_changed" not in events
+    assert ("checkpoint.changed_before_eval" in events) == changed
 
 
 @pytest.mark.e2e
@@ -423,3 +424,76 @@ def test_writers_that_pause_or_write_the_index_first_are_evaluated_once_on_the_c
         started = datetime.fromisoformat(line["started_at"].replace("Z", "+00:00")).timestamp()
         assert started >= written, (folder.name, line["started_at"])
     assert any("late_step10" in s and "tokenizer" in s for s in seen), seen
+
+
+@pytest.mark.e2e
+def test_a_queued_checkpoint_rewritten_in_place_is_judged_again_and_evaluated_on_its_new_bytes(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint
+) -> None:
+    """A writer that writes into the same inode (a config rewritten in place, `torch.save` over
+    `pytorch_model.bin`) writes through the hard-link pin: the job's worker finds the files
+    other than judged before it loads anything, no attempt is spent, and the checkpoint is
+    judged again and evaluated once, on what it holds now."""
+    watch = tmp_path / "ckpts"
+    first = copy_checkpoint(watch / "r_step100")
+    queued = copy_checkpoint(watch / "r_step200")
+    data = base_config(tmp_path, watch, addition_tasks, limit=20)
+    data["policy"] = {"order": "oldest_first"}  # step 100 runs, step 200 waits (one slot)
+    cfg = write_config(tmp_path / "w.yaml", data)
+    log = tmp_path / "daemon.log"
+    ledgers = tmp_path / "ledgers"
+    with watcher_run(cfg, log) as daemon:
+
+        def first_running_second_pinned() -> bool:
+            body = status_json(cfg)[1] or {}
+            running = [r.get("step") for r in body.get("running") or []]
+            pinned = [p["location"] for p in body.get("pinned") or []]
+            return running == [100] and str(queued) in pinned
+
+        wait_for(first_running_second_pinned, 120, "step 100 running, 200 pinned", daemon, log)
+        config = queued / "config.json"
+        inode = config.stat().st_ino
+        text = json.loads(config.read_text())
+        with open(config, "r+") as f:  # in place: the pin's link sees it too
+            f.write(json.dumps(text | {"_rewritten": True}))
+            f.truncate()
+        assert config.stat().st_ino == inode
+        wait_for(
+            lambda: {ln["step"] for ln in read_ledger(ledgers, "r")} == {100, 200},
+            180,
+            "both results",
+            daemon,
+            log,
+        )
+    _once_each_on_final_bytes(ledgers, "r", {100: first, 200: queued}, log, changed=True)
+    (line,) = [ln for ln in read_ledger(ledgers, "r") if ln["step"] == 200]
+    assert line["attempt"] == 1, line  # the refused start spent no attempt
+
+
+def test_a_worker_reads_nothing_but_the_files_its_checkpoint_was_judged_with(
+    tmp_path: Path,
+) -> None:
+    """The job's spec carries the write mark its fingerprint was taken with; a worker that finds
+    the files other than that loads nothing, records nothing and says so (EXIT_CHANGED, a crash
+    file marked `changed`): the daemon judges the checkpoint again, spending no attempt."""
+    from ckpt_watcher.jobfolder import EXIT_CHANGED, EvalRequest, JobFolder, JobSpec, TaskRun
+
+    ck = write_fake_checkpoint(tmp_path / "r_step1")
+    judged = eval_mark(LocalFiles(ck))
+    (ck / "config.json").write_text(json.dumps({"model_type": "llama", "rewritten": 1}))
+    folder = JobFolder(tmp_path / "job" / "attempt-1")
+    request = EvalRequest(
+        str(ck), "hf", {}, [TaskRun("t1", 0)], 42, {}, None, None, None, None, str(tmp_path), "cpu"
+    )
+    folder.write_spec(JobSpec("j", "cpu:0", request, write_mark=judged))
+    r = subprocess.run(
+        [sys.executable, "-m", "ckpt_watcher.worker", str(folder.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == EXIT_CHANGED, r.stdout[-2000:] + r.stderr[-2000:]
+    crash = folder.crash()
+    assert crash is not None and crash.changed and "changed after it was judged" in crash.error
+    assert folder.outcomes() == ([], [])
+    assert "torch" not in r.stdout  # refused before anything heavy was imported

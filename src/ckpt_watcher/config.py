@@ -441,8 +441,13 @@ class PolicyConfig(_Model):
     backlog: BacklogConfig = Field(default_factory=BacklogConfig)
     """How far behind a run may fall (see BacklogConfig)."""
     pin_max_gb: float | None = Field(500.0, gt=0)
-    """At most this much held by pins; beyond it the oldest pins of checkpoints whose eval has
-    not started are released (null: no limit)."""
+    """At most this much disk held by pins alone (files the trainer deleted since they were
+    pinned, each counted once); beyond it the oldest pins of checkpoints whose eval has not
+    started are released (null: no limit)."""
+    journal_max_gb: float | None = Field(20.0, gt=0)
+    """At most this much under state_dir/journals (the finished responses that let a long eval
+    resume); beyond it the journals of jobs waiting in the queue are dropped, oldest job first
+    (they start from zero), never those of running jobs (null: no limit)."""
 
 
 class AlertsConfig(_Model):

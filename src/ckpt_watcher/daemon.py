@@ -38,6 +38,7 @@ from ckpt_watcher.executors.base import Executor, ExitCallback
 from ckpt_watcher.executors.processes import process_groups
 from ckpt_watcher.jobs.book import JobBook
 from ckpt_watcher.jobs.dispatch import Dispatcher
+from ckpt_watcher.jobs.journals import Journals
 from ckpt_watcher.jobs.recovery import recover
 from ckpt_watcher.jobs.supervise import Supervisor
 from ckpt_watcher.ledger import LedgerIndex, iter_runs
@@ -131,9 +132,25 @@ class Daemon:
             cfg, self.state, self.executor, self.discovery, self.book, clock, self.pins
         )
         self.dispatcher.on_skipped = lambda reason: self.metrics.skipped.labels(reason).inc()
+        self.discovery.on_held_deleted = self.dispatcher.pin_budget_due
         self.helpers = self.dispatcher.helpers
+        max_journal = cfg.policy.journal_max_gb
+        self.journals = Journals(
+            self.book,
+            self.state,
+            cfg.state_dir,
+            int(max_journal * 2**30) if max_journal is not None else None,
+        )
         self.supervisor = Supervisor(
-            cfg, self.state, self.executor, self.exits, self.discovery, self.book, self.helpers
+            cfg,
+            self.state,
+            self.executor,
+            self.exits,
+            self.discovery,
+            self.book,
+            self.helpers,
+            # running time: monotonic, unless time itself is simulated (tests)
+            monotonic=time.monotonic if clock is time.time else clock,
         )
         self.zombies = ZombieWatch(cfg.devices.zombie_after_seconds)
         self.notifier = Notifier()
@@ -243,6 +260,8 @@ class Daemon:
                 self.discovery.tick(now, force=first_pass, polls=not self.once)
                 self._plan(now)
                 self.dispatcher.enforce_backlog(now)
+                self.dispatcher.enforce_pin_budget(now)
+                self.journals.tick(now)
                 self.supervisor.check_timeouts(now)
                 self._give_back(now)
                 self._dispatch(now)
@@ -272,7 +291,7 @@ class Daemon:
         return not self.supervisor.busy() and not discovering
 
     def _sleep_for(self, now: float) -> float:
-        deadlines = [now + HEARTBEAT_SECONDS, *self.supervisor.deadlines()]
+        deadlines = [now + HEARTBEAT_SECONDS, *self.supervisor.deadlines(now)]
         watchdog = self.notifier.watchdog_due(now)
         if watchdog is not None:
             deadlines.append(watchdog)

@@ -70,6 +70,12 @@ class Inventory(Protocol):
         ...
 
 
+def device_kind(device_id: str) -> str:
+    """A device's kind from its id (`cpu:N` for CPU slots; GPUs, fake or real, and Ray's
+    slots are cuda)."""
+    return "cpu" if device_id.startswith("cpu:") else "cuda"
+
+
 def cpu_slots(n: int, cores: int | None = None) -> list[Device]:
     """`n` CPU slots, each with its share of `cores` (default: the cores this process may
     run on)."""

@@ -55,6 +55,8 @@ RECHECK = ("incomplete", "invalid")
 MISSABLE = ("incomplete", "invalid", "ready", "planned")
 # Evaluated states whose files scans re-examine for a rewrite in place.
 EVALUATED = ("done", "failed")
+# ... and a checkpoint whose jobs wait: rewritten before any of them starts, it is judged again
+LOOKED_AGAIN = (*EVALUATED, "planned")
 REWRITE_CHECK = "files changed after it was evaluated: checking the content again"
 # the event logged when a checkpoint is judged into each state (completeness.check's verdicts)
 JUDGED_EVENTS = {
@@ -143,6 +145,7 @@ class Discovery:
         self._wake = wake
         self._on_ready = on_ready  # seconds from a checkpoint's last write to judging it ready
         self._pinned = pinned  # its files are held for its eval (pins.py): a delete is no loss
+        self.on_held_deleted: Callable[[], None] = lambda: None
         self.watched = [
             _Watched(s, Lane(f"source-{i}", wake), Lane(f"hold-{i}", wake))
             for i, s in enumerate(sources)
@@ -273,7 +276,7 @@ class Discovery:
     ) -> dict[str, tuple[str | None, bool]]:
         """Evaluated checkpoints this scan re-reads (location -> (write mark, has fingerprint)):
         all of them, or the source's `recheck_per_scan` looked at longest ago."""
-        rows = [r for r in rows if r.state in EVALUATED]
+        rows = [r for r in rows if r.state in LOOKED_AGAIN]
         w.rechecked = {r.location: w.rechecked.get(r.location, 0.0) for r in rows}
         rows.sort(key=lambda r: w.rechecked[r.location])
         limit = w.source.recheck_per_scan
@@ -408,6 +411,8 @@ class Discovery:
             row = self.state.checkpoint(location)
             if row is not None and row.state in EVALUATED:
                 self._apply_remark(row, remark, now)
+            elif row is not None and row.state == "planned" and remark.changed:
+                self._changed_while_queued(row, now)
         for location, judged in result.judged.items():
             row = self.state.checkpoint(location)
             if row is not None and row.state in RECHECK:
@@ -459,6 +464,7 @@ class Discovery:
             return
         if self.held(row.source, f.location):
             log.info("checkpoint.deleted_pinned", location=f.location, run=row.run, step=row.step)
+            self.on_held_deleted()  # its files now cost disk only its pin (or copy) holds
             return
         for job in self.state.jobs("queued", location=f.location):
             self.state.update_job(
@@ -519,6 +525,17 @@ class Discovery:
         elif old and row.reason == REWRITE_CHECK:
             fields["reason"] = "files changed but the content is the same: results stand"
         return fields
+
+    def _changed_while_queued(self, row: CheckpointRow, now: float) -> None:
+        """A checkpoint rewritten while its jobs wait: none of them starts on files other than
+        judged; they go, and it is judged again. Once one runs, its worker watches the files it
+        reads (worker/job.py), and a rewrite after the job is a new version, as always."""
+        if self.state.jobs("running", location=row.location):
+            return
+        for job in self.state.jobs("queued", location=row.location):
+            self.state.delete_job(job.id)
+        self.release(row.source, row.location)
+        self.look_again(row.source, row.location, now, "rewritten while its eval waited")
 
     def _apply_remark(self, row: CheckpointRow, remark: Remark, now: float) -> None:
         """An evaluated checkpoint looked at again: adopt its marks, or judge it again."""

@@ -20,9 +20,11 @@ sample's index, the request's own arguments: prompt and generation settings). A 
 
 Several workers may evaluate one task together (one task spread over idle devices): they pull
 its chunks from one queue, `claims/` in the journal's folder (`ChunkQueue`). A worker claims a
-chunk by creating its claim file (O_EXCL: one winner), journals the chunk's units, then marks it
-done. A claim whose holder died (its pid gone, or another start time) is taken over, so a killed
-worker gives its chunk back; a done mark names the device that computed it.
+chunk by hard-linking its own holder file to the chunk's claim name (a link never replaces an
+existing name: one winner, and a claim is whole from the moment it exists), journals the
+chunk's units, then marks it done. A claim whose holder died (its pid gone, or another start
+time) is taken over, so a killed worker gives its chunk back; a done mark names the device that
+computed it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ckpt_watcher.proctable import process_alive, process_start_token
 log = structlog.get_logger("ckpt_watcher.journal")
 
 JOURNAL_FORMAT = 1
+_RECORD = json.JSONEncoder(ensure_ascii=False)  # one encoder for every record (a chunk has many)
 _SUFFIX = ".jsonl"
 CLAIMS_FOLDER = "claims"
 
@@ -147,7 +150,7 @@ class Writer:
             self._file.write(b"\n")  # a torn line stays on its own line, skipped on read
 
     def append(self, records: Iterable[tuple[str, Any]], sync: bool = True) -> int:
-        lines = [json.dumps({"k": k, "v": v}, ensure_ascii=False) for k, v in records]
+        lines = [_RECORD.encode({"k": k, "v": v}) for k, v in records]
         if lines:
             self._write(lines, sync)
         return len(lines)
@@ -195,54 +198,90 @@ class ChunkQueue:
     `claim` is true for one live worker at a time (two that take over one dead holder's chunk
     at the same moment may both compute it: the same values, journaled twice); `done` is
     written after the chunk's records are in the journal (a worker killed in between loses that
-    one chunk, which is computed again)."""
+    one chunk, which is computed again).
+
+    Each worker writes two small files once per task, its claim (who holds) and its done mark
+    (who computed, on which device), and every claim or done mark it makes is a hard link to
+    one of them: a chunk costs links and renames, never a file written, so the bookkeeping of
+    a task of 100,000 chunks stays a small part of it (bench/journal_bookkeeping.py)."""
 
     def __init__(self, ref: JournalRef, me: Holder) -> None:
         self.folder = Path(ref.folder) / CLAIMS_FOLDER
         self.me = me
+        self._token = f"{me.pid}.{time_ns()}"
+        self._dir = str(self.folder)  # paths as strings: a chunk's bookkeeping is a few syscalls
+        self._own_files: dict[str, str] = {}
 
     def _claim_path(self, chunk: str) -> Path:
-        return self.folder / f"{chunk}.claim"
+        return Path(self._claim_name(chunk))
+
+    def _claim_name(self, chunk: str) -> str:
+        return f"{self._dir}/{chunk}.claim"
 
     def _done_path(self, chunk: str) -> Path:
-        return self.folder / f"{chunk}.done"
+        return Path(f"{self._dir}/{chunk}.done")
+
+    def _own(self, kind: str) -> str:
+        """This worker's claim or done file, written once (FileNotFoundError: the journal is
+        gone)."""
+        path = self._own_files.get(kind)
+        if path is None or not os.path.exists(path):
+            path = f"{self._dir}/.{kind}.{self._token}"
+            me = dataclasses.asdict(self.me)
+            content = me if kind == "claim" else {"device": self.me.device, "by": me}
+            self.folder.mkdir(exist_ok=True)  # FileNotFoundError when the journal is gone
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.write(json.dumps(content))
+            os.replace(path + ".tmp", path)
+            self._own_files[kind] = path
+        return path
 
     def claim(self, chunk: str) -> bool:
         """Take `chunk` for this worker: True if it is ours now (free, or its holder died)."""
-        if self.is_done(chunk):
-            return False
         try:
-            self.folder.mkdir(exist_ok=True)
+            mine = self._own("claim")
         except FileNotFoundError:  # the journal is gone: its result is in the ledger
             return False
-        path = self._claim_path(chunk)
-        mine = self.folder / f".{chunk}.{self.me.pid}.{time_ns()}"
-        try:
-            mine.write_text(json.dumps(dataclasses.asdict(self.me)), encoding="utf-8")
-        except FileNotFoundError:  # removed just now
-            return False
-        try:
-            for _ in range(2):  # a dead holder's claim is moved aside once, then tried again
-                try:  # a hard link appears whole or not at all, and never over another claim
-                    os.link(mine, path)
-                except FileExistsError:
-                    holder = self.holder(chunk)
-                    if holder == self.me:  # a task this worker runs again (a warm engine's retry)
-                        return True
-                    if holder is not None and holder.alive():
-                        return False
-                    try:  # one of several takers moves it aside; the others find it gone
-                        os.rename(path, path.with_suffix(f".stale-{self.me.pid}-{time_ns()}"))
-                    except FileNotFoundError:
-                        pass
-                    continue
-                if self.is_done(chunk):  # done (mark, then claim removed) since the first look
-                    path.unlink(missing_ok=True)
+        path = self._claim_name(chunk)
+        for _ in range(2):  # a dead holder's claim is moved aside once, then tried again
+            try:  # a hard link appears whole or not at all, and never over another claim
+                os.link(mine, path)
+            except FileNotFoundError:  # the journal was removed just now
+                return False
+            except FileExistsError:
+                holder = self.holder(chunk)
+                if holder == self.me:  # a task this worker runs again (a warm engine's retry)
+                    return True
+                if holder is not None and holder.alive():
                     return False
-                return True
-            return False
-        finally:
-            mine.unlink(missing_ok=True)
+                self._move_aside_if_dead(Path(path))
+                continue
+            if self.is_done(chunk):  # done (mark, then claim removed) since the first look
+                os.unlink(path)
+                return False
+            return True
+        return False
+
+    def _move_aside_if_dead(self, path: Path) -> None:
+        """Move a dead holder's claim out of the way. Another taker may have replaced it with a
+        live claim since it was read: what was moved is read again, and a live claim moved by
+        mistake is put back (unless a third worker claimed meanwhile; then two compute the
+        chunk: the same values, journaled twice)."""
+        aside = path.with_suffix(f".stale-{self.me.pid}-{time_ns()}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:  # another taker moved it first
+            return
+        try:
+            moved = Holder(**json.loads(aside.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):
+            return
+        if moved != self.me and moved.alive():
+            try:
+                os.link(aside, path)
+            except FileExistsError:
+                pass
+            aside.unlink(missing_ok=True)
 
     def holder(self, chunk: str) -> Holder | None:
         """Who holds `chunk`'s claim (None: nobody, or an unreadable claim, taken for dead)."""
@@ -251,19 +290,17 @@ class ChunkQueue:
         except (OSError, ValueError, TypeError):
             return None
 
-    def done(self, chunk: str, units: int) -> None:
+    def done(self, chunk: str) -> None:
         """The chunk's records are in the journal."""
-        mark = self.folder / f".{chunk}.done.{self.me.pid}.{time_ns()}"
         try:
-            mark.write_text(
-                json.dumps(
-                    {"device": self.me.device, "units": units, "by": dataclasses.asdict(self.me)}
-                ),
-                "utf-8",
-            )
-            os.replace(mark, self._done_path(chunk))
-            self._claim_path(chunk).unlink(missing_ok=True)
+            os.link(self._own("done"), f"{self._dir}/{chunk}.done")
+        except FileExistsError:  # another worker computed it too (a takeover race): done
+            pass
         except FileNotFoundError:  # the journal is gone: its result is in the ledger
+            return
+        try:
+            os.unlink(self._claim_name(chunk))
+        except FileNotFoundError:  # moved aside by a worker that took this one for dead
             pass
 
     def release(self, chunk: str) -> None:
@@ -276,17 +313,49 @@ class ChunkQueue:
         self._done_path(chunk).unlink(missing_ok=True)
 
     def is_done(self, chunk: str) -> bool:
-        return self._done_path(chunk).exists()
+        return os.path.exists(f"{self._dir}/{chunk}.done")
 
-    def done_alongside(self, chunk: str) -> bool:
-        """`chunk` was computed by another worker that is still alive: a helper of this attempt,
-        not an attempt that was interrupted."""
+    def done_names(self) -> set[str]:
+        """Every chunk marked done, from one listing of the queue."""
+        return set(self.done_by())
+
+    def done_by(self) -> dict[str, dict[str, Any]]:
+        """Every chunk marked done, and its mark ({device, by}), from one listing; each mark
+        file read once however many chunks link to it."""
+        out: dict[str, dict[str, Any]] = {}
+        read: dict[int, dict[str, Any]] = {}
         try:
-            by = json.loads(self._done_path(chunk).read_text(encoding="utf-8"))["by"]
-            holder = Holder(**by)
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
-        return holder != self.me and holder.alive()
+            entries = [e for e in os.scandir(self.folder) if e.name.endswith(".done")]
+        except FileNotFoundError:
+            return out
+        for entry in entries:
+            try:
+                inode = entry.inode()
+                if inode not in read:
+                    read[inode] = json.loads(Path(entry.path).read_text(encoding="utf-8"))
+                out[entry.name[: -len(".done")]] = read[inode]
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def done_alongside(self) -> set[str]:
+        """Chunks computed by another worker that is still alive: a helper of this attempt, not
+        an attempt that was interrupted (each worker looked up once)."""
+        alive: dict[str, bool] = {}
+        out = set()
+        for chunk, mark in self.done_by().items():
+            by = mark.get("by")
+            key = json.dumps(by, sort_keys=True)
+            if key not in alive:
+                try:
+                    holder = Holder(**by)  # type: ignore[arg-type]
+                except TypeError:
+                    alive[key] = False
+                else:
+                    alive[key] = holder != self.me and holder.alive()
+            if alive[key]:
+                out.add(chunk)
+        return out
 
     def busy_elsewhere(self, chunk: str) -> bool:
         """Another live worker holds `chunk`."""
@@ -295,18 +364,32 @@ class ChunkQueue:
 
     def devices(self) -> list[str]:
         """The devices that computed this task's chunks (every done mark of the journal)."""
-        found = set()
-        for path in self.folder.glob("*.done"):
-            try:
-                found.add(str(json.loads(path.read_text(encoding="utf-8"))["device"]))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-        return sorted(found)
+        return sorted({str(m.get("device")) for m in self.done_by().values() if "device" in m})
 
 
 def remove(folder: Path) -> None:
     """The result is in the ledger: its journal is no longer needed."""
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def sizes(state_dir: Path) -> dict[str, int]:
+    """Every journal folder under `state_dir` and the bytes its files hold."""
+    out: dict[str, int] = {}
+    root = journals_root(state_dir)
+    try:
+        folders = [e.path for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return out
+    for folder in folders:
+        total = 0
+        for dirpath, _, files in os.walk(folder):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(dirpath, name)).st_size
+                except OSError:
+                    continue  # removed while we looked
+        out[folder] = total
+    return out
 
 
 def _ends_with_newline(path: Path) -> bool:

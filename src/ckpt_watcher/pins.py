@@ -11,10 +11,12 @@ The job's worker reads the pinned copy, so a trainer that deletes the checkpoint
 changes nothing: its data lives on until the pin is released, which happens once the
 checkpoint has no job queued or running (its results are in the ledger, or it ended otherwise).
 Pins are recorded in the state, so a daemon that restarts keeps those of jobs it still has and
-releases the others. `policy.pin_max_gb` bounds the bytes pins hold: beyond it, the oldest
-pins of checkpoints whose job has not started are released, and those checkpoints skipped
-(`skipped` ledger lines, reason `pin budget`: jobs/dispatch.py). A filesystem that refuses hard links is said
-once, and its checkpoints are not pinned.
+releases the others. `policy.pin_max_gb` bounds the disk pins hold: the bytes of files that
+only pins still name (the trainer deleted its own names; a file the trainer still keeps costs
+nothing more for being pinned), each file counted once however many names it has. Beyond it,
+the oldest pins of checkpoints whose job has not started are released, and those checkpoints
+skipped (`skipped` ledger lines, reason `pin budget`: jobs/dispatch.py). A filesystem that
+refuses hard links is said once, and its checkpoints are not pinned.
 """
 
 from __future__ import annotations
@@ -35,14 +37,23 @@ log = structlog.get_logger("ckpt_watcher.pins")
 
 PIN_FOLDER = ".ckpt-watcher-pins"
 # what a filesystem that cannot hold a pin answers os.link with
-_REFUSALS = (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EACCES)
+_REFUSALS = (
+    errno.EXDEV,
+    errno.EPERM,
+    errno.ENOTSUP,
+    errno.EOPNOTSUPP,
+    errno.EMLINK,
+    errno.EACCES,
+    errno.EROFS,  # a read-only mount of the trainer's folder
+    errno.ENOSYS,  # a filesystem (FUSE) that implements no link()
+)
 
 
 @dataclass(frozen=True)
 class Pin:
     location: str  # the checkpoint as the source names it
     path: str  # its pinned copy
-    bytes: int
+    bytes: int  # of the files pinned (what it would hold alone once the trainer deleted them)
     at: float
     fingerprint: str | None = None  # the content pinned (a rewrite in place is pinned again)
 
@@ -73,7 +84,8 @@ class Pins:
         return pin.path if pin is not None and Path(pin.path).is_dir() else None
 
     def held_bytes(self) -> int:
-        return sum(p.bytes for p in self.all().values())
+        """The disk only pins hold (see `held_alone`)."""
+        return sum(held_alone(self.all()).values())
 
     def pin(
         self, location: str, fingerprint: str | None, now: float, write_mark: str | None = None
@@ -139,14 +151,15 @@ class Pins:
         if self.max_bytes is None:
             return []
         pins = self.all()
-        total = sum(p.bytes for p in pins.values())
+        alone = held_alone(pins)
+        total = sum(alone.values())
         released = []
         for pin in sorted(pins.values(), key=lambda p: p.at):
             if total <= self.max_bytes:
                 break
-            if pin.location in started:
-                continue
-            total -= pin.bytes
+            if pin.location in started or not alone[pin.location]:
+                continue  # started, or costing nothing: releasing it frees no byte
+            total -= alone[pin.location]
             self.release(pin.location, "policy.pin_max_gb reached")
             released.append(pin.location)
         return released
@@ -171,6 +184,31 @@ class Pins:
         for location in list(self.all()):
             if location not in active:
                 self.release(location, "no job left")
+
+
+def held_alone(pins: dict[str, Pin]) -> dict[str, int]:
+    """Per pin, the bytes of files only pins name any more (every link of the file is in a pin
+    folder: the trainer deleted its own), each file counted once, for the oldest pin naming it."""
+    seen: dict[tuple[int, int], list[int]] = {}  # (dev, inode) -> [links in pins, nlink, size]
+    first: dict[tuple[int, int], str] = {}
+    for pin in sorted(pins.values(), key=lambda p: p.at):
+        try:
+            entries = list(os.scandir(pin.path))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            key = (st.st_dev, st.st_ino)
+            seen.setdefault(key, [0, st.st_nlink, st.st_size])[0] += 1
+            first.setdefault(key, pin.location)
+    out = dict.fromkeys(pins, 0)
+    for key, (links, nlink, size) in seen.items():
+        if links >= nlink:
+            out[first[key]] += size
+    return out
 
 
 def _partial(dest: Path) -> Path:

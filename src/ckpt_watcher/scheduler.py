@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckpt_watcher.config import BASELINE_RUN
-from ckpt_watcher.devices import Device
+from ckpt_watcher.devices import Device, device_kind
 from ckpt_watcher.state import Job
 
 
@@ -79,14 +79,21 @@ def help_plan(
 ) -> list[tuple[Job, Device]]:
     """Devices still free once every eligible job has one join a running job's tasks (one
     task spread over idle devices): each to the job with the fewest helpers (then the one
-    running longest). Only jobs with a journal (a content fingerprint) can be shared; a device
-    helps one attempt of a job at most once (`tried`: job id, attempt, device id), so a helper
-    that found nothing left is not started again."""
+    running longest). Only jobs with a journal (a content fingerprint) can be shared, and only
+    by devices of the job's own kind (a CPU slot never holds a chunk a GPU job waits for, and
+    never mixes its numerics into a GPU's result); a device helps one attempt of a job at most
+    once (`tried`: job id, attempt, device id), so a helper that found nothing left is not
+    started again."""
     count = dict(helping)
     plan = []
     for device in sorted(spare, key=lambda d: (d.kind != "cuda", d.id)):
         options = [
-            j for j in running if j.fingerprint and (j.id, j.attempt, device.id) not in tried
+            j
+            for j in running
+            if j.fingerprint
+            and j.device
+            and device_kind(j.device) == device.kind
+            and (j.id, j.attempt, device.id) not in tried
         ]
         if not options:
             continue

@@ -22,6 +22,7 @@ from ckpt_watcher.jobfolder import (
     warm_root,
 )
 from ckpt_watcher.ledger import LedgerIndex, Subject
+from ckpt_watcher.pins import Pin, held_alone
 from ckpt_watcher.proctable import process_alive
 from ckpt_watcher.report.table import entry_name, newest_versions
 from ckpt_watcher.sinks.alerts import Regression
@@ -164,11 +165,14 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         counts = state.checkpoint_counts()
         behind = _behind(cfg, state.jobs("queued") + state.jobs("running"))
         zombies = state.get_meta("suspected_zombies") or []
-        pinned = [
-            {"location": k, "path": v["path"], "bytes": v["bytes"]}
-            for k, v in sorted((state.get_meta("pins") or {}).items())
+        pins = {k: Pin(**v) for k, v in (state.get_meta("pins") or {}).items()}
+        alone = held_alone(pins)
+        pinned = [  # bytes: of the files pinned; held_bytes: the disk only the pin holds
+            {"location": k, "path": p.path, "bytes": p.bytes, "held_bytes": alone[k]}
+            for k, p in sorted(pins.items())
         ]
         regressions = state.get_meta("regressions") or []
+        journals = state.get_meta("journals")
     finally:
         state.close()
     engines = warm_engines(cfg.state_dir)
@@ -195,6 +199,8 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         "failure_history": history,
         "suspected_zombies": zombies,
         "pinned": pinned,  # checkpoints whose files are held until their results are in
+        # resume journals under state_dir: {folders, bytes, max_bytes} at the last sweep
+        "journals": journals,
         "behind": behind,  # per run: checkpoints due, and the time they take at today's rate
         "warm_engines": engines,
         "latest_results": latest_results(cfg),
@@ -379,8 +385,16 @@ def render(data: dict[str, Any]) -> str:
         eta = f", ~{_duration(b['eta_s'])} at the current rate" if b["eta_s"] is not None else ""
         lines.append(f"behind: {b['run_path']}: {b['due']} checkpoint(s) due{eta}")
     if data["pinned"]:
-        held = sum(p["bytes"] for p in data["pinned"]) / 2**30
-        lines.append(f"pinned: {len(data['pinned'])} checkpoint(s), {held:.2f} GiB held")
+        held = sum(p["held_bytes"] for p in data["pinned"]) / 2**30
+        named = sum(p["bytes"] for p in data["pinned"]) / 2**30
+        lines.append(
+            f"pinned: {len(data['pinned'])} checkpoint(s) ({named:.2f} GiB), {held:.2f} GiB "
+            "held only by pins"
+        )
+    j = data.get("journals")
+    if j and j["folders"]:
+        limit = f" of {j['max_bytes'] / 2**30:g} GiB" if j["max_bytes"] else ""
+        lines.append(f"journals: {j['folders']}, {j['bytes'] / 2**20:.1f} MiB{limit}")
     if data["suspected_zombies"]:
         lines.append(
             f"suspected zombies (not ours: never killed unless devices.reap_foreign_zombies): {len(data['suspected_zombies'])}"

@@ -61,8 +61,10 @@ class Engine(Protocol):
 
 
 class Helped(Exception):  # noqa: N818 - not an error: how a helper's part of a task ends
-    """A helper (a worker that joined another job's task) found nothing left to claim: the job's
-    own worker computes the metrics once every chunk is in the journal."""
+    """A helper (a worker that joined another job's task) found nothing left to claim, or did
+    every chunk there was: either way its part ends here, and the job's own worker computes the
+    metrics, once, from the complete journal (a helper never does: a code-executing task would
+    run the model's code twice, and the job's results would be filed twice)."""
 
 
 @dataclass
@@ -72,7 +74,8 @@ class TaskJournal:
     The task's units are cut into chunks in the backend's order, the same chunks for every
     worker, and claimed one at a time from the journal's `ChunkQueue`, so any number of workers
     can evaluate the task together. The job's own worker then waits for chunks others still hold
-    and reads their records; a helper (`helper`) leaves when nothing is left to claim."""
+    and reads their records; a helper (`helper`) joins only a task the job's own worker has
+    begun (its journal's folder exists), and leaves when nothing is left to claim."""
 
     ref: JournalRef
     writer_name: str
@@ -122,43 +125,65 @@ class TaskJournal:
         out: list[Any] = [None] * len(units)
         filled = [False] * len(units)
         fill = _filler(units, out, filled, decode)
+        # bookkeeping stays linear in chunks: units done are counted as they come, and the
+        # chunks others finished are looked up only when progress is due (at most every
+        # REPORT_SECONDS, and once a pass is over), never after every chunk
+        done = 0
+        last_report = 0.0
 
         def open_chunks(among: Iterable[int]) -> list[int]:
             return [c for c in among if not all(filled[i] for i in chunks[c])]
 
-        def report(todo: list[int]) -> None:
+        def report(todo: Sequence[int]) -> None:
+            nonlocal last_report
+            last_report = time.monotonic()
+            marked = self.queue.done_names()  # one listing, not a look per chunk
             elsewhere = sum(
-                sum(not filled[i] for i in chunks[c]) for c in todo if self.queue.is_done(names[c])
+                sum(not filled[i] for i in chunks[c]) for c in todo if names[c] in marked
             )
-            self._report(sum(filled) + elsewhere, len(units), unit)
+            self._report(done + elsewhere, len(units), unit)
 
-        self._replayed(fill(self.replay), chunks, names)
+        self._await_begun()
+        done = self._replayed(fill(self.replay), chunks, names)
         todo = open_chunks(range(len(chunks)))
         report(todo)
+        synced = time.monotonic()
         while todo:
             waiting = []
-            for c in todo:
+            for n, c in enumerate(todo):
                 if not self.queue.claim(names[c]):
                     waiting.append(c)  # done or held by another worker
                     continue
                 part = [i for i in chunks[c] if not filled[i]]
                 try:
                     values = compute([units[i][1] for i in part])
-                    self.writer.append((units[i][0], v) for i, v in zip(part, values, strict=True))
+                    records = ((units[i][0], v) for i, v in zip(part, values, strict=True))
+                    self.writer.append(records, sync=False)
+                    if time.monotonic() - synced >= SYNC_SECONDS:
+                        self.writer.sync()
+                        synced = time.monotonic()
+                    self.queue.done(names[c])
                 except BaseException:
-                    self.queue.release(names[c])
+                    self.queue.release(names[c])  # whatever failed, the chunk is free again
                     raise
-                self.queue.done(names[c], len(part))
                 for i, v in zip(part, values, strict=True):
                     out[i], filled[i] = v, True
                 self.computed += len(part)
-                report(waiting + todo[todo.index(c) + 1 :])
+                done += len(part)
+                if self.progress and time.monotonic() - last_report >= REPORT_SECONDS:
+                    report(waiting + todo[n + 1 :])
+            if self._writer is not None:
+                self._writer.sync()
+            report(waiting)  # where the pass left the task
             if not waiting:
                 break
             if self.helper:
                 raise Helped(f"{self.ref.identity.get('task')}: no chunk left to claim")
             todo = self._wait_for(waiting, names, fill, open_chunks)
+            done = sum(filled)
             report(todo)
+        if self.helper:  # every chunk was this helper's: the job's own worker scores them
+            raise Helped(f"{self.ref.identity.get('task')}: every chunk journaled")
         return out
 
     def stream(
@@ -189,11 +214,11 @@ class TaskJournal:
         def open_chunks(among: Iterable[int]) -> list[int]:
             return [c for c in among if not all(filled[i] for i in chunks[c])]
 
+        self._await_begun()
         self._replayed(fill(self.replay), chunks, names)
         todo = open_chunks(range(len(chunks)))
         waiting: list[int] = []  # done or held by other workers
         mine: dict[int, set[int]] = {}  # claimed chunks: their units still in the engine
-        sizes: dict[int, int] = {}  # claimed chunks: how many of their units were asked for
         synced = reported = time.monotonic()
         self._report(sum(filled), len(units), unit)
         try:
@@ -205,7 +230,7 @@ class TaskJournal:
                         continue
                     part = [i for i in chunks[c] if not filled[i]]
                     engine.submit([units[i] for i in part])
-                    mine[c], sizes[c] = set(part), len(part)
+                    mine[c] = set(part)
                 if not mine:
                     if not waiting:
                         break
@@ -229,7 +254,7 @@ class TaskJournal:
                     self.writer.sync()
                     synced = now
                 for c in complete:
-                    self.queue.done(names[c], sizes[c])
+                    self.queue.done(names[c])
                     del mine[c]
                 if complete or now - reported >= REPORT_SECONDS:
                     self._report(sum(filled), len(units), unit)
@@ -238,20 +263,32 @@ class TaskJournal:
             engine.close()  # requests of a failed or interrupted stream leave the engine
             for c in mine:
                 self.queue.release(names[c])
+        if self.helper:  # every chunk was this helper's: the job's own worker scores them
+            raise Helped(f"{self.ref.identity.get('task')}: every chunk journaled")
         return out
 
-    def _replayed(self, found: int, chunks: list[list[int]], names: list[str]) -> None:
+    def _await_begun(self) -> None:
+        """A helper joins a task only once the job's own worker has begun it (made its
+        journal's folder): it never runs a task that worker has not reached. It waits; the
+        daemon stops it when the job ends or a queued job needs its device."""
+        if not self.helper:
+            return
+        folder = Path(self.ref.folder)
+        while not folder.is_dir():
+            time.sleep(WAIT_SECONDS)
+
+    def _replayed(self, found: int, chunks: list[list[int]], names: list[str]) -> int:
         """`found` units came from the journal as the task began: count those an interrupted
         attempt left (what helpers of this attempt computed before this worker began was not
-        interrupted), and make the journal's folder for the job's own worker."""
+        interrupted), and make the journal's folder for the job's own worker. Returns `found`."""
         if found:
             log.info("journal.replayed", task=self.ref.identity.get("task"), units=found)
-            alongside = sum(
-                len(chunks[c]) for c, n in enumerate(names) if self.queue.done_alongside(n)
-            )
+            others = self.queue.done_alongside()
+            alongside = sum(len(chunks[c]) for c, n in enumerate(names) if n in others)
             self.resumed += max(0, found - alongside)
         if not self.helper:  # helpers only join a journal the job's own worker has
             Path(self.ref.folder).mkdir(parents=True, exist_ok=True)
+        return found
 
     def _wait_for(
         self,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 import structlog
 
@@ -29,6 +28,8 @@ from ckpt_watcher.pins import Pins
 from ckpt_watcher.state import Job, State
 
 log = structlog.get_logger("ckpt_watcher.jobs")
+
+PIN_BUDGET_SECONDS = 10.0  # how often the pins' disk is looked at with no pin made
 
 
 class Dispatcher:
@@ -51,6 +52,7 @@ class Dispatcher:
         self.helpers = Helpers(state, executor, cfg.state_dir, clock)
         self.pins = pins
         self.on_skipped: Callable[[str], None] = lambda reason: None  # a checkpoint skipped
+        self._next_pin_budget = 0.0
 
     def queue(self, q: planner.QueueJob, now: float) -> Job | None:
         """Carry out a planner QueueJob; None when its checkpoint turned out to have changed
@@ -89,13 +91,31 @@ class Dispatcher:
         if job.location.startswith("s3://"):
             self.discovery.hold(self.book.source_name(job), job.location)
         elif self.pins.pin(job.location, job.fingerprint, now, job.write_mark) is not None:
-            # over policy.pin_max_gb: the oldest pins of checkpoints not started go, and
-            # those checkpoints are skipped (visibly), rather than evaluated unprotected
-            spared = {j.location for j in self.state.jobs("running")} | {job.location}
-            for location in self.pins.keep_within_budget(spared):
-                for waiting in self.state.jobs("queued", location=location):
-                    self.book.skip(waiting, "pin budget (policy.pin_max_gb)", now)
-                self.on_skipped("pin budget")
+            self._keep_pins_within_budget(now, spare=job.location)
+
+    def pin_budget_due(self) -> None:
+        """A pinned checkpoint was deleted: look at the pins' disk at the next pass."""
+        self._next_pin_budget = 0.0
+
+    def enforce_pin_budget(self, now: float) -> None:
+        """policy.pin_max_gb, looked at every PIN_BUDGET_SECONDS and when a pinned checkpoint
+        is deleted: pins cost disk once the trainer deletes its own names of their files,
+        which happens with no pin made."""
+        if self.pins.max_bytes is None or now < self._next_pin_budget:
+            return
+        self._next_pin_budget = now + PIN_BUDGET_SECONDS
+        self._keep_pins_within_budget(now)
+
+    def _keep_pins_within_budget(self, now: float, spare: str | None = None) -> None:
+        """Over policy.pin_max_gb: the oldest pins of checkpoints not started go, and those
+        checkpoints are skipped (visibly), rather than evaluated unprotected."""
+        spared = {j.location for j in self.state.jobs("running")}
+        if spare is not None:  # the checkpoint just pinned: its job is next in line
+            spared.add(spare)
+        for location in self.pins.keep_within_budget(spared):
+            for waiting in self.state.jobs("queued", location=location):
+                self.book.skip(waiting, "pin budget (policy.pin_max_gb)", now)
+            self.on_skipped("pin budget")
 
     def enforce_backlog(self, now: float) -> list[str]:
         """policy.backlog: per run, at most `max_pending` checkpoints wait; the others are
@@ -142,6 +162,11 @@ class Dispatcher:
             return
         if self._split(eligible, len(free), now):
             queued = self.state.jobs("queued")
+        if self.pins.max_bytes is not None and eligible:
+            # before a job starts from its pin: the pins' disk (the trainer may have deleted
+            # what they hold since), so a checkpoint over budget is skipped, not started
+            self._keep_pins_within_budget(now)
+            queued = self.state.jobs("queued")
         assignments = scheduler.assign(queued, free, now, self.cfg.policy.order)
         if assignments:
             needed: dict[str, list[str]] = {}
@@ -168,13 +193,12 @@ class Dispatcher:
 
     def helper_spec(self, job: Job, device: Device) -> JobSpec | None:
         """What a helper of `job` runs on `device`: the job's tasks still due that keep a
-        journal (None: none)."""
+        journal (None: none). The helper joins each once the job's own worker has begun it
+        (resume.py): nothing here makes a journal for a task nobody has begun."""
         spec = self.spec(job, device, self.book.due(job))
         shared = [t for t in spec.request.tasks if t.journal is not None]
         if not shared:
             return None
-        for t in shared:  # the job's worker may not have begun it: give helpers a queue to join
-            Path(t.journal.folder).mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
         return dataclasses.replace(spec, request=dataclasses.replace(spec.request, tasks=shared))
 
     def spec(self, job: Job, device: Device, tasks: list[dict] | None = None) -> JobSpec:

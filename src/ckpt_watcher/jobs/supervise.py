@@ -4,12 +4,18 @@ A worker's exit is settled once its outcomes are filed (`JobBook.harvest`): with
 `ok`, the job is done. Otherwise the checkpoint's source is first asked, off the loop, whether
 the checkpoint still exists (a trainer's keep-last-k may have deleted it), then `settle.settle`
 gives the verdict (retry, fail, requeue, missed), which the book carries out.
+
+Time-outs count a job's running time on a monotonic clock from the moment this daemon first
+sees it running (plus the wall-clock time before that, from its start time in the state): a
+wall clock stepped forward (NTP, a VM resumed) never times out a running eval.
 """
 
 from __future__ import annotations
 
 import queue
 import signal
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -49,8 +55,13 @@ class Supervisor:
         discovery: Discovery,
         book: JobBook,
         helpers: Helpers,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`monotonic` measures running time (tests on a simulated clock pass that clock)."""
         self.cfg = cfg
+        self.monotonic = monotonic
+        # a job's run (id, attempt, start) -> (how long it had run when first seen, monotonic then)
+        self._first_seen: dict[tuple[str, int, float], tuple[float, float]] = {}
         self.helpers = helpers
         self.state = state
         self.executor = executor
@@ -66,18 +77,34 @@ class Supervisor:
         """Jobs queued or running, or exits and verdicts not yet handled."""
         return bool(self.state.jobs("queued", "running") or not self.exits.empty() or self.asking)
 
-    def deadlines(self) -> list[float]:
+    def deadlines(self, now: float) -> list[float]:
         """When supervision next needs the loop: time-outs of running jobs, answers waited for."""
         out = [asking.deadline for asking in self.asking.values()]
         for job in self.state.jobs("running"):
-            if job.started_at:
-                out.append(job.started_at + self.cfg.eval.timeout_seconds)
+            ran = self.running_for(job, now)
+            if ran is not None:
+                out.append(now + self.cfg.eval.timeout_seconds - ran)
         return out
+
+    def running_for(self, job: Job, now: float) -> float | None:
+        """How long `job` has run: the wall-clock time from its start to the moment this daemon
+        first saw it running, then monotonic time (None: not started yet)."""
+        if not job.started_at:
+            return None
+        key = (job.id, job.attempt, job.started_at)
+        seen = self._first_seen.get(key)
+        if seen is None:
+            seen = self._first_seen[key] = (max(0.0, now - job.started_at), self.monotonic())
+        return seen[0] + self.monotonic() - seen[1]
 
     def check_timeouts(self, now: float) -> None:
         limit = self.cfg.eval.timeout_seconds
-        for job in self.state.jobs("running"):
-            if job.started_at and now - job.started_at > limit and job.id not in self.timed_out:
+        running = self.state.jobs("running")
+        for gone in set(self._first_seen) - {(j.id, j.attempt, j.started_at) for j in running}:
+            del self._first_seen[gone]  # ended, or queued again: its next attempt starts anew
+        for job in running:
+            ran = self.running_for(job, now)
+            if ran is not None and ran > limit and job.id not in self.timed_out:
                 self.timed_out.add(job.id)
                 log.error("eval.timeout", job_id=job.id, run=job.run, step=job.step, seconds=limit)
                 self.executor.kill(job.id)

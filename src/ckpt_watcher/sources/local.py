@@ -29,6 +29,7 @@ _MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.jso
 # inotify events that can complete a checkpoint: a file closed after writing, created, moved or
 # deleted. Per-write "modified" events are ignored: they would rescan on every write() call.
 _WAKE_EVENTS = frozenset({"closed", "created", "moved", "deleted"})
+_PINS = f"/{PIN_FOLDER}"
 
 
 def printable(path: str | Path) -> str:
@@ -164,7 +165,8 @@ class LocalSource:
 
                 class _Wake(FileSystemEventHandler):
                     def on_any_event(self, event: FileSystemEvent) -> None:
-                        if event.event_type in _WAKE_EVENTS:
+                        # the watcher's own pins (links made and released) are no news
+                        if event.event_type in _WAKE_EVENTS and _PINS not in str(event.src_path):
                             wake()
 
                 observer = InotifyObserver()

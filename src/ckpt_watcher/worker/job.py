@@ -67,13 +67,6 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
         CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
         warm=keeper is not None,
     )
-    import torch
-
-    from ckpt_watcher.evaluators.harness import run_tasks
-
-    # a CPU slot's share of the cores (devices.py), as torch took it
-    log.info("worker.threads", torch=torch.get_num_threads(), omp=os.environ.get("OMP_NUM_THREADS"))
-
     req = spec.request
     # a local checkpoint (or its pin) is read where the trainer may still write: the files read
     # must be those judged, before loading and after each task (a staged copy is ours, and
@@ -105,12 +98,19 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
             return _record_crash(folder, e)
         log.info("worker.staged", location=spec.stage.location, path=str(local))
         req = dataclasses.replace(req, checkpoint=str(local))
+    import torch
+
+    from ckpt_watcher.evaluators.harness import run_tasks
+
+    # a CPU slot's share of the cores (devices.py), as torch took it
+    log.info("worker.threads", torch=torch.get_num_threads(), omp=os.environ.get("OMP_NUM_THREADS"))
     index = {t.key: i for i, t in enumerate(req.tasks)}
 
     last_progress = [0.0]
 
     def progress(now: Progress) -> None:  # at most once a second, and at each task's end
         if now.done >= now.total or now.at - last_progress[0] >= PROGRESS_EVERY_SECONDS:
+            unchanged()  # a long task stops within a second of a write into what it reads
             folder.write_progress(now)
             last_progress[0] = now.at
 
