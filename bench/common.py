@@ -24,12 +24,16 @@ WATCHER = [sys.executable, "-m", "ckpt_watcher"]
 
 
 def fake_checkpoint(folder: Path) -> None:
-    """A complete checkpoint-shaped folder with one tiny tensor (not loadable by a model)."""
+    """A complete checkpoint-shaped folder with one tiny tensor and a tokenizer config (not
+    loadable by a model)."""
     folder.mkdir(parents=True)
     # its path in its config: two fakes are two contents (the watcher reuses results across copies)
     (folder / "config.json").write_text(json.dumps({"_name_or_path": str(folder)}))
     header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
+    (folder / "tokenizer_config.json").write_text(
+        "{}"
+    )  # an eval loads one: the watcher waits for it
 
 
 def distinct_copy(src: Path, dest: Path) -> Path:
