@@ -85,6 +85,43 @@ def write_fake_checkpoint(
     return folder
 
 
+def write_two_shards(folder: Path, tokenizer: bool = True) -> Path:
+    """A fake checkpoint whose weights are a 2-shard series with its index (tensors `a`, `b`),
+    beside a config and (`tokenizer`) a tokenizer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    if tokenizer:
+        (folder / "tokenizer.json").write_text("{}")
+    files = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    write_safetensors(folder / files[0], {"a": 1000})
+    write_safetensors(folder / files[1], {"b": 1000})
+    index = {"weight_map": {"a": files[0], "b": files[1]}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def reshard_in_two(ckpt: Path, out: Path | None = None) -> list[str]:
+    """A real checkpoint's weights saved again as a 2-shard series with its index, into `out`
+    (default: the checkpoint itself, whose `model.safetensors` then goes); the shard names."""
+    from safetensors.torch import load_file, save_file
+
+    dest = out or ckpt
+    tensors = load_file(ckpt / "model.safetensors")
+    names = sorted(tensors)
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    files = [f"model-0000{i + 1}-of-00002.safetensors" for i in range(2)]
+    for half, fname in zip(halves, files, strict=True):
+        save_file({n: tensors[n] for n in half}, dest / fname, metadata={"format": "pt"})
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+        "weight_map": {n: f for half, f in zip(halves, files, strict=True) for n in half},
+    }
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index))
+    if out is None:
+        (ckpt / "model.safetensors").unlink()
+    return files
+
+
 def shared_once(
     tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Any]
 ) -> tuple[Path, Any]:

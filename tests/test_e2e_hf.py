@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import base_config, read_ledger, write_config
+from .conftest import base_config, read_ledger, reshard_in_two, write_config
 from .helpers import lm_eval_cli, status_json, trainer_command, wait_for, watcher_run
 
 pytestmark = pytest.mark.e2e
@@ -17,23 +17,7 @@ pytestmark = pytest.mark.e2e
 
 def split_in_two_shards(ckpt: Path) -> Path:
     """Re-save a checkpoint's weights as a 2-shard series with its index; return shard 2."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(ckpt / "model.safetensors")
-    names = sorted(tensors)
-    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
-    files = [f"model-0000{i + 1}-of-00002.safetensors" for i in range(2)]
-    for half, fname in zip(halves, files, strict=True):
-        save_file({n: tensors[n] for n in half}, ckpt / fname, metadata={"format": "pt"})
-    index = {
-        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-        "weight_map": {n: f for half, f in zip(halves, files, strict=True) for n in half},
-    }
-    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
-    (ckpt / "model.safetensors").unlink()
-    return ckpt / files[1]
+    return ckpt / reshard_in_two(ckpt)[1]
 
 
 def test_trainer_and_watcher_side_by_side_match_lm_eval(

@@ -485,3 +485,35 @@ def test_journals_are_kept_only_while_a_job_can_use_them_and_within_their_budget
         assert running.exists() and state.get_meta("journals")["folders"] == 1
     finally:
         state.close()
+
+
+def test_a_worker_whose_claim_or_done_file_has_all_the_links_it_may_have_writes_another(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Claims and done marks are hard links to one file per worker; a filesystem caps links to
+    one file (ext4: 65,000; btrfs: a few hundred in one folder). At the cap the worker writes
+    another file and goes on (found by bench/journal_bookkeeping.py at 100,000 chunks)."""
+    import errno
+
+    ref = _ref(tmp_path)
+    Path(ref.folder).mkdir(parents=True)
+    real_link = os.link
+    links = [0]
+
+    def capped(src: str, dst: str) -> None:  # each file takes 3 links, then EMLINK
+        if src.endswith((".1", ".2", ".3")) and links[0] >= 3:
+            links[0] = 0
+            raise OSError(errno.EMLINK, "Too many links")
+        links[0] += 1
+        real_link(src, dst)
+
+    monkeypatch.setattr(journal.os, "link", capped)
+    units = [(f"k{i}", f"req{i}") for i in range(40)]
+    own = TaskJournal(ref, "own", chunk=2, device="cpu:0")
+    assert own.answer(units, lambda r: int(r[3:]), lambda rs: rs, "x") == [r for _, r in units]
+    monkeypatch.undo()
+    own.close()
+    marks = own.queue.done_by()
+    assert len(marks) == 20 and {m["device"] for m in marks.values()} == {"cpu:0"}
+    templates = [p.name for p in own.queue.folder.iterdir() if p.name.startswith(".")]
+    assert len(templates) > 2, templates  # the cap was met, and more files written

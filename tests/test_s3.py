@@ -25,6 +25,7 @@ from .conftest import (
     write_config,
     write_fake_checkpoint,
     write_safetensors,
+    write_two_shards,
 )
 from .helpers import status_json, wait_for, watcher_run
 
@@ -57,20 +58,7 @@ def test_completeness_over_s3_reads_headers_only_and_waits_for_the_last_shard(
     s3_endpoint: str, bucket: str, tmp_path: Path
 ) -> None:
     client = make_client(s3_endpoint)
-    local = tmp_path / "r_step1"
-    local.mkdir()
-    (local / "config.json").write_text("{}")
-    (local / "tokenizer.json").write_text("{}")
-    write_safetensors(local / "model-00001-of-00002.safetensors", {"a": 1000})
-    write_safetensors(local / "model-00002-of-00002.safetensors", {"b": 1000})
-    index = {
-        "metadata": {},
-        "weight_map": {
-            "a": "model-00001-of-00002.safetensors",
-            "b": "model-00002-of-00002.safetensors",
-        },
-    }
-    (local / "model.safetensors.index.json").write_text(json.dumps(index))
+    local = write_two_shards(tmp_path / "r_step1")
     upload_dir(client, local, bucket, "c/r_step1/", skip=("model-00002-of-00002.safetensors",))
     src = S3Source(f"s3://{bucket}/c/", client=client, retry=NO_WAIT)
     loc = f"s3://{bucket}/c/r_step1/"

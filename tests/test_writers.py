@@ -39,9 +39,11 @@ from .conftest import (
     base_config,
     derived_checkpoints,
     read_ledger,
+    reshard_in_two,
     write_config,
     write_fake_checkpoint,
     write_safetensors,
+    write_two_shards,
 )
 from .helpers import status_json, wait_for, watcher_run
 
@@ -189,19 +191,7 @@ def test_s3_uploads_in_any_order_are_ready_only_when_all_are_there_and_settled(
     s3_endpoint: str, bucket: str, tmp_path: Path
 ) -> None:
     client = make_client(s3_endpoint)
-    local = tmp_path / "r_step1"
-    local.mkdir()
-    (local / "config.json").write_text("{}")
-    (local / "tokenizer.json").write_text("{}")
-    write_safetensors(local / "model-00001-of-00002.safetensors", {"a": 1000})
-    write_safetensors(local / "model-00002-of-00002.safetensors", {"b": 1000})
-    index = {
-        "weight_map": {
-            "a": "model-00001-of-00002.safetensors",
-            "b": "model-00002-of-00002.safetensors",
-        }
-    }
-    (local / "model.safetensors.index.json").write_text(json.dumps(index))
+    local = write_two_shards(tmp_path / "r_step1")
     (local / "STABLE").write_text("")
     source = S3Source(
         f"s3://{bucket}/c/", client=client, retry=Retry(attempts=3, initial=0, maximum=0)
@@ -338,24 +328,6 @@ def _copy_slowly(src: Path, dest: Path, pieces: int = 4, pause: float = 0.1) -> 
             time.sleep(pause)
 
 
-def _split_in_two_shards(ck: Path, out: Path) -> list[str]:
-    """The checkpoint's weights as a 2-shard series in `out`, with its index; the file names."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(ck / "model.safetensors")
-    names = sorted(tensors)
-    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
-    files = [f"model-0000{i + 1}-of-00002.safetensors" for i in range(2)]
-    for half, name in zip(halves, files, strict=True):
-        save_file({n: tensors[n] for n in half}, out / name, metadata={"format": "pt"})
-    index = {
-        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-        "weight_map": {n: f for half, f in zip(halves, files, strict=True) for n in half},
-    }
-    (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    return files
-
-
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -365,7 +337,7 @@ def test_writers_that_pause_or_write_the_index_first_are_evaluated_once_on_the_c
 ) -> None:
     material = tmp_path / "material"
     late_src, index_src = derived_checkpoints(trained_checkpoint, material, "m", (1, 2))
-    shards = _split_in_two_shards(index_src, material)
+    shards = reshard_in_two(index_src, material)
     watch = tmp_path / "ckpts"
     watch.mkdir()
     cfg = write_config(tmp_path / "w.yaml", base_config(tmp_path, watch, addition_tasks, limit=20))

@@ -30,6 +30,7 @@ computed it.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -211,6 +212,7 @@ class ChunkQueue:
         self._token = f"{me.pid}.{time_ns()}"
         self._dir = str(self.folder)  # paths as strings: a chunk's bookkeeping is a few syscalls
         self._own_files: dict[str, str] = {}
+        self._written = 0
 
     def _claim_path(self, chunk: str) -> Path:
         return Path(self._claim_name(chunk))
@@ -221,12 +223,14 @@ class ChunkQueue:
     def _done_path(self, chunk: str) -> Path:
         return Path(f"{self._dir}/{chunk}.done")
 
-    def _own(self, kind: str) -> str:
-        """This worker's claim or done file, written once (FileNotFoundError: the journal is
-        gone)."""
+    def _own(self, kind: str, full: bool = False) -> str:
+        """This worker's claim or done file, written once, or again when the one it has has
+        as many links as its filesystem allows (`full`: ext4 65,000, btrfs a few hundred in
+        one folder). FileNotFoundError: the journal is gone."""
         path = self._own_files.get(kind)
-        if path is None or not os.path.exists(path):
-            path = f"{self._dir}/.{kind}.{self._token}"
+        if path is None or full or not os.path.exists(path):
+            self._written += 1
+            path = f"{self._dir}/.{kind}.{self._token}.{self._written}"
             me = dataclasses.asdict(self.me)
             content = me if kind == "claim" else {"device": self.me.device, "by": me}
             self.folder.mkdir(exist_ok=True)  # FileNotFoundError when the journal is gone
@@ -243,7 +247,7 @@ class ChunkQueue:
         except FileNotFoundError:  # the journal is gone: its result is in the ledger
             return False
         path = self._claim_name(chunk)
-        for _ in range(2):  # a dead holder's claim is moved aside once, then tried again
+        for _ in range(3):  # a dead holder's claim is moved aside once, then tried again
             try:  # a hard link appears whole or not at all, and never over another claim
                 os.link(mine, path)
             except FileNotFoundError:  # the journal was removed just now
@@ -255,6 +259,11 @@ class ChunkQueue:
                 if holder is not None and holder.alive():
                     return False
                 self._move_aside_if_dead(Path(path))
+                continue
+            except OSError as e:
+                if e.errno != errno.EMLINK:
+                    raise
+                mine = self._own("claim", full=True)
                 continue
             if self.is_done(chunk):  # done (mark, then claim removed) since the first look
                 os.unlink(path)
@@ -292,8 +301,14 @@ class ChunkQueue:
 
     def done(self, chunk: str) -> None:
         """The chunk's records are in the journal."""
+        mark = f"{self._dir}/{chunk}.done"
         try:
-            os.link(self._own("done"), f"{self._dir}/{chunk}.done")
+            try:
+                os.link(self._own("done"), mark)
+            except OSError as e:
+                if e.errno != errno.EMLINK:
+                    raise
+                os.link(self._own("done", full=True), mark)
         except FileExistsError:  # another worker computed it too (a takeover race): done
             pass
         except FileNotFoundError:  # the journal is gone: its result is in the ledger
