@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ckpt_watcher import journal
+from ckpt_watcher import journal, status
 from ckpt_watcher.evaluators.resume import Helped, TaskJournal
 from ckpt_watcher.journal import JournalRef
 
@@ -483,6 +483,9 @@ def test_journals_are_kept_only_while_a_job_can_use_them_and_within_their_budget
         daemon.journals.max_bytes = 10  # the running job's alone: kept (its result needs it)
         daemon.journals.sweep()
         assert running.exists() and state.get_meta("journals")["folders"] == 1
+        shown = status.gather(cfg)
+        assert shown["journals"]["folders"] == 1 and shown["journals"]["max_bytes"] == 10
+        assert "journals: 1, 0.0 MiB of " in status.render(shown)
     finally:
         state.close()
 
