@@ -15,11 +15,28 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ckpt_watcher import suites
 from ckpt_watcher.checkpoints.completeness import DEFAULT_SETTLE_SECONDS
 from ckpt_watcher.errors import ConfigError
+from ckpt_watcher.harnesses.entries import (
+    HARNESSES,
+    UNSCORED_KEYS,
+    CommandTask,
+    OlmesTask,
+    VerifiersTask,
+)
 
 
 class _Model(BaseModel):
@@ -125,6 +142,9 @@ class ExecutorConfig(_Model):
 class TaskSpec(_Model):
     """One lm-eval task to run on every checkpoint."""
 
+    harness: Literal["lm-eval"] = "lm-eval"
+    """Which harness runs the entry: lm-eval (the default), olmes, verifiers or command
+    (`harnesses/entries.py` has the others' keys)."""
     task: str = Field(min_length=1)
     """lm-eval task name (or one defined under `eval.include_path`)."""
     num_fewshot: int | None = Field(None, ge=0)
@@ -170,6 +190,25 @@ class TaskSpec(_Model):
             self.pass_at = [k for k in self.pass_at if k <= self.samples]
         return self
 
+    def entry(self, version: str = "") -> dict[str, Any]:
+        """This entry as jobs, the ledger and the worker handle it (a plain dict)."""
+        return self.model_dump()
+
+
+def _harness_of(v: Any) -> str:
+    """Which model a task entry is (an entry without `harness:` is lm-eval's)."""
+    kind = v.get("harness", "lm-eval") if isinstance(v, dict) else getattr(v, "harness", None)
+    return str(kind or "lm-eval")
+
+
+TaskEntry = Annotated[
+    Annotated[TaskSpec, Tag("lm-eval")]
+    | Annotated[OlmesTask, Tag("olmes")]
+    | Annotated[VerifiersTask, Tag("verifiers")]
+    | Annotated[CommandTask, Tag("command")],
+    Discriminator(_harness_of),
+]
+
 
 def _greedy(gen_kwargs: dict[str, Any]) -> bool:
     """Whether these generation kwargs decode greedily (as lm-eval's backends read them: a
@@ -187,6 +226,21 @@ def task_settings_hash(settings_hash: str, task: dict[str, Any]) -> str:
     """The settings hash of one task entry (a `TaskSpec` dump): `eval`'s own hash, extended by
     what the entry adds (samples, pass_at, its gen_kwargs, the chat template). A plain entry keeps `eval`'s hash,
     so lines written before tasks had settings of their own still count."""
+    if (
+        task.get("harness", "lm-eval") != "lm-eval"
+    ):  # another harness: all it was asked, and its version
+        scored = {k: v for k, v in (task.get("spec") or {}).items() if k not in UNSCORED_KEYS}
+        blob = json.dumps(
+            {
+                "eval": settings_hash,
+                "harness": task["harness"],
+                "version": task.get("harness_version") or "",
+                "spec": scored,
+            },
+            sort_keys=True,
+            default=str,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
     own: dict[str, Any] = {}
     if task.get("samples", 1) != 1 or task.get("pass_at") is not None:
         own["samples"] = task.get("samples", 1)
@@ -259,7 +313,7 @@ class EvalConfig(_Model):
     """Then a `failed` ledger line; `watcher requeue` tries again."""
     retry_backoff_seconds: float = Field(30.0, ge=0)
     """Wait before retry k is this times 2**(k-1)."""
-    tasks: list[TaskSpec] = Field(min_length=1)
+    tasks: list[TaskEntry] = Field(min_length=1)
     """The tasks to run on every checkpoint; `{suite: NAME}` stands for a suite's tasks."""
     warm_engine: bool | None = None
     """Keep one worker and its engine per device across checkpoints, swapping each new
@@ -275,6 +329,8 @@ class EvalConfig(_Model):
     unterminated: Literal["as_is", "wrong"] = "as_is"
     """A response that never closed its thinking: kept as is (as lm-eval does) or scored wrong."""
 
+    _harness_versions: dict[str, str] = PrivateAttr(default_factory=dict)
+
     @property
     def warm(self) -> bool:
         return self.backend == "vllm" if self.warm_engine is None else self.warm_engine
@@ -284,6 +340,13 @@ class EvalConfig(_Model):
     def _expand_suites(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("tasks"), list):
             data = dict(data) | {"tasks": suites.expand(data["tasks"], data.get("suite_path"))}
+            for i, t in enumerate(data["tasks"]):
+                kind = t.get("harness", "lm-eval") if isinstance(t, dict) else "lm-eval"
+                if kind not in HARNESSES:
+                    raise ValueError(
+                        f"tasks entry {i}: harness {kind!r} is not one this version runs "
+                        f"(it runs: {', '.join(HARNESSES)})"
+                    )
         return data
 
     @field_validator("model_args", mode="before")
@@ -314,12 +377,18 @@ class EvalConfig(_Model):
             raise ValueError("use eval.tensor_parallel_size, not model_args.tensor_parallel_size")
         seen: set[tuple[str, int | None]] = set()
         settings: dict[tuple[str, int | None, str], str] = {}
-        for t in self.tasks:  # eval-level thinking settings fill each entry's own
+        for t in self.lm_eval_tasks:  # eval-level thinking settings fill each entry's own
             if t.think_end is None:
                 t.think_end = self.think_end
             if t.unterminated is None and t.think_end is not None:
                 t.unterminated = self.unterminated
-        for t in self.tasks:
+        for h in self.harness_tasks:
+            if (h.name, None) in seen:
+                raise ValueError(f"task entry name {h.name!r} is used twice; names must differ")
+            seen.add((h.name, None))
+            if isinstance(h, VerifiersTask):
+                self._check_context(h)
+        for t in self.lm_eval_tasks:
             key = (t.name or t.task, t.num_fewshot)
             if key in seen:
                 raise ValueError(
@@ -345,6 +414,44 @@ class EvalConfig(_Model):
                     "or drop samples"
                 )
         return self
+
+    def _check_context(self, h: VerifiersTask) -> None:
+        """A served model answers a request longer than its context with an error per rollout:
+        refuse, at start, what could never fit (each request is clamped to what is left)."""
+        limit = self.model_args.get("max_model_len")
+        asked = h.sampling.get("max_tokens") or h.sampling.get("max_completion_tokens")
+        if isinstance(limit, int) and isinstance(asked, int) and asked >= limit:
+            raise ValueError(
+                f"task entry {h.name!r}: sampling.max_tokens {asked} leaves no room for a prompt "
+                f"in eval.model_args.max_model_len {limit}; lower max_tokens or raise "
+                "max_model_len (each request is clamped to the context left after its prompt)"
+            )
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Every task entry as jobs, the ledger and workers handle it (plain dicts); another
+        harness's carries the version `set_harness_versions` found in its interpreter."""
+        out = []
+        for t in self.tasks:
+            if isinstance(t, CommandTask):
+                out.append(t.entry(t.version))
+            elif isinstance(t, TaskSpec):
+                out.append(t.entry())
+            else:
+                out.append(t.entry(self._harness_versions.get(t.name, "")))
+        return out
+
+    def set_harness_versions(self, versions: dict[str, str]) -> None:
+        """Each other harness entry's version by name (`harnesses.probe`, at start)."""
+        self._harness_versions = dict(versions)
+
+    @property
+    def lm_eval_tasks(self) -> list[TaskSpec]:
+        return [t for t in self.tasks if isinstance(t, TaskSpec)]
+
+    @property
+    def harness_tasks(self) -> list[OlmesTask | VerifiersTask | CommandTask]:
+        """The entries of the other harnesses (OLMES, verifiers, commands)."""
+        return [t for t in self.tasks if not isinstance(t, TaskSpec)]
 
     def settings(self) -> dict[str, Any]:
         """The settings that decide a score; two results agree only if these agree."""
@@ -638,8 +745,9 @@ def _first_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-# the `kind` values of tagged unions (sources, sinks): pydantic puts them in an error's path
-_UNION_TAGS = ("local", "s3", *SINK_KINDS)
+# the tags of tagged unions (sources and sinks by kind, task entries by harness): pydantic
+# puts them in an error's path
+_UNION_TAGS = ("local", "s3", *SINK_KINDS, *HARNESSES)
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:

@@ -95,8 +95,8 @@ def check_tasks(cfg: WatcherConfig) -> Check:
         return Check("tasks", False, str(e))
     if problems:
         return Check("tasks", False, "; ".join(problems))
-    names = ", ".join(sorted({t.task for t in cfg.eval.tasks}))
-    return Check("tasks", True, f"{names}: known to lm-eval, local data files present")
+    names = ", ".join(sorted({t.task for t in cfg.eval.lm_eval_tasks}))
+    return Check("tasks", True, f"{names or 'none'}: known to lm-eval, local data files present")
 
 
 def check_sources(cfg: WatcherConfig) -> list[Check]:

@@ -81,6 +81,9 @@ class TaskRun:
     think_end: str | None = None  # the end-of-thinking marker (lm-eval's think_end_token)
     unterminated: str | None = None  # as_is | wrong: a response that never wrote think_end
     journal: JournalRef | None = None  # where finished units are kept (None: not kept)
+    harness: str = "lm-eval"  # lm-eval, or another harness (olmes, verifiers, command)
+    harness_version: str = ""  # another harness's version, as probed in its interpreter
+    spec: dict[str, Any] | None = None  # another harness's entry (harnesses/entries.py)
 
     @property
     def sampled(self) -> bool:
@@ -188,6 +191,11 @@ class TaskOutcome:
     lengths: dict[str, Any] | None = (
         None  # a generation task's response lengths (evaluators/lengths)
     )
+    harness: str = "lm-eval"
+    harness_version: str = ""
+    # an entry that yields several results (OLMES: one per OLMES task): each part's task,
+    # metrics, n_samples and files; `metrics` is then empty
+    parts: list[dict[str, Any]] | None = None
 
     @property
     def key(self) -> tuple[str, int | None]:

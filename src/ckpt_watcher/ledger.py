@@ -112,6 +112,10 @@ def result_line(
         gen_kwargs["max_gen_toks"] = eval_cfg.max_gen_toks
     ok = status == "ok"
     sampled = {"samples": entry.get("samples", 1), "pass_at": entry.get("pass_at")}
+    harness = {
+        "harness": entry.get("harness", "lm-eval"),
+        "harness_version": outcome.harness_version or outcome.lm_eval_version or None,
+    }
     return (
         {
             "schema": SCHEMA,
@@ -152,7 +156,46 @@ def result_line(
         | ({"apply_chat_template": True} if entry.get("apply_chat_template") else {})
         | ({"name": entry["name"]} if entry.get("name") else {})
         | (_lengths(outcome.lengths) if ok and outcome.lengths else {})
+        | harness
     )
+
+
+def result_lines(
+    *,
+    job: Any,
+    outcome: TaskOutcome,
+    status: str,
+    error: str | None,
+    eval_cfg: Any,
+    ledger_dir: Path,
+) -> list[dict[str, Any]]:
+    """The ledger lines of a task's outcome: one, or one per part of an entry that yields
+    several results (OLMES: `task` is `<entry>/<part>`, `entry` and `entry_parts` say whose
+    part it is, so the entry counts as done once all its parts are in)."""
+    line = result_line(
+        job=job,
+        outcome=outcome,
+        status=status,
+        error=error,
+        eval_cfg=eval_cfg,
+        ledger_dir=ledger_dir,
+    )
+    if status != "ok" or not outcome.parts:
+        return [line]
+    lines = []
+    for part in outcome.parts:
+        one = dict(line)
+        one.update(
+            task=f"{outcome.task}/{part['task']}",
+            metrics=part.get("metrics") or {},
+            n_samples=part.get("n_samples"),
+            results_file=_run_relative(part.get("results_file"), ledger_dir, job),
+            samples_file=_run_relative(part.get("samples_file"), ledger_dir, job),
+            entry=outcome.task,
+            entry_parts=len(outcome.parts),
+        )
+        lines.append(one)
+    return lines
 
 
 def task_key(task: dict[str, Any]) -> tuple[str, int | None]:
@@ -265,6 +308,9 @@ class LedgerIndex:
         self.listeners: list[Callable[[dict[str, Any]], None]] = []  # told of each line written
         self.ok: set[Identity] = set()
         self.by_content: dict[ContentKey, dict[str, Any]] = {}
+        # the parts of entries with several results (OLMES), by the entry's identity / content
+        self.parts: dict[Identity, dict[str, dict[str, Any]]] = {}
+        self.content_parts: dict[ContentKey, list[dict[str, Any]]] = {}
         self.legacy: set[LegacyKey] = set()
         self.failed_lines = 0
         self.durations: dict[tuple[str, int | None], list[float]] = {}
@@ -283,6 +329,21 @@ class LedgerIndex:
             self.failed_lines += line.get("status") == "failed"
             return
         self.ok.add(line_identity(line))
+        if line.get("entry"):  # a part of an entry: the entry is done once all its parts are
+            whole = (*line_identity(line)[:2], line["entry"], *line_identity(line)[3:])
+            parts = self.parts.setdefault(whole, {})
+            parts[line["task"]] = line
+            if len(parts) >= int(line.get("entry_parts") or 1):
+                self.ok.add(whole)
+                fp = line.get("fingerprint")
+                if fp:
+                    key = (
+                        fp,
+                        line["entry"],
+                        line.get("num_fewshot"),
+                        line.get("settings_hash", ""),
+                    )
+                    self.content_parts.setdefault(key, list(parts.values()))
         task, shots, settings = line["task"], line.get("num_fewshot"), line.get("settings_hash", "")
         fp = line.get("fingerprint")
         if fp:
@@ -344,6 +405,10 @@ class LedgerIndex:
             if subject.fingerprint:
                 own = task_settings_hash(settings, t)
                 key = (subject.fingerprint, t["task"], t["num_fewshot"], own)
+                parts = self.content_parts.get(key)
+                if parts:
+                    out.reuse += [reused_line(p, subject, self.ledger_dir) for p in parts]
+                    continue
                 first = self.by_content.get(key)
             if first is None:
                 out.due.append(t)

@@ -26,7 +26,7 @@ TIMEOUT_SECONDS = 600.0
 
 
 def _cache_key(cfg: WatcherConfig) -> str:
-    names = sorted({t.task for t in cfg.eval.tasks})
+    names = sorted({t.task for t in cfg.eval.lm_eval_tasks})
     yamls: list[str] = []
     include = cfg.eval.include_path
     if include is not None and include.exists():
@@ -43,15 +43,17 @@ def _cache_key(cfg: WatcherConfig) -> str:
 
 def task_problems(cfg: WatcherConfig) -> list[str]:
     """One line per unknown task (with the closest names) or missing data file; [] if none."""
+    if not cfg.eval.lm_eval_tasks:
+        return []
     key = _cache_key(cfg)
     cache = cfg.state_dir / CACHE_NAME
     try:
         if json.loads(cache.read_text()).get("ok_for") == key:
-            log.info("tasks.checked", cached=True, tasks=len(cfg.eval.tasks))
+            log.info("tasks.checked", cached=True, tasks=len(cfg.eval.lm_eval_tasks))
             return []
     except (OSError, ValueError):
         pass
-    names = sorted({t.task for t in cfg.eval.tasks})
+    names = sorted({t.task for t in cfg.eval.lm_eval_tasks})
     request = {
         "tasks": names,
         "include_path": str(cfg.eval.include_path) if cfg.eval.include_path else None,
@@ -91,8 +93,26 @@ def task_problems(cfg: WatcherConfig) -> list[str]:
     return problems
 
 
+def harness_problems(cfg: WatcherConfig) -> tuple[dict[str, str], list[str]]:
+    """Each other harness entry's version, read in its own interpreter, and one line per entry
+    whose interpreter is missing or lacks its harness."""
+    from ckpt_watcher.harnesses import interp
+
+    versions: dict[str, str] = {}
+    problems = []
+    for h in cfg.eval.harness_tasks:
+        try:
+            versions[h.name] = interp.probe(h.harness, h.spec())
+        except interp.InterpreterProblem as e:
+            problems.append(f"entry {h.name!r} ({h.harness}): {e}")
+    return versions, problems
+
+
 def require_known_tasks(cfg: WatcherConfig) -> None:
-    """Raise ConfigError (exit 2) naming every task problem."""
-    problems = task_problems(cfg)
+    """Raise ConfigError (exit 2) naming every task problem; records each other harness's
+    version in the config (part of its results' settings hash)."""
+    versions, problems = harness_problems(cfg)
+    cfg.eval.set_harness_versions(versions)
+    problems += task_problems(cfg)
     if problems:
         raise ConfigError("config field eval.tasks: " + "; ".join(problems))

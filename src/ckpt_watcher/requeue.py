@@ -31,7 +31,7 @@ def requeue(
     """Return (checkpoints of the run path put back as ready, checkpoints left alone with why)."""
     ledger = LedgerIndex(cfg.ledger_dir).load()
     settings = cfg.eval.settings_hash()
-    tasks = [t.model_dump() for t in cfg.eval.tasks if task is None or task in (t.name, t.task)]
+    tasks = [t for t in cfg.eval.entries() if task is None or task in (t.get("name"), t["task"])]
     state = State(cfg.state_dir)
     done: list[Requeued] = []
     left: list[str] = []

@@ -171,6 +171,7 @@ def run_tasks(
             name=t.name,
             started_at=started,
             lm_eval_version=version,
+            harness_version=version,
             engine=engine.kind,
             engine_seconds=round(engine.seconds, 3),
         )

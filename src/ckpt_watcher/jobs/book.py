@@ -19,7 +19,7 @@ from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.jobfolder import JobFolder, TaskOutcome
 from ckpt_watcher.jobs.settle import Verdict
 from ckpt_watcher.journal import JournalRef
-from ckpt_watcher.ledger import LedgerIndex, Subject, result_line, task_key
+from ckpt_watcher.ledger import LedgerIndex, Subject, result_lines, task_key
 from ckpt_watcher.state import Job, State
 
 log = structlog.get_logger("ckpt_watcher.jobs")
@@ -41,7 +41,7 @@ class JobBook:
         self.ledger = ledger
         self.discovery = discovery
         self.settings_hash = cfg.eval.settings_hash()
-        self.all_tasks = [t.model_dump() for t in cfg.eval.tasks]
+        self.all_tasks = cfg.eval.entries()
         self.failures = 0  # jobs that ended failed since this daemon started
 
     # --- what is known about a job --------------------------------------------------------
@@ -88,7 +88,7 @@ class JobBook:
 
     def file(self, job: Job, outcome: TaskOutcome, status: str, error: str | None) -> None:
         """Append one task's ledger line (the ledger drops an `ok` it already has)."""
-        line = result_line(
+        lines = result_lines(
             job=job,
             outcome=outcome,
             status=status,
@@ -96,13 +96,14 @@ class JobBook:
             eval_cfg=self.cfg.eval,
             ledger_dir=self.cfg.ledger_dir,
         )
-        written = self.ledger.append(line)
+        written = [self.ledger.append(line) for line in lines]
+        line = lines[0]
         if status == "ok":  # in the ledger now (or already): its journal is done with
             entry = next((t for t in job.tasks if task_key(t) == outcome.key), None)
             ref = self.journal_ref(job, entry) if entry is not None else None
             if ref is not None:
                 journal.remove(Path(ref.folder))
-        if not written:
+        if not any(written):
             return
         if status == "skipped":
             return  # said once for the job (skip)

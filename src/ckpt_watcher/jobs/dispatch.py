@@ -196,7 +196,7 @@ class Dispatcher:
         journal (None: none). The helper joins each once the job's own worker has begun it
         (resume.py): nothing here makes a journal for a task nobody has begun."""
         spec = self.spec(job, device, self.book.due(job))
-        shared = [t for t in spec.request.tasks if t.journal is not None]
+        shared = [t for t in spec.request.tasks if t.journal is not None and t.harness == "lm-eval"]
         if not shared:
             return None
         return dataclasses.replace(spec, request=dataclasses.replace(spec.request, tasks=shared))

@@ -31,8 +31,10 @@ from ckpt_watcher.jobfolder import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ckpt_watcher.evaluators.keeper import EngineKeeper
-    from ckpt_watcher.jobfolder import Progress, TaskOutcome
+    from ckpt_watcher.jobfolder import EvalRequest, JobSpec, Progress, TaskOutcome
 
 PROGRESS_EVERY_SECONDS = 1.0
 
@@ -51,6 +53,40 @@ def _record_crash(folder: JobFolder, e: BaseException) -> int:
     failure = classify(e)
     folder.write_crash(Crash(failure.error, failure.heals))
     return EXIT_CRASH
+
+
+def _run_lm_eval(
+    req: EvalRequest,
+    keeper: EngineKeeper | None,
+    record: Callable[[TaskOutcome], None],
+    progress: Callable[[Progress], None],
+    spec: JobSpec,
+) -> list[TaskOutcome]:
+    """lm-eval's entries, with the model loaded once (or swapped into `keeper`'s engine)."""
+    import torch
+
+    from ckpt_watcher.evaluators.harness import run_tasks
+
+    # a CPU slot's share of the cores (devices.py), as torch took it
+    log.info("worker.threads", torch=torch.get_num_threads(), omp=os.environ.get("OMP_NUM_THREADS"))
+    engine = keeper.acquire(req) if keeper is not None else None
+    if engine is not None:
+        log.info("worker.engine", engine=engine.kind, seconds=round(engine.seconds, 3))
+    outcomes = run_tasks(req, record, engine, progress, spec.device_label)
+    failed = [o for o in outcomes if o.status == "failed" and o.heals]
+    if keeper is not None and engine is not None and engine.kind == "warm" and failed:
+        # a task that failed on a swapped engine (and might not fail again) gets a cold
+        # engine before its failure counts
+        log.warning("worker.warm_task_failed", tasks=[o.task for o in failed])
+        keeper.drop()
+        retry = {o.key for o in failed}
+        sub = dataclasses.replace(req, tasks=[t for t in req.tasks if t.key in retry])
+        again = {
+            o.key: o
+            for o in run_tasks(sub, record, keeper.acquire(sub), progress, spec.device_label)
+        }
+        outcomes = [again.get(o.key, o) for o in outcomes]
+    return outcomes
 
 
 def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
@@ -98,12 +134,6 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
             return _record_crash(folder, e)
         log.info("worker.staged", location=spec.stage.location, path=str(local))
         req = dataclasses.replace(req, checkpoint=str(local))
-    import torch
-
-    from ckpt_watcher.evaluators.harness import run_tasks
-
-    # a CPU slot's share of the cores (devices.py), as torch took it
-    log.info("worker.threads", torch=torch.get_num_threads(), omp=os.environ.get("OMP_NUM_THREADS"))
     index = {t.key: i for i, t in enumerate(req.tasks)}
 
     last_progress = [0.0]
@@ -125,24 +155,24 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
             error=outcome.error,
         )
 
+    # lm-eval's entries share one loaded model; each other harness's entry runs on its own
+    # after them (it loads or serves the checkpoint itself), with the device to itself
+    ours = [t for t in req.tasks if t.harness == "lm-eval"]
+    theirs = [t for t in req.tasks if t.harness != "lm-eval"]
     try:
-        engine = keeper.acquire(req) if keeper is not None else None
-        if engine is not None:
-            log.info("worker.engine", engine=engine.kind, seconds=round(engine.seconds, 3))
-        outcomes = run_tasks(req, record, engine, progress, spec.device_label)
-        failed = [o for o in outcomes if o.status == "failed" and o.heals]
-        if keeper is not None and engine is not None and engine.kind == "warm" and failed:
-            # a task that failed on a swapped engine (and might not fail again) gets a cold
-            # engine before its failure counts
-            log.warning("worker.warm_task_failed", tasks=[o.task for o in failed])
-            keeper.drop()
-            retry = {o.key for o in failed}
-            sub = dataclasses.replace(req, tasks=[t for t in req.tasks if t.key in retry])
-            again = {
-                o.key: o
-                for o in run_tasks(sub, record, keeper.acquire(sub), progress, spec.device_label)
-            }
-            outcomes = [again.get(o.key, o) for o in outcomes]
+        outcomes = (
+            _run_lm_eval(dataclasses.replace(req, tasks=ours), keeper, record, progress, spec)
+            if ours
+            else []
+        )
+        if theirs and keeper is not None and req.device != "cpu":
+            keeper.drop()  # the GPU's memory is the other harness's now
+        from ckpt_watcher.harnesses.run import run_entry
+
+        for t in theirs:
+            outcome = run_entry(req, t, spec.device_label, unchanged, progress)
+            record(outcome)
+            outcomes.append(outcome)
     except CheckpointChanged as e:
         return _record_crash(folder, e)
     except Exception as e:

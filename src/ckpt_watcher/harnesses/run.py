@@ -1,0 +1,252 @@
+"""One entry of another harness on one checkpoint, inside the job's worker.
+
+The harness runs as a subprocess in its own interpreter (`interp.py`), in a folder of its own
+beside lm-eval's result files, with the worker's device variables (so it sees exactly the job's
+device), killed with the worker (PDEATHSIG) and at the entry's time-out. Where it talks to a
+model over HTTP (verifiers; a command with `serve: true`), the worker serves the checkpoint on
+loopback first (`endpoint.py`). Its scores come from the files it writes, never its exit status
+alone; they become one `TaskOutcome` (OLMES: one part per OLMES task), with per-sample records
+in the watcher's own samples format for `watcher samples`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+from ckpt_watcher.errors import EvalError
+from ckpt_watcher.evaluators.failures import classify
+from ckpt_watcher.harnesses import interp
+from ckpt_watcher.jobfolder import EvalRequest, Progress, TaskOutcome, TaskRun
+from ckpt_watcher.timestamps import utcnow
+
+log = structlog.get_logger("ckpt_watcher.harnesses")
+
+POLL_SECONDS = 0.5
+LOG_NAME = "harness.log"
+LOG_TAIL_LINES = 15
+
+
+@dataclass
+class Context:
+    """What a harness's command line and reader need to know."""
+
+    spec: dict[str, Any]
+    checkpoint: str
+    output_dir: Path
+    device: str  # the job's device label (`cpu-0`, `cuda:6`)
+    compute: str  # cpu | cuda
+    seed: int
+    limit: float | None
+    url: str = ""  # the loopback endpoint (served harnesses)
+    model: str = ""
+
+
+@dataclass
+class Parsed:
+    """What a harness's files say."""
+
+    metrics: dict[str, Any]
+    n_samples: int | None
+    records: list[dict[str, Any]] = field(default_factory=list)  # watcher samples format
+    parts: list[dict[str, Any]] | None = None  # OLMES: one per OLMES task
+    error: str | None = None  # set: the result is failed, for this reason
+    results_file: str | None = None
+
+
+class Harness(Protocol):
+    def served(self, spec: dict[str, Any]) -> bool: ...
+    def argv(self, ctx: Context) -> list[str]: ...
+    def environ(self, ctx: Context, env: dict[str, str]) -> dict[str, str]: ...
+    def read(self, ctx: Context, returncode: int) -> Parsed: ...
+    def total(self, spec: dict[str, Any]) -> int | None: ...
+
+
+def harness(kind: str) -> Harness:
+    if kind == "command":
+        from ckpt_watcher.harnesses import command
+
+        return command.COMMAND
+    if kind == "verifiers":
+        from ckpt_watcher.harnesses import verifiers
+
+        return verifiers.VERIFIERS
+    if kind == "olmes":
+        from ckpt_watcher.harnesses import olmes
+
+        return olmes.OLMES
+    raise EvalError(f"harness {kind!r} is not one this worker runs")
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """The harness dies with the worker (a kill -9 of the worker leaves no orphan eval)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def run_entry(
+    req: EvalRequest,
+    t: TaskRun,
+    device_label: str,
+    unchanged: Callable[[], None],
+    on_progress: Callable[[Progress], None] | None = None,
+    timeout: float | None = None,
+) -> TaskOutcome:
+    """Run entry `t` on `req.checkpoint`; its outcome (failed with the reason where it failed).
+    `unchanged` raises CheckpointChanged when the checkpoint's files are no longer those judged
+    (checked while it runs, and before its result counts)."""
+    spec = dict(t.spec or {})
+    h = harness(t.harness)
+    stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H-%M-%S.%f")
+    out = Path(req.results_dir) / f"{_safe(t.task)}_{t.harness}_{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    outcome = TaskOutcome(
+        t.task,
+        None,
+        "failed",
+        started_at=utcnow(),
+        harness=t.harness,
+        harness_version=t.harness_version,
+        lm_eval_version="",
+    )
+    ctx = Context(
+        spec,
+        req.checkpoint,
+        out,
+        device_label,
+        req.device,
+        req.seed,
+        req.limit,
+    )
+    began = time.time()
+    with ExitStack() as stack:
+        endpoint = None
+        try:
+            if h.served(spec):
+                from ckpt_watcher.harnesses.endpoint import serve
+
+                endpoint = stack.enter_context(serve(req, spec, out, t.journal))
+                ctx.url, ctx.model = endpoint.url, endpoint.model
+                outcome.engine, outcome.engine_seconds = "cold", round(endpoint.ready_seconds, 3)
+
+            def report() -> None:
+                if on_progress is None or endpoint is None:
+                    return
+                total = h.total(spec) or 0
+                done = endpoint.answered()
+                on_progress(
+                    Progress(
+                        t.task,
+                        done,
+                        max(total, done),
+                        "requests",
+                        began,
+                        endpoint.resumed,
+                        time.time(),
+                    )
+                )
+
+            rc = _run(h, ctx, unchanged, report, spec.get("timeout_seconds") or timeout)
+            unchanged()
+            parsed = h.read(ctx, rc)
+        except Exception as e:
+            if type(e).__name__ == "CheckpointChanged":
+                raise
+            failure = classify(e)
+            log.warning("harness.failed", task=t.task, harness=t.harness, error=failure.error)
+            outcome.error, outcome.heals = failure.error, failure.heals
+            outcome.finished_at = utcnow()
+            return outcome
+        finally:
+            if endpoint is not None:
+                outcome.resumed = endpoint.resumed
+                outcome.clamped_requests = endpoint.clamped
+    outcome.finished_at = utcnow()
+    outcome.metrics, outcome.n_samples, outcome.parts = (
+        parsed.metrics,
+        parsed.n_samples,
+        parsed.parts,
+    )
+    outcome.results_file = parsed.results_file
+    if parsed.records:
+        from ckpt_watcher.evaluators.harness import write_samples
+
+        sfile = out / f"samples_{_safe(t.task)}.jsonl.gz"
+        write_samples(sfile, parsed.records)
+        outcome.samples_file = str(sfile)
+    if parsed.error is not None:
+        outcome.error = parsed.error
+        outcome.heals = False
+        return outcome
+    outcome.status = "ok"
+    return outcome
+
+
+def _run(
+    h: Harness,
+    ctx: Context,
+    unchanged: Callable[[], None],
+    report: Callable[[], None],
+    timeout: float | None,
+) -> int:
+    """The harness's process to its end; its exit status."""
+    argv = h.argv(ctx)
+    env = h.environ(ctx, interp.environment(ctx.spec))
+    logfile = ctx.output_dir / LOG_NAME
+    log.info("harness.started", argv=argv, output_dir=str(ctx.output_dir), device=ctx.device)
+    with open(logfile, "ab") as sink:
+        try:
+            proc = subprocess.Popen(
+                argv,
+                cwd=ctx.output_dir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as e:
+            raise EvalError(f"cannot start {argv[0]}: {e.strerror or e}") from e
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last = 0.0
+        try:
+            while True:
+                try:
+                    return proc.wait(timeout=POLL_SECONDS)
+                except subprocess.TimeoutExpired:
+                    pass
+                if time.monotonic() - last >= 1.0:
+                    unchanged()
+                    report()
+                    last = time.monotonic()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise EvalError(f"{argv[0]} ran past its {timeout:g}s time-out")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def log_tail(ctx: Context) -> str:
+    """The end of the harness's log, for an error that must say what it printed."""
+    try:
+        lines = (ctx.output_dir / LOG_NAME).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)[:80]

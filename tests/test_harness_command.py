@@ -1,0 +1,175 @@
+"""`harness: command`: any other harness, per checkpoint, in an interpreter of its own.
+
+The harness here is a real program in a real virtualenv of its own (made without pip: it needs
+only the standard library): it reads each checkpoint's weights and writes a results file and a
+per-sample file, so each ledger line's number says which checkpoint it was computed from.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import venv
+from pathlib import Path
+
+import pytest
+
+from ckpt_watcher.config import parse_config
+from ckpt_watcher.harnesses.command import dotted
+
+from .conftest import WATCHER, read_ledger, write_config, write_fake_checkpoint
+
+HARNESS = r"""
+import json, os, sys
+ckpt, out, device = sys.argv[1], sys.argv[2], sys.argv[3]
+size = sum(open(os.path.join(ckpt, "config.json"), "rb").read()) % 997
+os.makedirs(out, exist_ok=True)
+json.dump({"argv": sys.argv[1:], "python": sys.executable, "path0": os.environ["PATH"].split(os.pathsep)[0],
+           "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "flag": os.environ.get("MY_FLAG")},
+          open(os.path.join(out, "seen.json"), "w"))
+json.dump({"scores": {"size": size, "f1": 0.5}, "results": [{"acc": len(ckpt)}]},
+          open(os.path.join(out, "results.json"), "w"))
+with open(os.path.join(out, "samples.jsonl"), "w") as f:
+    for i in range(3):
+        f.write(json.dumps({"doc_id": i, "prompt": f"q{i}", "responses": [f"a{i}"], "scores": {"acc,none": [i % 2]}}) + "\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def harness_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A virtualenv of the harness's own, not the watcher's (standard library only)."""
+    root = tmp_path_factory.mktemp("harness-venv")
+    venv.create(root / "venv", with_pip=False, symlinks=True)
+    (root / "my_eval.py").write_text(HARNESS)
+    return root
+
+
+def config(tmp: Path, watch: Path, harness_root: Path, **entry_over: object) -> dict:
+    entry = {
+        "harness": "command",
+        "name": "my_eval",
+        "venv": str(harness_root / "venv"),
+        "argv": [
+            "python",
+            str(harness_root / "my_eval.py"),
+            "{checkpoint}",
+            "{output_dir}/o",
+            "{device}",
+        ],
+        "results": {
+            "file": "{output_dir}/o/results.json",
+            "metrics": {"size": "scores.size", "f1": "scores.f1", "acc": "results.0.acc"},
+        },
+        "samples": "{output_dir}/o/samples.jsonl",
+        "env": {"MY_FLAG": "on"},
+        "version": "1.2",
+    } | entry_over
+    return {
+        "state_dir": str(tmp / "state"),
+        "ledger_dir": str(tmp / "ledgers"),
+        "settle_seconds": 0,
+        "sources": [{"kind": "local", "path": str(watch), "poll_seconds": 1}],
+        "devices": {"gpus": [], "cpu_slots": 1},
+        "eval": {"tasks": [entry], "retry_backoff_seconds": 0.2},
+    }
+
+
+def test_dotted_paths_read_keys_and_list_indexes() -> None:
+    data = {"a": {"b": [{"c": 1}, {"c": 2}]}, "x.y": 3}
+    assert dotted(data, "a.b.1.c") == 2
+    with pytest.raises(KeyError):
+        dotted(data, "a.b.5.c")
+    with pytest.raises(KeyError):
+        dotted(data, "a.nope")
+
+
+def test_a_placeholder_outside_the_list_is_refused_naming_those_it_has(tmp_path: Path) -> None:
+    raw = config(tmp_path, tmp_path, tmp_path, argv=["x", "{ckpt}"])
+    with pytest.raises(Exception, match=r"unknown placeholder \{ckpt\}.*\{checkpoint\}"):
+        parse_config(raw)
+    raw = config(tmp_path, tmp_path, tmp_path, argv=["x", "{url}"])
+    with pytest.raises(Exception, match=r"needs `serve: true`"):
+        parse_config(raw)
+
+
+def test_each_checkpoint_is_evaluated_by_the_command_in_its_own_venv(
+    tmp_path: Path, harness_venv: Path
+) -> None:
+    # a folder name a shell would run: one harmless argument without a shell
+    watch = tmp_path / "ckpts; touch PWNED"
+    a = write_fake_checkpoint(watch / "run1" / "step_100")
+    b = write_fake_checkpoint(watch / "run1" / "step_200")
+    cfg = write_config(tmp_path / "w.yaml", config(tmp_path, watch, harness_venv))
+    r = subprocess.run(
+        [*WATCHER, "once", "-c", str(cfg)], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = {ln["checkpoint"]: ln for ln in read_ledger(tmp_path / "ledgers", "run1")}
+    assert set(lines) == {str(a), str(b)}
+    for ckpt, ln in lines.items():
+        size = sum(Path(ckpt, "config.json").read_bytes()) % 997
+        assert ln["status"] == "ok", ln
+        assert ln["task"] == "my_eval"
+        assert ln["metrics"]["size"] == size  # of its own checkpoint's files
+        assert ln["metrics"]["f1"] == 0.5
+        assert ln["harness"] == "command" and ln["harness_version"] == "1.2"
+        assert ln["n_samples"] == 3
+        run_dir = tmp_path / "ledgers" / "run1"
+        seen = json.loads(
+            next((run_dir / Path(ln["results_file"]).parent).glob("seen.json")).read_text()
+        )
+        given = seen["argv"][0]  # the checkpoint, or its pin beside it: one argument
+        assert "; touch PWNED" in given and ln["metrics"]["acc"] == len(given)
+        assert seen["python"].startswith(str(harness_venv / "venv"))
+        assert seen["path0"] == str(harness_venv / "venv" / "bin")
+        assert seen["flag"] == "on"
+    assert not list(tmp_path.rglob("PWNED"))
+    assert lines[str(a)]["metrics"]["size"] != lines[str(b)]["metrics"]["size"]
+    # the per-sample file is what `watcher samples` shows
+    s = subprocess.run(
+        [*WATCHER, "samples", "run1", "-c", str(cfg), "--task", "my_eval", "--step", "100"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert s.returncode == 0, s.stderr
+    assert "q1" in s.stdout
+    # a second pass finds everything done: nothing runs again
+    again = subprocess.run(
+        [*WATCHER, "once", "-c", str(cfg)], capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0
+    assert len(read_ledger(tmp_path / "ledgers", "run1")) == 2
+
+
+def test_a_command_that_fails_or_writes_no_metric_ends_failed_saying_why(
+    tmp_path: Path, harness_venv: Path
+) -> None:
+    watch = tmp_path / "ckpts"
+    write_fake_checkpoint(watch / "run1" / "step_100")
+    raw = config(tmp_path, watch, harness_venv)
+    raw["eval"]["tasks"][0]["results"]["metrics"] = {"gone": "scores.nope"}
+    raw["eval"]["max_attempts"] = 1
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    r = subprocess.run(
+        [*WATCHER, "once", "-c", str(cfg)], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 1
+    (ln,) = read_ledger(tmp_path / "ledgers", "run1")
+    assert ln["status"] == "failed"
+    assert "has no gone (scores.nope)" in ln["error"]
+
+
+def test_a_harness_interpreter_that_does_not_exist_stops_the_start_with_exit_2(
+    tmp_path: Path,
+) -> None:
+    watch = tmp_path / "ckpts"
+    write_fake_checkpoint(watch / "run1" / "step_100")
+    cfg = write_config(tmp_path / "w.yaml", config(tmp_path, watch, tmp_path / "nowhere"))
+    r = subprocess.run(
+        [*WATCHER, "once", "-c", str(cfg)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2, r.stderr
+    assert "entry 'my_eval' (command): venv" in r.stderr
+    assert "does not exist" in r.stderr
+    assert not (tmp_path / "state" / "jobs").exists()
