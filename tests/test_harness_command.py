@@ -173,3 +173,37 @@ def test_a_harness_interpreter_that_does_not_exist_stops_the_start_with_exit_2(
     assert "entry 'my_eval' (command): venv" in r.stderr
     assert "does not exist" in r.stderr
     assert not (tmp_path / "state" / "jobs").exists()
+
+
+def test_a_worker_killed_9_takes_its_harness_and_all_it_started_along(tmp_path: Path) -> None:
+    """The reaper: a harness's own children (an engine core, rollouts) end with the worker."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from ckpt_watcher.harnesses.run import reaped
+
+    harness = "import subprocess, time; p = subprocess.Popen(['sleep', '300']); print(p.pid, flush=True); time.sleep(300)"
+    worker = (
+        "import subprocess, sys, time; "
+        f"p = subprocess.Popen({reaped([sys.executable, '-c', harness])!r}, stdout=subprocess.PIPE, text=True); "
+        "print(p.stdout.readline().strip(), flush=True); time.sleep(300)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", worker], stdout=subprocess.PIPE, text=True)
+    grandchild = int(proc.stdout.readline())  # type: ignore[union-attr]
+    os.kill(grandchild, 0)  # running
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{grandchild}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break  # ended, not yet reaped by init
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the harness's child outlived the worker")

@@ -21,7 +21,6 @@ import hashlib
 import http.client
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 import structlog
 
 from ckpt_watcher.errors import EvalError
+from ckpt_watcher.harnesses.run import reaped
 from ckpt_watcher.jobfolder import EvalRequest
 from ckpt_watcher.journal import JournalRef
 
@@ -112,14 +112,6 @@ def _server_env(req: EvalRequest) -> dict[str, str]:
         if env.get("CUDA_VISIBLE_DEVICES") == "":
             env["CUDA_VISIBLE_DEVICES"] = "-1"
     return env
-
-
-def _own_group_dying_with_parent() -> None:  # pragma: no cover - runs in the child
-    os.setsid()
-    import ctypes
-
-    with suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
 
 class EndpointJournal:
@@ -337,48 +329,84 @@ def _wait_ready(proc: subprocess.Popen[bytes], port: int, logfile: Path, timeout
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is not None:
         return
-    with suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+    proc.terminate()  # the reaper stops the server, then ends what it left
     try:
         proc.wait(timeout=STOP_GRACE_SECONDS)
     except subprocess.TimeoutExpired:
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
         proc.wait()
+
+
+class Servers:
+    """The job's model server, shared by its served entries: started for the first, kept while
+    the next asks for the same server (the same chat template), stopped at the job's end."""
+
+    def __init__(self, req: EvalRequest) -> None:
+        self.req = req
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._args: list[str] = []
+        self.port = 0
+        self.ready_seconds = 0.0
+
+    def start(self, spec: dict[str, Any], out: Path) -> tuple[int, float]:
+        """The server this entry needs (its port), and how long it took to be ready (0 when
+        it was already up)."""
+        args = server_argv(self.req, spec, 0)
+        if self._proc is not None and self._proc.poll() is None and args == self._args:
+            return self.port, 0.0
+        self.stop()
+        self.port = free_port()
+        logfile = out / "server.log"
+        began = time.monotonic()
+        with open(logfile, "ab") as sink:
+            self._proc = subprocess.Popen(
+                reaped(server_argv(self.req, spec, self.port)),  # its engine ends with us
+                env=_server_env(self.req),
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+        self._args = args
+        try:
+            _wait_ready(self._proc, self.port, logfile, READY_TIMEOUT_SECONDS)
+        except BaseException:
+            self.stop()
+            raise
+        return self.port, time.monotonic() - began
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            _stop(self._proc)
+            self._proc = None
+
+    def __enter__(self) -> Servers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 @contextmanager
 def serve(
-    req: EvalRequest, spec: dict[str, Any], out: Path, ref: JournalRef | None
+    servers: Servers, spec: dict[str, Any], out: Path, ref: JournalRef | None
 ) -> Iterator[Endpoint]:
-    """The checkpoint served on the job's device behind the proxy, until the block ends."""
-    port = free_port()
-    logfile = out / "server.log"
-    began = time.monotonic()
-    with open(logfile, "ab") as sink:
-        proc = subprocess.Popen(
-            server_argv(req, spec, port),
-            env=_server_env(req),
-            stdin=subprocess.DEVNULL,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_own_group_dying_with_parent,
-        )
+    """The checkpoint served on the job's device (`servers`) behind a proxy of this entry's
+    own (its journal, its counts), until the block ends."""
+    port, seconds = servers.start(spec, out)
+    req = servers.req
     journal = EndpointJournal(ref)
     max_len = req.model_args.get("max_model_len")
     endpoint = Endpoint(port, journal, req.seed, max_len if isinstance(max_len, int) else None)
+    endpoint.ready_seconds = seconds
     try:
-        _wait_ready(proc, port, logfile, READY_TIMEOUT_SECONDS)
-        endpoint.ready_seconds = time.monotonic() - began
         endpoint.start_proxy()
         log.info(
             "endpoint.ready",
             url=endpoint.url,
-            seconds=round(endpoint.ready_seconds, 1),
+            seconds=round(seconds, 1),
             journaled=len(journal.saved),
         )
         yield endpoint
     finally:
         endpoint.stop_proxy()
         journal.close()
-        _stop(proc)

@@ -11,24 +11,26 @@ in the watcher's own samples format for `watcher samples`.
 
 from __future__ import annotations
 
-import ctypes
-import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
-from ckpt_watcher.errors import EvalError
+from ckpt_watcher.errors import CheckpointChanged, EvalError
 from ckpt_watcher.evaluators.failures import classify
-from ckpt_watcher.harnesses import interp
+from ckpt_watcher.harnesses import interp, reaper
 from ckpt_watcher.jobfolder import EvalRequest, Progress, TaskOutcome, TaskRun
 from ckpt_watcher.timestamps import utcnow
+
+if TYPE_CHECKING:
+    from ckpt_watcher.harnesses.endpoint import Servers
 
 log = structlog.get_logger("ckpt_watcher.harnesses")
 
@@ -88,16 +90,14 @@ def harness(kind: str) -> Harness:
     raise EvalError(f"harness {kind!r} is not one this worker runs")
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """The harness dies with the worker (a kill -9 of the worker leaves no orphan eval)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+def reaped(argv: list[str]) -> list[str]:
+    """`argv` under the reaper: it and all it starts end with the worker (`reaper.py`)."""
+    return [sys.executable, "-m", "ckpt_watcher.harnesses.reaper", *argv]
 
 
 def run_entry(
     req: EvalRequest,
+    servers: Servers,
     t: TaskRun,
     device_label: str,
     unchanged: Callable[[], None],
@@ -105,7 +105,8 @@ def run_entry(
     timeout: float | None = None,
 ) -> TaskOutcome:
     """Run entry `t` on `req.checkpoint`; its outcome (failed with the reason where it failed).
-    `unchanged` raises CheckpointChanged when the checkpoint's files are no longer those judged
+    `servers` serves the checkpoint for
+    a harness that talks to a model over HTTP (one server per job). `unchanged` raises CheckpointChanged when the checkpoint's files are no longer those judged
     (checked while it runs, and before its result counts)."""
     spec = dict(t.spec or {})
     h = harness(t.harness)
@@ -137,9 +138,10 @@ def run_entry(
             if h.served(spec):
                 from ckpt_watcher.harnesses.endpoint import serve
 
-                endpoint = stack.enter_context(serve(req, spec, out, t.journal))
+                endpoint = stack.enter_context(serve(servers, spec, out, t.journal))
                 ctx.url, ctx.model = endpoint.url, endpoint.model
-                outcome.engine, outcome.engine_seconds = "cold", round(endpoint.ready_seconds, 3)
+                outcome.engine = "cold" if endpoint.ready_seconds else "warm"
+                outcome.engine_seconds = round(endpoint.ready_seconds, 3)
 
             def report() -> None:
                 if on_progress is None or endpoint is None:
@@ -162,7 +164,7 @@ def run_entry(
             unchanged()
             parsed = h.read(ctx, rc)
         except Exception as e:
-            if type(e).__name__ == "CheckpointChanged":
+            if isinstance(e, CheckpointChanged):
                 raise
             failure = classify(e)
             log.warning("harness.failed", task=t.task, harness=t.harness, error=failure.error)
@@ -209,13 +211,12 @@ def _run(
     with open(logfile, "ab") as sink:
         try:
             proc = subprocess.Popen(
-                argv,
+                reaped(argv),
                 cwd=ctx.output_dir,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=sink,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
             )
         except OSError as e:
             raise EvalError(f"cannot start {argv[0]}: {e.strerror or e}") from e
@@ -235,8 +236,12 @@ def _run(
                     raise EvalError(f"{argv[0]} ran past its {timeout:g}s time-out")
         finally:
             if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+                proc.terminate()  # the reaper ends the harness and all it started
+                try:
+                    proc.wait(timeout=reaper.GRACE_SECONDS + 10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 def log_tail(ctx: Context) -> str:

@@ -167,12 +167,15 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
         )
         if theirs and keeper is not None and req.device != "cpu":
             keeper.drop()  # the GPU's memory is the other harness's now
-        from ckpt_watcher.harnesses.run import run_entry
+        if theirs:
+            from ckpt_watcher.harnesses.endpoint import Servers
+            from ckpt_watcher.harnesses.run import run_entry
 
-        for t in theirs:
-            outcome = run_entry(req, t, spec.device_label, unchanged, progress)
-            record(outcome)
-            outcomes.append(outcome)
+            with Servers(req) as servers:  # one model server for the job's served entries
+                for t in theirs:
+                    outcome = run_entry(req, servers, t, spec.device_label, unchanged, progress)
+                    record(outcome)
+                    outcomes.append(outcome)
     except CheckpointChanged as e:
         return _record_crash(folder, e)
     except Exception as e:
