@@ -105,6 +105,13 @@ def harness_problems(cfg: WatcherConfig) -> tuple[dict[str, str], list[str]]:
             versions[h.name] = interp.probe(h.harness, h.spec())
         except interp.InterpreterProblem as e:
             problems.append(f"entry {h.name!r} ({h.harness}): {e}")
+            continue
+        if h.harness == "olmes":  # its task names, suites and files resolve
+            from ckpt_watcher.harnesses.olmes import dry_run_problem
+
+            said = dry_run_problem(h.spec())
+            if said is not None:
+                problems.append(f"entry {h.name!r} (olmes): {said}")
     return versions, problems
 
 
