@@ -151,6 +151,18 @@ def test_a_misspelt_olmes_task_stops_the_start_with_exit_2(
     assert "entry 'tulu_dev' (olmes): olmes --dry-run of ['tiny_suit'] failed" in r.stderr
     assert "No config found for task: tiny_suit" in r.stderr
     assert not (tmp_path / "state" / "jobs").exists()
+    doctor = subprocess.run(
+        [*WATCHER, "doctor", "-c", str(cfg)], capture_output=True, text=True, timeout=120
+    )
+    assert doctor.returncode == 1
+    assert (
+        "FAIL  harness tulu_dev (olmes): olmes --dry-run of ['tiny_suit'] failed" in doctor.stdout
+    )
+    fixed = config(tmp_path, watch, olmes_venv)
+    doctor = subprocess.run(
+        [*WATCHER, "doctor", "-c", str(fixed)], capture_output=True, text=True, timeout=120
+    )
+    assert "ok    harness tulu_dev (olmes): olmes 0.1.0 in " in doctor.stdout, doctor.stdout
 
 
 def test_one_olmes_task_is_one_line_under_the_entrys_name(tmp_path: Path, olmes_venv: Path) -> None:

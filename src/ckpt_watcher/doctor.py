@@ -89,6 +89,8 @@ def check_backend(cfg: WatcherConfig) -> list[Check]:
 def check_tasks(cfg: WatcherConfig) -> Check:
     from ckpt_watcher.preflight import task_problems
 
+    if not cfg.eval.lm_eval_tasks:
+        return Check("tasks", True, "no lm-eval entries (the other harnesses are checked below)")
     try:
         problems = task_problems(cfg)
     except WatcherError as e:
@@ -96,7 +98,72 @@ def check_tasks(cfg: WatcherConfig) -> Check:
     if problems:
         return Check("tasks", False, "; ".join(problems))
     names = ", ".join(sorted({t.task for t in cfg.eval.lm_eval_tasks}))
-    return Check("tasks", True, f"{names or 'none'}: known to lm-eval, local data files present")
+    return Check("tasks", True, f"{names}: known to lm-eval, local data files present")
+
+
+def check_harnesses(cfg: WatcherConfig) -> list[Check]:
+    """Each other harness's interpreter and version (OLMES: its task specs too; verifiers: its
+    uv), and vLLM in the watcher's own environment where an entry is served."""
+    from ckpt_watcher.harnesses import interp
+    from ckpt_watcher.harnesses.entries import CommandTask, OlmesTask, VerifiersTask
+
+    checks = []
+    for h in cfg.eval.harness_tasks:
+        name = f"harness {h.name} ({h.harness})"
+        spec = h.spec()
+        try:
+            version = interp.probe(h.harness, spec)
+        except interp.InterpreterProblem as e:
+            checks.append(Check(name, False, str(e)))
+            continue
+        where = interp.python_of(spec)
+        said = f"{h.harness} {version} in {where}" if version else f"python {where}"
+        if isinstance(h, OlmesTask):
+            from ckpt_watcher.harnesses.olmes import dry_run_problem
+
+            problem = dry_run_problem(spec)
+            checks.append(
+                Check(name, problem is None, problem or f"{said}; tasks {h.task} resolve")
+            )
+        elif isinstance(h, VerifiersTask):
+            checks.append(_check_verifiers(name, spec, said))
+        else:
+            checks.append(Check(name, True, said))
+    if any(
+        isinstance(h, VerifiersTask) or (isinstance(h, CommandTask) and h.serve)
+        for h in cfg.eval.harness_tasks
+    ):
+        ok, out = _probe("import vllm; print(vllm.__version__)")
+        checks.append(
+            Check(
+                "serving",
+                ok,
+                f"vLLM {out} serves checkpoints on loopback"
+                if ok
+                else f"{out}: the served entries need vLLM in the watcher's environment (pip install 'ckpt-watcher[vllm]' or '[cpu]')",
+            )
+        )
+    return checks
+
+
+def _check_verifiers(name: str, spec: dict, said: str) -> Check:
+    """vf-eval there, and uv (which runs its harness programs) with a cache or an index."""
+    from ckpt_watcher.harnesses import interp
+
+    try:
+        interp.program(spec, "vf-eval")
+        uv = interp.program(spec, "uv")
+    except FileNotFoundError as e:
+        return Check(name, False, f"{e} (pip install verifiers uv into that environment)")
+    env = interp.environment(spec)
+    r = subprocess.run([uv, "cache", "dir"], capture_output=True, text=True, timeout=60, env=env)
+    cache = Path(r.stdout.strip()) if r.returncode == 0 else None
+    warm = cache is not None and cache.is_dir() and any(cache.iterdir())
+    return Check(
+        name,
+        True,
+        f"{said}; uv cache {cache} {'warm' if warm else 'empty: harness programs need a package index at run time'}",
+    )
 
 
 def check_sources(cfg: WatcherConfig) -> list[Check]:
@@ -235,6 +302,7 @@ def run_checks(cfg: WatcherConfig) -> list[Check]:
     checks.append(check_devices(cfg))
     checks += check_backend(cfg)
     checks.append(check_tasks(cfg))
+    checks += check_harnesses(cfg)
     checks += check_sources(cfg)
     checks += check_baseline(cfg)
     checks += check_sinks(cfg)
