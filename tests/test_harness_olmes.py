@@ -85,6 +85,8 @@ def test_a_suite_is_one_line_per_olmes_task_on_exactly_the_chosen_gpu(
     watch = tmp_path / "ckpts"
     a = write_fake_checkpoint(watch / "run1" / "step_100")
     b = write_fake_checkpoint(watch / "run1" / "step_200")
+    # saved by transformers 5: a tokenizer class OLMES's transformers 4 does not have
+    (b / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "TokenizersBackend"}))
     cfg = config(tmp_path, watch, olmes_venv)
     env = dict(__import__("os").environ, CKPT_WATCHER_FAKE_NVML=str(nvml_file(tmp_path)))
     r = subprocess.run(

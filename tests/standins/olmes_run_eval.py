@@ -51,6 +51,11 @@ def main():
         print(json.dumps(tasks))
         return
     model_path = json.loads(a.model_args)["model_path"]
+    tok = os.path.join(model_path, "tokenizer_config.json")
+    if os.path.exists(tok) and json.load(open(tok)).get("tokenizer_class") == "TokenizersBackend":
+        sys.exit(
+            "ValueError: Tokenizer class TokenizersBackend does not exist or is not currently imported."
+        )  # transformers 4
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     if a.model_type == "vllm" and visible and visible != "-1" and "," not in visible:
         os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # what OLMES's vLLM class does

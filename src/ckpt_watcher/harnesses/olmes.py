@@ -6,7 +6,8 @@ leads PATH (`interp.environment`). It is given the checkpoint as `--model-args
 `metrics` with `primary_score`, `task_config.metadata.alias`, `num_instances`) and per task
 `task-NNN-<name>-predictions.jsonl`. Each OLMES task becomes one part of the entry's outcome
 (one ledger line each, `task` = `<entry>/<alias>`; an entry of one task is one line under the
-entry's name).
+entry's name). OLMES's transformers is 4.x: a checkpoint saved by transformers 5 is given to it
+through a view whose tokenizer config names a class 4.x has (`for_transformers4`).
 
 OLMES has no GPU flag, and its vLLM class sets `CUDA_VISIBLE_DEVICES="0"` when one GPU is
 visible: with the watcher's `GPU-<uuid>` (or `6`) that would start the engine on physical GPU 0,
@@ -71,6 +72,28 @@ def olmes_environ(spec: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def for_transformers4(ckpt: Path, view: Path) -> Path:
+    """The checkpoint as OLMES's transformers 4 can read it. transformers 5 saves
+    `"tokenizer_class": "TokenizersBackend"`, a class 4.x does not have; then `view` is made: a
+    link to each of the checkpoint's files but its tokenizer config, which is a copy naming
+    `PreTrainedTokenizerFast` (the same tokenizer.json). The weights are the checkpoint's own."""
+    config = ckpt / "tokenizer_config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ckpt
+    if data.get("tokenizer_class") != "TokenizersBackend":
+        return ckpt
+    view.mkdir(parents=True, exist_ok=True)
+    for item in ckpt.iterdir():
+        if item.name != config.name and not (view / item.name).exists():
+            (view / item.name).symlink_to(item.resolve())
+    data["tokenizer_class"] = "PreTrainedTokenizerFast"
+    data.pop("backend", None)
+    (view / config.name).write_text(json.dumps(data, indent=2), encoding="utf-8")
+    return view
+
+
 class OlmesHarness:
     def served(self, spec: dict[str, Any]) -> bool:
         return False
@@ -79,7 +102,8 @@ class OlmesHarness:
         return None
 
     def argv(self, ctx: Context) -> list[str]:
-        return olmes_argv(ctx.spec, ctx.checkpoint, ctx.output_dir / "olmes", ctx.limit)
+        ckpt = for_transformers4(Path(ctx.checkpoint), ctx.output_dir / "checkpoint")
+        return olmes_argv(ctx.spec, str(ckpt), ctx.output_dir / "olmes", ctx.limit)
 
     def environ(self, ctx: Context, env: dict[str, str]) -> dict[str, str]:
         return olmes_environ(ctx.spec, env)
