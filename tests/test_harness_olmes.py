@@ -180,3 +180,36 @@ def test_one_olmes_task_is_one_line_under_the_entrys_name(tmp_path: Path, olmes_
     assert ln["task"] == "tulu_dev" and ln["metrics"]["primary_score"] == expected(
         a, "sums::tiny", 4
     )
+
+
+def test_the_pin_keeps_the_jobs_gpu_through_writes_deletes_and_a_cleared_environment() -> None:
+    """accelerate clears the environment and restores it (os.environ.clear pops until empty):
+    that must end, and leave the job's device."""
+    import os
+    import sys
+
+    from ckpt_watcher.harnesses.olmes import PIN_DIR, PIN_VAR
+
+    code = (
+        "import os, subprocess, sys\n"
+        "saved = os.environ.copy(); os.environ.clear(); cleared = dict(os.environ); os.environ.update(saved)\n"
+        "os.environ['CUDA_VISIBLE_DEVICES'] = '0'\n"
+        "del os.environ['CUDA_VISIBLE_DEVICES']\n"
+        "child = subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"CUDA_VISIBLE_DEVICES\"])'], capture_output=True, text=True).stdout.strip()\n"
+        "print(cleared, os.environ['CUDA_VISIBLE_DEVICES'], child)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(PIN_DIR), CUDA_VISIBLE_DEVICES="GPU-6-aaaa")
+    env[PIN_VAR] = "GPU-6-aaaa"
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [
+        "{'CUDA_VISIBLE_DEVICES':",
+        "'GPU-6-aaaa'}",
+        "GPU-6-aaaa",
+        "GPU-6-aaaa",
+    ]
+    assert (
+        "kept CUDA_VISIBLE_DEVICES='GPU-6-aaaa' (the job's device) where '0' was asked" in r.stderr
+    )

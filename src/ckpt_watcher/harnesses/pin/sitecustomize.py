@@ -32,4 +32,14 @@ if _PINNED is not None:
                 return
             super().__delitem__(key)
 
+        def popitem(self):
+            # clear() pops until empty (accelerate clears the environment and restores it):
+            # the pinned key is never popped, and an environment of it alone counts as empty
+            for key in self:
+                if key != _KEY:
+                    value = self[key]
+                    super().__delitem__(key)
+                    return key, value
+            raise KeyError("popitem(): environment is empty")
+
     os.environ.__class__ = _PinnedEnviron
