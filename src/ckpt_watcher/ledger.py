@@ -160,26 +160,12 @@ def result_line(
     )
 
 
-def result_lines(
-    *,
-    job: Any,
-    outcome: TaskOutcome,
-    status: str,
-    error: str | None,
-    eval_cfg: Any,
-    ledger_dir: Path,
-) -> list[dict[str, Any]]:
-    """The ledger lines of a task's outcome: one, or one per part of an entry that yields
-    several results (OLMES: `task` is `<entry>/<part>`, `entry` and `entry_parts` say whose
-    part it is, so the entry counts as done once all its parts are in)."""
-    line = result_line(
-        job=job,
-        outcome=outcome,
-        status=status,
-        error=error,
-        eval_cfg=eval_cfg,
-        ledger_dir=ledger_dir,
-    )
+def result_lines(**kw: Any) -> list[dict[str, Any]]:
+    """The ledger lines of a task's outcome (`result_line`'s arguments): one, or one per part
+    of an entry that yields several results (OLMES: `task` is `<entry>/<part>`, `entry` and
+    `entry_parts` say whose part it is, so the entry counts as done once all its parts are in)."""
+    line = result_line(**kw)
+    outcome, status, job, ledger_dir = kw["outcome"], kw["status"], kw["job"], kw["ledger_dir"]
     if status != "ok" or not outcome.parts:
         return [line]
     lines = []

@@ -57,7 +57,7 @@ HF_AUTO_BATCH = 8
 VLLM_CHUNK = 256
 
 # vLLM engine arguments the transformers backend does not take.
-_VLLM_ONLY_ARGS = frozenset(
+VLLM_ONLY_ARGS = frozenset(
     {
         "gpu_memory_utilization",
         "enforce_eager",
@@ -106,7 +106,7 @@ def engine_args(req: EvalRequest, swappable: bool = False) -> tuple[type, dict[s
     else:
         if "max_model_len" in args:
             args["max_length"] = args.pop("max_model_len")
-        for key in _VLLM_ONLY_ARGS & args.keys():
+        for key in VLLM_ONLY_ARGS & args.keys():
             args.pop(key)
         args["device"] = req.device
     return clamped_backend(req.backend), args

@@ -35,6 +35,7 @@ from typing import Any
 import structlog
 
 from ckpt_watcher.errors import EvalError
+from ckpt_watcher.evaluators.harness import VLLM_ONLY_ARGS
 from ckpt_watcher.harnesses.run import reaped
 from ckpt_watcher.jobfolder import EvalRequest
 from ckpt_watcher.journal import JournalRef
@@ -48,22 +49,11 @@ STOP_GRACE_SECONDS = 30.0
 JOURNAL_PREFIX = "endpoint-"
 FSYNC_EVERY_SECONDS = 1.0
 COMPLETIONS = ("/v1/chat/completions", "/v1/completions")
-# engine arguments (eval.model_args) the server takes as flags
-_SERVER_ARGS = (
-    "dtype",
-    "max_model_len",
-    "gpu_memory_utilization",
-    "enforce_eager",
-    "max_num_seqs",
-    "swap_space",
-    "kv_cache_dtype",
-    "enable_prefix_caching",
-    "block_size",
-    "max_num_batched_tokens",
-    "enable_chunked_prefill",
-    "trust_remote_code",
-    "revision",
-    "tokenizer",
+# engine arguments (eval.model_args) the server takes as flags: the vLLM-only ones, and these
+_SERVER_ARGS = tuple(
+    sorted(
+        VLLM_ONLY_ARGS | {"dtype", "max_model_len", "trust_remote_code", "revision", "tokenizer"}
+    )
 )
 
 
