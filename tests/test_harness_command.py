@@ -135,7 +135,9 @@ def test_each_checkpoint_is_evaluated_by_the_command_in_its_own_venv(
     assert s.returncode == 0, s.stderr
     assert "q1" in s.stdout
     # like any other result: the table by step
-    table = subprocess.run([*WATCHER, "results", "run1", "-c", str(cfg)], capture_output=True, text=True, timeout=120)
+    table = subprocess.run(
+        [*WATCHER, "results", "run1", "-c", str(cfg)], capture_output=True, text=True, timeout=120
+    )
     assert table.returncode == 0, table.stderr
     assert "my_eval" in table.stdout
     # a second pass finds everything done: nothing runs again
