@@ -321,6 +321,11 @@ class EvalConfig(_Model):
     (local executor). Default: true for vllm, false for hf."""
     warm_verify_every: int = Field(20, ge=1)
     """Prove the first swap of each architecture, then every this many, equal to a fresh load."""
+    compile_cache_dir: Path | None = None
+    """Where compiled kernels are kept (vLLM's torch.compile cache, one folder per model shape,
+    and torch inductor's and Triton's caches), so a model shape compiles once, not once per
+    checkpoint, and again after a restart only if this folder is gone. Default:
+    `<state_dir>/compile-cache`; keep it on the host's persistent local disk."""
     warm_idle_seconds: float = Field(600.0, gt=0)
     """A warm engine with no job for this long is released."""
     think_end: str | None = Field(None, min_length=1)
@@ -357,7 +362,7 @@ class EvalConfig(_Model):
         merged = dict(DEFAULT_MODEL_ARGS) | v
         return {k: val for k, val in merged.items() if val is not None}
 
-    @field_validator("include_path", "suite_path")
+    @field_validator("include_path", "suite_path", "compile_cache_dir")
     @classmethod
     def _expand(cls, v: Path | None) -> Path | None:
         return v.expanduser() if v is not None else None

@@ -119,6 +119,9 @@ class EvalRequest:
     device: str  # "cpu", "cuda", or "auto" (a Ray slot: whatever the node has)
     tensor_parallel_size: int = 1
     helps: str | None = None  # set: this worker joins that job's journaled tasks (see resume.py)
+    compile_cache: str | None = (
+        None  # where compiled kernels are kept (evaluators/compile_cache.py)
+    )
 
 
 @dataclass(frozen=True)

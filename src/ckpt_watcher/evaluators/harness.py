@@ -30,7 +30,7 @@ import structlog
 
 from ckpt_watcher.durable import write_atomic, write_json_atomic
 from ckpt_watcher.errors import EvalError, TaskSetupError
-from ckpt_watcher.evaluators import heap, lengths, vllm_internals
+from ckpt_watcher.evaluators import compile_cache, heap, lengths, vllm_internals
 from ckpt_watcher.evaluators import lm_eval_internals as lmi
 from ckpt_watcher.evaluators.clamp import ClampCounts
 from ckpt_watcher.evaluators.failures import classify
@@ -101,6 +101,7 @@ def engine_args(req: EvalRequest, swappable: bool = False) -> tuple[type, dict[s
     if req.backend == "vllm":
         args.setdefault("seed", req.seed)
         args["tensor_parallel_size"] = req.tensor_parallel_size
+        args = compile_cache.with_cache(args, req.compile_cache, req.checkpoint)
         if swappable:
             args["worker_extension_cls"] = vllm_internals.SWAP_EXTENSION
     else:

@@ -35,6 +35,7 @@ from typing import Any
 import structlog
 
 from ckpt_watcher.errors import EvalError
+from ckpt_watcher.evaluators import compile_cache
 from ckpt_watcher.evaluators.harness import VLLM_ONLY_ARGS
 from ckpt_watcher.harnesses.run import reaped
 from ckpt_watcher.jobfolder import EvalRequest
@@ -91,6 +92,10 @@ def server_argv(req: EvalRequest, spec: dict[str, Any], port: int) -> list[str]:
         argv += [flag] if value is True else [flag, str(value)]
     if spec.get("chat_template"):
         argv += ["--chat-template", str(spec["chat_template"])]
+    engine = {k: req.model_args[k] for k in _SERVER_ARGS if k in req.model_args}
+    compiled = compile_cache.with_cache(engine, req.compile_cache, req.checkpoint)
+    if "compilation_config" in compiled:  # one compile per model shape, as lm-eval's engines
+        argv += ["--compilation-config", json.dumps(compiled["compilation_config"])]
     return argv
 
 

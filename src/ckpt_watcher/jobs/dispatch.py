@@ -222,6 +222,7 @@ class Dispatcher:
             results_dir=str((self.cfg.ledger_dir / job.run_path / folder).resolve()),
             device=device.compute,
             tensor_parallel_size=ev.tensor_parallel_size,
+            compile_cache=str(ev.compile_cache_dir or self.cfg.state_dir / "compile-cache"),
         )
         stage = self.discovery.stage_spec(self.book.source_name(job), job.location)
         return JobSpec(job.id, device.label, request, stage, write_mark=job.write_mark)

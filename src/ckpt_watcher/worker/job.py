@@ -21,6 +21,7 @@ import structlog
 
 from ckpt_watcher.checkpoints.files import LocalFiles, check_unchanged
 from ckpt_watcher.errors import CheckpointChanged
+from ckpt_watcher.evaluators import compile_cache
 from ckpt_watcher.jobfolder import (
     EXIT_CHANGED,
     EXIT_CRASH,
@@ -94,6 +95,7 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
     folder = JobFolder(job_dir)
     spec = folder.read_spec()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    compile_cache.use(spec.request.compile_cache)  # before anything compiles
     # The daemon decided the device; we only read it.
     log.info(
         "worker.started",

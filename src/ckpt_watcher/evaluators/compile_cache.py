@@ -1,0 +1,62 @@
+"""Compiled kernels kept per model shape, under the state folder (`eval.compile_cache_dir`).
+
+vLLM compiles the model's forward pass with torch.compile on every cold engine start, and files
+the result under a hash that includes the checkpoint's path: every new checkpoint of one run
+compiled again (12-15 s each on an H100 for a tiny model, docs/benchmarks.md). Here each engine
+is given `compilation_config.cache_dir = <root>/vllm/<shape>`, where `<shape>` is the model
+signature the warm engines swap by (config less its path and dtype-neutral keys, tokenizer
+files, engine arguments) with the vLLM and torch versions: every checkpoint of one shape shares
+one folder, and a checkpoint of another shape, or another vLLM, never does. torch inductor's
+and Triton's caches go beside it, so what a cold start compiles survives a restart of the
+daemon, and of the host where the state folder is on persistent disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _version(dist: str) -> str:
+    for name in (dist, f"{dist}-cpu"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "?"
+
+
+def use(root: str | None) -> None:
+    """This process's torch inductor and Triton caches under `root` (a user's own win); before
+    anything compiles."""
+    if root:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(root) / "inductor"))
+        os.environ.setdefault("TRITON_CACHE_DIR", str(Path(root) / "triton"))
+
+
+def vllm_cache_dir(root: str, checkpoint: str, args: dict[str, Any]) -> str:
+    """The compile cache folder of this checkpoint's model shape with these engine arguments."""
+    from ckpt_watcher.evaluators.keeper import model_signature
+
+    plain = {k: v for k, v in args.items() if k != "compilation_config"}
+    shape = model_signature(Path(checkpoint), "vllm", plain)
+    key = hashlib.sha256(f"{shape}:{_version('vllm')}:{_version('torch')}".encode()).hexdigest()
+    return str(Path(root) / "vllm" / key[:16])
+
+
+def with_cache(args: dict[str, Any], root: str | None, checkpoint: str) -> dict[str, Any]:
+    """Engine arguments whose compile cache is the shape's folder (unless the user set one, or
+    set `compilation_config` to a plain level)."""
+    current = args.get("compilation_config")
+    if not root or not (current is None or isinstance(current, dict)):
+        return args
+    if isinstance(current, dict) and current.get("cache_dir"):
+        return args
+    try:
+        folder = vllm_cache_dir(root, checkpoint, args)
+    except Exception:  # an unreadable config fails the load itself, saying why
+        return args
+    return args | {"compilation_config": dict(current or {}) | {"cache_dir": folder}}
