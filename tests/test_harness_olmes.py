@@ -138,6 +138,17 @@ def test_a_suite_is_one_line_per_olmes_task_on_exactly_the_chosen_gpu(
     )
     assert again.returncode == 0, again.stderr[-2000:]
     assert len(read_ledger(tmp_path / "ledgers", "run1")) == 4
+    # requeue reads OLMES's version as the daemon does: the results are of it, nothing is due
+    rq = subprocess.run(
+        [*WATCHER, "requeue", "run1", "-c", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert rq.stdout.count("every task already ok with the current settings") == 2, (
+        rq.stdout + rq.stderr
+    )
 
 
 def test_a_misspelt_olmes_task_stops_the_start_with_exit_2(

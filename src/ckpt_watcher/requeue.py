@@ -29,6 +29,10 @@ def requeue(
     cfg: WatcherConfig, run_path: str, step: int | None = None, task: str | None = None
 ) -> tuple[list[Requeued], list[str]]:
     """Return (checkpoints of the run path put back as ready, checkpoints left alone with why)."""
+    from ckpt_watcher.preflight import harness_problems
+
+    # another harness's results are of its version: read it, as the daemon does at start
+    cfg.eval.set_harness_versions(harness_problems(cfg)[0])
     ledger = LedgerIndex(cfg.ledger_dir).load()
     settings = cfg.eval.settings_hash()
     tasks = [t for t in cfg.eval.entries() if task is None or task in (t.get("name"), t["task"])]
