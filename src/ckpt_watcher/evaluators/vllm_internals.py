@@ -98,7 +98,12 @@ RELIED_ON_ASSIGNED: list[tuple[str, str, str]] = [
     ("vllm.v1.engine.llm_engine", "LLMEngine", "self.engine_core ="),
 ]
 # Environment variables vLLM reads that we set (each must be one of `vllm.envs`')
-RELIED_ON_ENV = ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")
+RELIED_ON_ENV = (
+    "VLLM_TARGET_DEVICE",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "VLLM_USE_AOT_COMPILE",  # off: compiled once per model shape (evaluators/compile_cache.py)
+)
 
 
 def prepare_cpu_process() -> None:
