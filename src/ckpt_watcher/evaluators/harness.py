@@ -198,7 +198,7 @@ def run_tasks(
             outcome.lengths = lengths.summary(m for ms in lm.response_stats.values() for m in ms)
             shots = "default" if t.num_fewshot is None else f"{t.num_fewshot}shot"
             stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H-%M-%S.%f")
-            name = f"{_safe(t.name or t.task)}_{shots}_{stamp}"
+            name = f"{safe_filename(t.name or t.task)}_{shots}_{stamp}"
             sfile = results_dir / f"samples_{name}.jsonl.gz"
             write_samples(sfile, records)
             rfile = results_dir / f"results_{name}.json"
@@ -399,5 +399,6 @@ def write_samples(path: Path, records: list[dict[str, Any]]) -> None:
     write_atomic(path, gzip.compress(lines.encode("utf-8"), mtime=0))
 
 
-def _safe(name: str) -> str:
+def safe_filename(name: str) -> str:
+    """A name as a file name part: letters, digits and ._- kept, the rest _, 80 at most."""
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)[:80]

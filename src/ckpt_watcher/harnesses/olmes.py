@@ -174,12 +174,11 @@ def _part(out: Path, task: dict[str, Any], i: int, ctx: Context) -> dict[str, An
 
 
 def _write_records(part: dict[str, Any], ctx: Context) -> None:
-    from ckpt_watcher.evaluators.harness import write_samples
+    from ckpt_watcher.evaluators.harness import safe_filename, write_samples
 
     records = part.pop("records")
     if records:
-        safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in part["task"])[:80]
-        path = ctx.output_dir / f"samples_{safe}.jsonl.gz"
+        path = ctx.output_dir / f"samples_{safe_filename(part['task'])}.jsonl.gz"
         write_samples(path, records)
         part["samples_file"] = str(path)
 

@@ -25,6 +25,7 @@ import structlog
 
 from ckpt_watcher.errors import CheckpointChanged, EvalError
 from ckpt_watcher.evaluators.failures import classify
+from ckpt_watcher.evaluators.harness import safe_filename, write_samples
 from ckpt_watcher.harnesses import interp, reaper
 from ckpt_watcher.jobfolder import EvalRequest, Progress, TaskOutcome, TaskRun
 from ckpt_watcher.timestamps import utcnow
@@ -111,7 +112,7 @@ def run_entry(
     spec = dict(t.spec or {})
     h = harness(t.harness)
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H-%M-%S.%f")
-    out = Path(req.results_dir) / f"{_safe(t.task)}_{t.harness}_{stamp}"
+    out = Path(req.results_dir) / f"{safe_filename(t.task)}_{t.harness}_{stamp}"
     out.mkdir(parents=True, exist_ok=True)
     outcome = TaskOutcome(
         t.task,
@@ -183,9 +184,7 @@ def run_entry(
     )
     outcome.results_file = parsed.results_file
     if parsed.records:
-        from ckpt_watcher.evaluators.harness import write_samples
-
-        sfile = out / f"samples_{_safe(t.task)}.jsonl.gz"
+        sfile = out / f"samples_{safe_filename(t.task)}.jsonl.gz"
         write_samples(sfile, parsed.records)
         outcome.samples_file = str(sfile)
     if parsed.error is not None:
@@ -251,7 +250,3 @@ def log_tail(ctx: Context) -> str:
     except OSError:
         return ""
     return "\n".join(lines[-LOG_TAIL_LINES:])
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)[:80]
