@@ -8,7 +8,11 @@ a fresh load, so of 4 checkpoints 2 are loaded (the first, and the reference for
 2 are swapped; later swaps are checked every `eval.warm_verify_every` (20). With `--rounds N`
 each model is measured N times, cold and warm alternated, and the medians are printed after the
 rounds (one round's ratio moved by about 0.04 either way on 2 cores).
-Usage: python bench/warm_engine.py [--rounds 1] [--work /tmp/bench-warm]
+
+With `--served VENV` the task is a verifiers entry instead (vf-eval from VENV, 8 examples x 2
+greedy rollouts of tests/tasksets' wt_add2d): cold, a model server started per checkpoint;
+warm, one server kept by the warm worker and each next checkpoint's weights swapped into it.
+Usage: python bench/warm_engine.py [--rounds 1] [--served VENV] [--work /tmp/bench-warm]
 """
 
 from __future__ import annotations
@@ -26,6 +30,28 @@ VLLM = {
     "model_args": {"dtype": "float32", "max_model_len": 64, "enforce_eager": True},
     "max_attempts": 1,
 }
+TASKSETS = Path(__file__).resolve().parent.parent / "tests" / "tasksets"
+
+
+def served(work: Path, venv: Path) -> dict[str, Any]:
+    """The eval settings of the verifiers entry (`--served`)."""
+    template = work / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    entry = {
+        "harness": "verifiers",
+        "name": "sums",
+        "venv": str(venv),
+        "env_id": "wt_add2d",
+        "num_examples": 8,
+        "rollouts": 2,
+        "sampling": {"temperature": 0, "max_tokens": 8},
+        "chat_template": str(template),
+        "env": {"PYTHONPATH": str(TASKSETS)},
+    }
+    args = VLLM["model_args"] | {"gpu_memory_utilization": 0.5}  # type: ignore[operator]
+    return VLLM | {"model_args": args, "tasks": [entry]}
+
+
 STEPS = (50, 100, 150, 200)
 
 
@@ -42,13 +68,15 @@ def checkpoints(work: Path, tied: bool) -> list[Path]:
     return [out / f"{run}_step{s}" for s in STEPS]
 
 
-def evaluate(root: Path, ckpts: list[Path], tasks_dir: Path, warm: bool) -> tuple[float, list]:
+def evaluate(
+    root: Path, ckpts: list[Path], tasks_dir: Path, warm: bool, ev: dict[str, Any]
+) -> tuple[float, list]:
     shutil.rmtree(root, ignore_errors=True)
     watch = root / "ckpts"
     for ck in ckpts:
         shutil.copytree(ck, watch / ck.name)
     cfg = config(
-        root / "w.yaml", root, watch, tasks_dir, ["addition"], eval=VLLM | {"warm_engine": warm}
+        root / "w.yaml", root, watch, tasks_dir, ["addition"], eval=ev | {"warm_engine": warm}
     )
     seconds = timed([*WATCHER, "--log-level", "WARNING", "once", "-c", str(cfg)])
     run = ckpts[0].name.rsplit("_step", 1)[0]
@@ -66,15 +94,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-warm"))
+    ap.add_argument("--served", type=Path, help="a virtualenv with verifiers 0.4 (and uv)")
     args = ap.parse_args()
     tasks_dir, _ = task_folder(args.work)
+    ev = served(args.work, args.served) if args.served else VLLM
+    what = "1 verifiers entry (served)" if args.served else "1 task"
     for tied in (True, False):
         ckpts = checkpoints(args.work, tied)
         name = "tied" if tied else "untied"
         swaps, colds, warms = [], [], []
         for r in range(1, args.rounds + 1):
-            cold_s, cold = evaluate(args.work / f"{name}-cold", ckpts, tasks_dir, warm=False)
-            warm_s, warm = evaluate(args.work / f"{name}-warm", ckpts, tasks_dir, warm=True)
+            cold_s, cold = evaluate(args.work / f"{name}-cold", ckpts, tasks_dir, False, ev)
+            warm_s, warm = evaluate(args.work / f"{name}-warm", ckpts, tasks_dir, True, ev)
             engines = [(ln["engine"], ln["engine_seconds"]) for ln in warm]
             swapped = [s for e, s in engines if e == "warm"]
             loaded = [s for e, s in engines if e == "cold"] + [ln["engine_seconds"] for ln in cold]
@@ -83,7 +114,7 @@ def main() -> None:
             colds.append(cold_s)
             warms.append(warm_s)
             print(
-                f"{name} round {r}: 4 checkpoints x 1 task: cold {cold_s:.1f} s, warm "
+                f"{name} round {r}: 4 checkpoints x {what}: cold {cold_s:.1f} s, warm "
                 f"{warm_s:.1f} s, ratio {warm_s / cold_s:.3f}; engine per checkpoint: cold load "
                 f"{min(loaded):.1f}-{max(loaded):.1f} s, warm swap "
                 f"{', '.join(f'{s:.3f}' for s in swapped)} s; warm engines "

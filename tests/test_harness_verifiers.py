@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import VLLM_EVAL, WATCHER, read_ledger, write_config
+from .conftest import VLLM_EVAL, WATCHER, derived_checkpoints, read_ledger, write_config
 from .helpers import running_jobs, wait_for, watcher_once, watcher_run
 
 pytestmark = pytest.mark.e2e
@@ -62,6 +63,7 @@ def config(tmp: Path, watch: Path, *more: dict[str, Any], **entry_over: Any) -> 
         "ledger_dir": str(tmp / "ledgers"),
         "settle_seconds": 0,
         "sources": [{"kind": "local", "path": str(watch), "poll_seconds": 1}],
+        "policy": {"order": "oldest_first"},
         "devices": {"gpus": [], "cpu_slots": 1},
         "eval": ev,
     }
@@ -84,21 +86,37 @@ def recomputed(traces: Path) -> dict[str, float]:
     return out
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory, trained_checkpoint: Path) -> list[Path]:
+    """Three checkpoints of run1 (steps 100, 200, 300), each other weights of one shape."""
+    out = tmp_path_factory.mktemp("vf_ckpts")
+    return derived_checkpoints(trained_checkpoint, out, "run1", (100, 200, 300))
+
+
 def test_rewards_equal_traces_a_failing_taskset_fails_and_a_kill_9_resumes_from_the_journal(
-    tmp_path: Path, copy_checkpoint
+    tmp_path: Path, checkpoints: list[Path]
 ) -> None:
-    # an uninterrupted run: the reference; beside it, on the same server, a taskset whose
-    # every rollout fails
+    # an uninterrupted run of three checkpoints by one warm worker, which keeps its model
+    # server and swaps each next checkpoint's weights in (the first swap checked against a
+    # fresh server); beside it, on the same server, a taskset whose every rollout fails
     ref = tmp_path / "ref"
-    copy_checkpoint(ref / "ckpts" / "run1" / "step_300", same_content=True)
+    for ck in checkpoints:
+        shutil.copytree(ck, ref / "ckpts" / ck.name)
     broken = {"name": "broken", "env_id": "wt_broken", "num_examples": 3, "rollouts": 1}
     lines = watcher_once(config(ref, ref / "ckpts", broken), ref / "ledgers", "run1", expect=1)
+    sums = sorted((ln for ln in lines if ln["task"] == "sums"), key=lambda ln: ln["step"])
+    assert [ln["step"] for ln in sums] == [100, 200, 300]
+    # started; swapped in, then checked against a fresh server (which served); swapped in
+    assert [ln["engine"] for ln in sums] == ["cold", "cold", "warm"], sums
+    (engine_file,) = (ref / "state" / "jobs" / "_warm").glob("*/engine.json")
+    events = [e["event"] for e in json.loads(engine_file.read_text())["events"]]
+    assert events == ["server.verify_ok"], events
     failed = next(ln for ln in lines if ln["task"] == "broken")
     assert failed["status"] == "failed"  # though vf-eval exited 0
     assert "100% of 3 rollouts errored" in failed["error"]
     assert "the grader is broken" in failed["error"]
-    line = next(ln for ln in lines if ln["task"] == "sums")
-    assert line["status"] == "ok", line
+    line = sums[-1]  # step 300, served by swapped weights
+    assert all(ln["status"] == "ok" for ln in sums), sums
     assert line["harness"] == "verifiers" and line["harness_version"].startswith("0.4")
     assert line["n_samples"] == EXAMPLES
     assert line["clamped_requests"] == EXAMPLES * ROLLOUTS  # each asked more than the context left
@@ -130,9 +148,9 @@ def test_rewards_equal_traces_a_failing_taskset_fails_and_a_kill_9_resumes_from_
     assert shown.returncode == 0, shown.stderr
     records = [json.loads(x) for x in shown.stdout.splitlines() if x.strip()]
     assert len(records) == EXAMPLES and all(len(r["responses"]) == ROLLOUTS for r in records)
-    # the same checkpoint again, its worker killed -9 half way through the rollouts
+    # step 300 again, in a fresh server whose worker is killed -9 half way through the rollouts
     run = tmp_path / "killed"
-    copy_checkpoint(run / "ckpts" / "run1" / "step_300", same_content=True)
+    shutil.copytree(checkpoints[-1], run / "ckpts" / checkpoints[-1].name)
     cfg = config(run, run / "ckpts")
     log = run / "daemon.log"
 
@@ -158,4 +176,6 @@ def test_rewards_equal_traces_a_failing_taskset_fails_and_a_kill_9_resumes_from_
     assert resumed["status"] == "ok", resumed
     assert resumed["attempt"] == 2
     assert resumed["resumed"] > 0
-    assert resumed["metrics"] == line["metrics"]  # identical to the uninterrupted run
+    assert resumed["engine"] == "cold"
+    # identical to the uninterrupted run, whose server had the weights swapped in
+    assert resumed["metrics"] == line["metrics"]

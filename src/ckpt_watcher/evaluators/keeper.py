@@ -243,7 +243,7 @@ class EngineKeeper:
                 if n % self.verify_every == 0:
                     return self._verify(req, sig, began)
             except Exception as e:  # any error in or after a swap: a cold start, nothing lost
-                self._event("engine.swap_failed", error=f"{type(e).__name__}: {e}")
+                self.event("engine.swap_failed", error=f"{type(e).__name__}: {e}")
             else:
                 log.info("engine.swapped", checkpoint=req.checkpoint, swaps=n + 1)
                 return Engine(self.lm, "warm", time.monotonic() - began)
@@ -274,10 +274,10 @@ class EngineKeeper:
             "load_s": round(loaded - dropped, 3),
         }
         if why is None:
-            self._event("engine.verify_ok", checkpoint=req.checkpoint, signature=sig, **seconds)
+            self.event("engine.verify_ok", checkpoint=req.checkpoint, signature=sig, **seconds)
         else:
             self.cold_for_good[sig] = why
-            self._event(
+            self.event(
                 "engine.verify_failed",
                 checkpoint=req.checkpoint,
                 signature=sig,
@@ -296,6 +296,6 @@ class EngineKeeper:
                 free_memory()
         self.signature = self.checkpoint = None
 
-    def _event(self, event: str, **fields: Any) -> None:
-        (log.warning if event != "engine.verify_ok" else log.info)(event, **fields)
+    def event(self, event: str, **fields: Any) -> None:
+        (log.info if event.endswith("verify_ok") else log.warning)(event, **fields)
         self.events = (self.events + [{"event": event, "at": time.time(), **fields}])[-20:]

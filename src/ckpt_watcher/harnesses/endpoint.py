@@ -1,8 +1,8 @@
 """The checkpoint served on loopback for a harness that talks to an OpenAI-compatible server.
 
-`serve()` starts vLLM's OpenAI server on the job's device (the worker's own interpreter, TP=1,
-seeded, 127.0.0.1 only), waits until it answers, and puts a proxy in front of it; the harness
-is given the proxy's URL. For each completion request the proxy
+`serve()` gets the job's model server (`server.py`: vLLM's OpenAI server on the job's device,
+started or, in a warm worker, the checkpoint swapped into the kept one) and puts a proxy in
+front of it; the harness is given the proxy's URL. For each completion request the proxy
 
 - clamps what it asks to the context: `max_tokens` above what the model's context leaves after
   the prompt (counted by the server's own tokenizer) is lowered to fit and counted (the
@@ -22,8 +22,6 @@ import http.client
 import json
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -34,79 +32,14 @@ from typing import Any
 
 import structlog
 
-from ckpt_watcher.errors import EvalError
-from ckpt_watcher.evaluators import compile_cache
-from ckpt_watcher.evaluators.harness import VLLM_ONLY_ARGS
-from ckpt_watcher.harnesses.run import reaped
-from ckpt_watcher.jobfolder import EvalRequest
+from ckpt_watcher.harnesses.server import HOST, MODEL_NAME, Servers
 from ckpt_watcher.journal import JournalRef
 
 log = structlog.get_logger("ckpt_watcher.harnesses.endpoint")
 
-HOST = "127.0.0.1"
-MODEL_NAME = "checkpoint"
-READY_TIMEOUT_SECONDS = 900.0
-STOP_GRACE_SECONDS = 30.0
 JOURNAL_PREFIX = "endpoint-"
 FSYNC_EVERY_SECONDS = 1.0
 COMPLETIONS = ("/v1/chat/completions", "/v1/completions")
-# engine arguments (eval.model_args) the server takes as flags: the vLLM-only ones, and these
-_SERVER_ARGS = tuple(
-    sorted(
-        VLLM_ONLY_ARGS | {"dtype", "max_model_len", "trust_remote_code", "revision", "tokenizer"}
-    )
-)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def server_argv(req: EvalRequest, spec: dict[str, Any], port: int) -> list[str]:
-    """vLLM's OpenAI server for the checkpoint: loopback, TP=1, seeded, the eval's model args."""
-    argv = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        req.checkpoint,
-        "--served-model-name",
-        MODEL_NAME,
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--tensor-parallel-size",
-        "1",
-        "--seed",
-        str(req.seed),
-        "--disable-uvicorn-access-log",
-    ]
-    for key in _SERVER_ARGS:
-        value = req.model_args.get(key)
-        if value is None or value is False:
-            continue
-        flag = "--" + key.replace("_", "-")
-        argv += [flag] if value is True else [flag, str(value)]
-    if spec.get("chat_template"):
-        argv += ["--chat-template", str(spec["chat_template"])]
-    engine = {k: req.model_args[k] for k in _SERVER_ARGS if k in req.model_args}
-    compiled = compile_cache.with_cache(engine, req.compile_cache, req.checkpoint)
-    if "compilation_config" in compiled:  # one compile per model shape, as lm-eval's engines
-        argv += ["--compilation-config", json.dumps(compiled["compilation_config"])]
-    return argv
-
-
-def _server_env(req: EvalRequest) -> dict[str, str]:
-    env = dict(os.environ)
-    if req.device == "cpu":
-        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        if env.get("CUDA_VISIBLE_DEVICES") == "":
-            env["CUDA_VISIBLE_DEVICES"] = "-1"
-    return env
 
 
 class EndpointJournal:
@@ -176,6 +109,7 @@ class Endpoint:
         self.seed = seed
         self.max_len = max_len
         self.model = MODEL_NAME
+        self.engine = "cold"  # how the server came to serve the checkpoint (Servers.start)
         self.ready_seconds = 0.0
         self.resumed = 0
         self.computed = 0
@@ -306,98 +240,25 @@ class Endpoint:
             self._server.server_close()
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], port: int, logfile: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-15:])
-            raise EvalError(f"the model server exited with status {proc.returncode}:\n{tail}")
-        with suppress(OSError):
-            conn = http.client.HTTPConnection(HOST, port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        time.sleep(0.5)
-    raise EvalError(f"the model server did not answer within {timeout:g}s (see {logfile})")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()  # the reaper stops the server, then ends what it left
-    try:
-        proc.wait(timeout=STOP_GRACE_SECONDS)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-class Servers:
-    """The job's model server, shared by its served entries: started for the first, kept while
-    the next asks for the same server (the same chat template), stopped at the job's end."""
-
-    def __init__(self, req: EvalRequest) -> None:
-        self.req = req
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._args: list[str] = []
-        self.port = 0
-        self.ready_seconds = 0.0
-
-    def start(self, spec: dict[str, Any], out: Path) -> tuple[int, float]:
-        """The server this entry needs (its port), and how long it took to be ready (0 when
-        it was already up)."""
-        args = server_argv(self.req, spec, 0)
-        if self._proc is not None and self._proc.poll() is None and args == self._args:
-            return self.port, 0.0
-        self.stop()
-        self.port = free_port()
-        logfile = out / "server.log"
-        began = time.monotonic()
-        with open(logfile, "ab") as sink:
-            self._proc = subprocess.Popen(
-                reaped(server_argv(self.req, spec, self.port)),  # its engine ends with us
-                env=_server_env(self.req),
-                stdin=subprocess.DEVNULL,
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-            )
-        self._args = args
-        try:
-            _wait_ready(self._proc, self.port, logfile, READY_TIMEOUT_SECONDS)
-        except BaseException:
-            self.stop()
-            raise
-        return self.port, time.monotonic() - began
-
-    def stop(self) -> None:
-        if self._proc is not None:
-            _stop(self._proc)
-            self._proc = None
-
-    def __enter__(self) -> Servers:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
 @contextmanager
 def serve(
     servers: Servers, spec: dict[str, Any], out: Path, ref: JournalRef | None
 ) -> Iterator[Endpoint]:
     """The checkpoint served on the job's device (`servers`) behind a proxy of this entry's
     own (its journal, its counts), until the block ends."""
-    port, seconds = servers.start(spec, out)
+    port, kind, seconds = servers.start(spec, out)
     req = servers.req
+    assert req is not None
     journal = EndpointJournal(ref)
     max_len = req.model_args.get("max_model_len")
     endpoint = Endpoint(port, journal, req.seed, max_len if isinstance(max_len, int) else None)
-    endpoint.ready_seconds = seconds
+    endpoint.engine, endpoint.ready_seconds = kind, seconds
     try:
         endpoint.start_proxy()
         log.info(
             "endpoint.ready",
             url=endpoint.url,
+            engine=kind,
             seconds=round(seconds, 1),
             journaled=len(journal.saved),
         )

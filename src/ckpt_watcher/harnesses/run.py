@@ -31,7 +31,7 @@ from ckpt_watcher.jobfolder import EvalRequest, Progress, TaskOutcome, TaskRun
 from ckpt_watcher.timestamps import utcnow
 
 if TYPE_CHECKING:
-    from ckpt_watcher.harnesses.endpoint import Servers
+    from ckpt_watcher.harnesses.server import Servers
 
 log = structlog.get_logger("ckpt_watcher.harnesses")
 
@@ -106,8 +106,8 @@ def run_entry(
     timeout: float | None = None,
 ) -> TaskOutcome:
     """Run entry `t` on `req.checkpoint`; its outcome (failed with the reason where it failed).
-    `servers` serves the checkpoint for
-    a harness that talks to a model over HTTP (one server per job). `unchanged` raises CheckpointChanged when the checkpoint's files are no longer those judged
+    `servers` serves the checkpoint for a harness that talks to a model over HTTP.
+    `unchanged` raises CheckpointChanged when the checkpoint's files are no longer those judged
     (checked while it runs, and before its result counts)."""
     spec = dict(t.spec or {})
     h = harness(t.harness)
@@ -141,7 +141,7 @@ def run_entry(
 
                 endpoint = stack.enter_context(serve(servers, spec, out, t.journal))
                 ctx.url, ctx.model = endpoint.url, endpoint.model
-                outcome.engine = "cold" if endpoint.ready_seconds else "warm"
+                outcome.engine = endpoint.engine
                 outcome.engine_seconds = round(endpoint.ready_seconds, 3)
 
             def report() -> None:

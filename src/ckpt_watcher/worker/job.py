@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ckpt_watcher.evaluators.keeper import EngineKeeper
+    from ckpt_watcher.harnesses.server import Servers
     from ckpt_watcher.jobfolder import EvalRequest, JobSpec, Progress, TaskOutcome
 
 PROGRESS_EVERY_SECONDS = 1.0
@@ -90,8 +91,11 @@ def _run_lm_eval(
     return outcomes
 
 
-def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
-    """One job: stage, load (or have `keeper` swap in) the checkpoint, run its tasks."""
+def run_job(
+    job_dir: Path, keeper: EngineKeeper | None = None, servers: Servers | None = None
+) -> int:
+    """One job: stage, load (or have `keeper` swap in) the checkpoint, run its tasks. A warm
+    worker passes its `keeper` and its kept model `servers` (for served harnesses)."""
     folder = JobFolder(job_dir)
     spec = folder.read_spec()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -159,30 +163,43 @@ def run_job(job_dir: Path, keeper: EngineKeeper | None = None) -> int:
 
     # lm-eval's entries share one loaded model; each other harness's entry runs on its own
     # after them (it loads or serves the checkpoint itself), with the device to itself
+    # (a GPU holds one of them at a time: a warm worker's kept engine, or its kept server)
     ours = [t for t in req.tasks if t.harness == "lm-eval"]
     theirs = [t for t in req.tasks if t.harness != "lm-eval"]
+    own = servers is None  # a one-shot worker's server ends with the job
+    if servers is None:
+        from ckpt_watcher.harnesses.server import Servers
+
+        servers = Servers()
+    servers.job(req)
+    on_gpu = req.device != "cpu"
     try:
+        if ours and on_gpu:
+            servers.stop()
         outcomes = (
             _run_lm_eval(dataclasses.replace(req, tasks=ours), keeper, record, progress, spec)
             if ours
             else []
         )
-        if theirs and keeper is not None and req.device != "cpu":
+        if theirs and keeper is not None and on_gpu:
             keeper.drop()  # the GPU's memory is the other harness's now
         if theirs:
-            from ckpt_watcher.harnesses.endpoint import Servers
             from ckpt_watcher.harnesses.run import run_entry
 
-            with Servers(req) as servers:  # one model server for the job's served entries
-                for t in theirs:
-                    outcome = run_entry(req, servers, t, spec.device_label, unchanged, progress)
-                    record(outcome)
-                    outcomes.append(outcome)
+            for t in theirs:
+                outcome = run_entry(req, servers, t, spec.device_label, unchanged, progress)
+                record(outcome)
+                outcomes.append(outcome)
     except CheckpointChanged as e:
+        servers.stop()  # it may serve bytes that are not the checkpoint's now
         return _record_crash(folder, e)
     except Exception as e:
         log.exception("worker.crashed")
         if keeper is not None:  # whatever broke may have broken the engine: start cold next
             keeper.drop()
+        servers.stop()
         return _record_crash(folder, e)
+    finally:
+        if own:
+            servers.stop()
     return EXIT_OK if all(o.status != "failed" for o in outcomes) else EXIT_TASK_FAILED

@@ -2,7 +2,8 @@
 
 One long-lived process per device (`executors/warm.py` starts it). It reads job folders from
 stdin, one line each, runs each exactly like a one-shot worker (`job.run_job`, same outcome
-files, same crash file) but keeps its engine between jobs (`evaluators/keeper.py`), and reports
+files, same crash file) but keeps its engine between jobs (`evaluators/keeper.py`), and the model
+server of served harnesses too (`harnesses/server.py`), and reports
 each job's exit code as a status line on the file descriptor named by STATUS_FD_ENV (both in
 `jobfolder`). While a job runs, its stdout and stderr go to that job's `worker.log`.
 
@@ -120,6 +121,7 @@ def handle_sigterm() -> None:
 
 def serve(home: Path, settings: dict[str, Any]) -> int:
     from ckpt_watcher.evaluators.keeper import EngineKeeper
+    from ckpt_watcher.harnesses.server import Servers
 
     home.mkdir(parents=True, exist_ok=True)
     status_fd = int(os.environ[STATUS_FD_ENV])
@@ -140,6 +142,7 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
     except OSError:
         killed = None
     failing = Failing(before, killed)
+    servers = Servers(keeper)  # the model server of served harnesses, kept as the engine is
 
     handle_sigterm()
     own_log = home / LOG_FILE
@@ -161,10 +164,11 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
             _describe(home, keeper, device, "busy", job_dir.parent.name, failing)
             in_job = True
             try:
-                rc = run_job(job_dir, keeper)
+                rc = run_job(job_dir, keeper, servers)
             except Exception:  # spec unreadable and the like: a crash of this job only
                 log.exception("worker.crashed")
                 keeper.drop()
+                servers.stop()
                 rc = EXIT_CRASH
             folder.write_exit(rc)
             in_job = False
@@ -181,5 +185,6 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
     finally:
         log.info("engine.released", device=device, reason=reason, checkpoint=keeper.checkpoint)
         keeper.drop(exiting=True)
+        servers.stop()
         _describe(home, keeper, device, "released", None, failing)
     return 128 + signal.SIGTERM if in_job else 0  # a job cut short must not read as a success

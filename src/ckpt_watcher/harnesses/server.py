@@ -1,0 +1,373 @@
+"""The model server of a served harness: vLLM's OpenAI server for the job's checkpoint, on the
+job's device, loopback only, TP=1, seeded, with the eval's model args; in a warm worker, kept
+across jobs.
+
+`Servers.start()` answers the server an entry needs. Within a job, entries that ask for the same
+server (the same chat template) share it. In a warm worker (`Servers(keeper)`) the server
+outlives the job: when the next job's checkpoint has the same *signature* as the one it serves
+(`keeper.model_signature`: the config apart from graph-neutral fields, the tokenizer and
+generation files, the server's arguments), its weights are swapped into the running server
+through vLLM's development endpoint `/collective_rpc` (`SwapExtension.ckpt_watcher_swap`, the
+reload the in-process warm engine uses) instead of a restart. The first swap of each signature,
+and then every `verify_every`-th, is checked as the keeper checks engines: greedy tokens and
+their logprobs on `PROBE_TEXTS` from the swapped server against a freshly started one, which
+then serves the job. A mismatch sends the signature cold for good; any error in a swap restarts
+the server: the job loses nothing.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import suppress
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from ckpt_watcher.errors import EvalError, SwapError
+from ckpt_watcher.evaluators import compile_cache
+from ckpt_watcher.evaluators.harness import VLLM_ONLY_ARGS
+from ckpt_watcher.harnesses.run import reaped
+from ckpt_watcher.jobfolder import EvalRequest
+
+if TYPE_CHECKING:
+    from ckpt_watcher.evaluators.keeper import EngineKeeper, Probe
+
+log = structlog.get_logger("ckpt_watcher.harnesses.server")
+
+HOST = "127.0.0.1"
+MODEL_NAME = "checkpoint"
+READY_TIMEOUT_SECONDS = 900.0
+STOP_GRACE_SECONDS = 30.0
+SWAP_TIMEOUT_SECONDS = 900.0
+# the signature's backend: a server's weights never swap into an in-process engine's
+BACKEND = "vllm-server"
+# engine arguments (eval.model_args) the server takes as flags: the vLLM-only ones, and these
+_SERVER_ARGS = tuple(
+    sorted(
+        VLLM_ONLY_ARGS | {"dtype", "max_model_len", "trust_remote_code", "revision", "tokenizer"}
+    )
+)
+_CHECKPOINT = "<checkpoint>"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def server_argv(
+    req: EvalRequest, spec: dict[str, Any], port: int, swappable: bool = False
+) -> list[str]:
+    """vLLM's OpenAI server for the checkpoint: loopback, TP=1, seeded, the eval's model args;
+    `swappable`: with the worker extension that swaps weights in."""
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        req.checkpoint,
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        "1",
+        "--seed",
+        str(req.seed),
+        "--disable-uvicorn-access-log",
+    ]
+    for key in _SERVER_ARGS:
+        value = req.model_args.get(key)
+        if value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    if spec.get("chat_template"):
+        argv += ["--chat-template", str(spec["chat_template"])]
+    engine = {k: req.model_args[k] for k in _SERVER_ARGS if k in req.model_args}
+    compiled = compile_cache.with_cache(engine, req.compile_cache, req.checkpoint)
+    if "compilation_config" in compiled:  # one compile per model shape, as lm-eval's engines
+        argv += ["--compilation-config", json.dumps(compiled["compilation_config"])]
+    if swappable:
+        from ckpt_watcher.evaluators.vllm_internals import SWAP_EXTENSION
+
+        argv += ["--worker-extension-cls", SWAP_EXTENSION]
+    return argv
+
+
+def _server_env(req: EvalRequest, swappable: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    if req.device == "cpu":
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if env.get("CUDA_VISIBLE_DEVICES") == "":
+            env["CUDA_VISIBLE_DEVICES"] = "-1"
+    if swappable:  # /collective_rpc and /reset_prefix_cache, on loopback only
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    return env
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], port: int, logfile: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-15:])
+            raise EvalError(f"the model server exited with status {proc.returncode}:\n{tail}")
+        with suppress(OSError):
+            conn = http.client.HTTPConnection(HOST, port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        time.sleep(0.5)
+    raise EvalError(f"the model server did not answer within {timeout:g}s (see {logfile})")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()  # the reaper stops the server, then ends what it left
+    try:
+        proc.wait(timeout=STOP_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _post(port: int, path: str, body: dict[str, Any], timeout: float) -> Any:
+    """POST `body` to the server; its JSON answer (None for an empty one)."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    try:
+        conn.request(
+            "POST",
+            path,
+            body=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        r = conn.getresponse()
+        raw = r.read()
+    finally:
+        conn.close()
+    if r.status != 200:
+        raise SwapError(f"POST {path}: HTTP {r.status}: {raw[:300].decode(errors='replace')}")
+    return json.loads(raw) if raw.strip() else None
+
+
+def swap(port: int, checkpoint: str) -> None:
+    """`checkpoint`'s weights into the running server, then its prefix cache dropped (the old
+    weights' KV blocks)."""
+    rpc = {"method": "ckpt_watcher_swap", "args": [checkpoint]}
+    _post(port, "/collective_rpc", rpc, SWAP_TIMEOUT_SECONDS)
+    _post(port, "/reset_prefix_cache", {}, 60)
+
+
+def _eager_ranks(port: int, on: bool) -> None:
+    """The sampled tokens' ranks uncompiled while probing, as in process
+    (`vllm_internals.probe`); a server without the extension (not swappable) compiles them."""
+    rpc = {"method": "ckpt_watcher_eager_ranks", "args": ["1" if on else ""]}
+    with suppress(SwapError):
+        _post(port, "/collective_rpc", rpc, 60)
+
+
+def probe(port: int) -> Probe:
+    """Greedy tokens and their logprobs for each probe text, from the server (as
+    `keeper.probe` asks an in-process engine)."""
+    from ckpt_watcher.evaluators.keeper import PROBE_TEXTS, PROBE_TOKENS
+
+    prompts = []
+    for text in PROBE_TEXTS:
+        tok = _post(
+            port,
+            "/tokenize",
+            {"model": MODEL_NAME, "prompt": text, "add_special_tokens": False},
+            60,
+        )
+        room = max(1, int(tok.get("max_model_len") or 1 << 30) - PROBE_TOKENS)
+        if tok["tokens"]:
+            prompts.append(tok["tokens"][:room])
+    _eager_ranks(port, True)
+    try:
+        out = _post(
+            port,
+            "/v1/completions",
+            {
+                "model": MODEL_NAME,
+                "prompt": prompts,
+                "max_tokens": PROBE_TOKENS,
+                "temperature": 0.0,
+                "logprobs": 1,
+                "seed": 0,
+                "return_tokens_as_token_ids": True,
+            },
+            SWAP_TIMEOUT_SECONDS,
+        )
+    finally:
+        _eager_ranks(port, False)
+    result = []
+    for choice in sorted(out["choices"], key=lambda c: c["index"]):
+        lp = choice["logprobs"]
+        tokens = [int(str(t).rsplit(":", 1)[1]) for t in lp["tokens"]]
+        result.append((tokens, [float(x) for x in lp["token_logprobs"]]))
+    return result
+
+
+class Servers:
+    """The model server of a worker's served entries: started for the first, shared by the
+    job's entries that ask for the same server; with `keeper` (a warm worker) kept across jobs,
+    each next checkpoint's weights swapped in where its signature allows. `keeper` keeps the
+    swap counts, the signatures gone cold for good and the events (`engine.json`)."""
+
+    def __init__(self, keeper: EngineKeeper | None = None) -> None:
+        self.keeper = keeper
+        self.req: EvalRequest | None = None
+        self.port = 0
+        self.checkpoint: str | None = None  # what it serves
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._shape: list[str] = []  # its argv, the checkpoint's path left out
+        self._signature: str | None = None
+        self._this_job = False  # it serves this job's checkpoint (started or swapped for it)
+
+    def job(self, req: EvalRequest) -> Servers:
+        """The next job's request: its entries get its checkpoint, swapped in or started."""
+        self.req = req
+        self._this_job = False
+        return self
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, spec: dict[str, Any], out: Path) -> tuple[int, str, float]:
+        """The server this entry needs: its port, how it came to serve this checkpoint
+        ("cold": started, "warm": swapped in or already serving it) and the seconds that took
+        (0 when the job's server was up already)."""
+        req = self.req
+        assert req is not None, "Servers.job(req) first"
+        swappable = self.keeper is not None
+        shape = [
+            _CHECKPOINT if a == req.checkpoint else a for a in server_argv(req, spec, 0, swappable)
+        ]
+        same = self.alive() and shape == self._shape
+        if same and self._this_job:
+            return self.port, "warm", 0.0
+        began = time.monotonic()
+        signature = self._signature_of(req, shape)
+        if same and signature is not None and self._swappable(signature):
+            kind = self._swap(req, signature, out, began)
+            if kind is not None:
+                return self.port, kind, time.monotonic() - began
+        self.stop()
+        self._cold(req, out, shape, signature)
+        return self.port, "cold", time.monotonic() - began
+
+    def _signature_of(self, req: EvalRequest, shape: list[str]) -> str | None:
+        if self.keeper is None:
+            return None
+        from ckpt_watcher.evaluators.keeper import model_signature
+
+        try:
+            return model_signature(Path(req.checkpoint), BACKEND, {"argv": shape})
+        except SwapError:
+            return None  # an unreadable config: the cold start says why
+
+    def _swappable(self, signature: str | None) -> bool:
+        keeper = self.keeper
+        return (
+            keeper is not None
+            and signature is not None
+            and signature == self._signature
+            and signature not in keeper.cold_for_good
+        )
+
+    def _swap(self, req: EvalRequest, signature: str, out: Path, began: float) -> str | None:
+        """Swap `req`'s checkpoint in: "warm", or "cold" where the swap was checked against a
+        fresh server (which then serves); None when the swap failed (the caller starts cold)."""
+        keeper = self.keeper
+        assert keeper is not None
+        n = keeper.swaps.get(signature, 0)
+        try:
+            swap(self.port, req.checkpoint)
+            keeper.swaps[signature] = n + 1
+            self.checkpoint, self._this_job = req.checkpoint, True
+            warm = probe(self.port) if n % keeper.verify_every == 0 else None
+        except Exception as e:  # any error in a swap: a fresh server, nothing lost
+            keeper.event("server.swap_failed", error=f"{type(e).__name__}: {e}")
+            return None
+        if warm is None:
+            log.info("server.swapped", checkpoint=req.checkpoint, swaps=n + 1)
+            return "warm"
+        # the check: the same checkpoint in a fresh server, which then serves the job
+        swapped = time.monotonic()
+        shape, sig = self._shape, signature
+        self.stop()
+        self._cold(req, out, shape, sig)
+        loaded = time.monotonic()
+        why = _compare(warm, probe(self.port), req)
+        seconds = {"swap_s": round(swapped - began, 3), "load_s": round(loaded - swapped, 3)}
+        if why is None:
+            keeper.event("server.verify_ok", checkpoint=req.checkpoint, signature=sig, **seconds)
+        else:
+            keeper.cold_for_good[sig] = why
+            keeper.event(
+                "server.verify_failed",
+                checkpoint=req.checkpoint,
+                signature=sig,
+                reason=why,
+                **seconds,
+            )
+        return "cold"
+
+    def _cold(
+        self,
+        req: EvalRequest,
+        out: Path,
+        shape: list[str],
+        signature: str | None,
+    ) -> None:
+        """Start a server for `req`'s checkpoint with the arguments `shape` names."""
+        swappable = self.keeper is not None
+        self.port = free_port()
+        argv = [req.checkpoint if a == _CHECKPOINT else a for a in shape]
+        argv[argv.index("--port") + 1] = str(self.port)
+        logfile = out / "server.log"
+        with open(logfile, "ab") as sink:
+            self._proc = subprocess.Popen(
+                reaped(argv),  # its engine ends with the worker, however the worker ends
+                env=_server_env(req, swappable),
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            _wait_ready(self._proc, self.port, logfile, READY_TIMEOUT_SECONDS)
+        except BaseException:
+            self.stop()
+            raise
+        self._shape, self._signature = shape, signature
+        self.checkpoint, self._this_job = req.checkpoint, True
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            _stop(self._proc)
+            self._proc = None
+        self.checkpoint, self._signature, self._shape, self._this_job = None, None, [], False
+
+    def __enter__(self) -> Servers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _compare(warm: Probe, cold: Probe, req: EvalRequest) -> str | None:
+    from ckpt_watcher.evaluators.keeper import compare
+
+    return compare(warm, cold, req.model_args.get("dtype"))
