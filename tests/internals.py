@@ -15,6 +15,9 @@ def _lookup(module: str, attr: str) -> object:
         if inspect.isclass(obj) and dataclasses.is_dataclass(obj):
             if part in {f.name for f in dataclasses.fields(obj)}:
                 return dataclasses.fields(obj)  # a dataclass field: no class attribute
+        fields = getattr(obj, "model_fields", None) if inspect.isclass(obj) else None
+        if isinstance(fields, dict) and part in fields:
+            return fields[part]  # a pydantic model's field: no class attribute either
         assert hasattr(obj, part), f"{module}.{attr}: no longer has {part!r}"
         obj = inspect.getattr_static(obj, part) if inspect.isclass(obj) else getattr(obj, part)
     return obj

@@ -90,6 +90,16 @@ RELIED_ON: list[tuple[str, str, list[str]]] = [
         "UnquantizedEmbeddingMethod.process_weights_after_loading",
         ["layer"],
     ),
+    # a warm worker's kept model server (harnesses/server.py): swaps through the development
+    # routes (VLLM_SERVER_DEV_MODE), probes with token ids and the model's context from /tokenize
+    ("vllm.entrypoints.serve.dev.rpc.api_router", "collective_rpc", ["raw_request"]),
+    ("vllm.entrypoints.serve.dev.cache.api_router", "reset_prefix_cache", ["raw_request"]),
+    (
+        "vllm.entrypoints.openai.completion.protocol",
+        "CompletionRequest.return_tokens_as_token_ids",
+        [],
+    ),
+    ("vllm.entrypoints.serve.tokenize.protocol", "TokenizeResponse.max_model_len", []),
 ]
 # Attributes set in constructors (no class attribute to look up): (module, class, the line that
 # sets it in the class's source)
@@ -103,6 +113,7 @@ RELIED_ON_ENV = (
     "VLLM_CPU_KVCACHE_SPACE",
     "VLLM_ENABLE_V1_MULTIPROCESSING",
     "VLLM_USE_AOT_COMPILE",  # off: compiled once per model shape (evaluators/compile_cache.py)
+    "VLLM_SERVER_DEV_MODE",  # on for a kept model server, on loopback (harnesses/server.py)
 )
 
 
