@@ -402,10 +402,18 @@ def idle_config(tmp: Path, **over: Any) -> Path:
 
 
 def read_ledger(ledger_dir: Path, run: str) -> list[dict[str, Any]]:
+    """The run's ledger lines; every field of each is one `ledger.FIELDS` defines (documented
+    in docs/reference/ledger.md), so a field added to the lines and not there fails here."""
+    from ckpt_watcher.ledger import FIELDS
+
     path = ledger_dir / run / "ledger.jsonl"
     if not path.exists():
         return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    for line in lines:
+        undefined = sorted(set(line) - set(FIELDS))
+        assert not undefined, f"ledger fields not in ledger.FIELDS: {undefined}"
+    return lines
 
 
 # A sampled task for the tests that cut one part way (resume, spread, a GPU given back):

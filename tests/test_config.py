@@ -57,7 +57,7 @@ def test_example_configs_in_repo_are_valid() -> None:
         ),
         (
             MINIMAL | {"zzz": 1},
-            "config field zzz: unknown key 'zzz' (check its spelling and the config reference in the README)",
+            "config field zzz: unknown key 'zzz' (check its spelling and docs/reference/config.md)",
         ),
     ],
 )

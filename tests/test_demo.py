@@ -1,5 +1,6 @@
 """`watcher demo`, as a new user runs it: the tiny model must learn, on any machine, and the
-demo must leave a config that the commands it suggests accept."""
+demo must leave a config that the commands it suggests, and those the docs mark as runnable,
+accept."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from ckpt_watcher.demo.runner import watcher_command
 
 from .conftest import WATCHER, read_ledger
 from .helpers import addition_accuracy
+from .test_docs import runnable_blocks
 
 pytestmark = pytest.mark.e2e
 
 
 def test_watcher_demo_learns_prints_its_table_and_leaves_a_usable_config(tmp_path: Path) -> None:
-    workdir = tmp_path / "demo"
+    workdir = tmp_path / "watcher-demo"  # the folder the docs' runnable commands name
     r = subprocess.run(
         [*WATCHER, "demo", "--workdir", str(workdir)],
         capture_output=True,
@@ -82,6 +84,20 @@ def test_watcher_demo_learns_prints_its_table_and_leaves_a_usable_config(tmp_pat
             assert all(a["scores"] != b["scores"] for a, b in pairs)
             assert learned - forgot == round((last - first) * 100), (learned, forgot, scores)
             assert learned > 0 and f"step {min(scores)}: 0/1 right -> step" in out.stdout
+    # the commands the docs mark as runnable, as printed, beside this demo's folder: each exits
+    # 0, and where the page shows output, the first line printed has its shape (as many fields,
+    # the same first one; paths differ between machines)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    for page, command, shown in runnable_blocks():
+        out = subprocess.run(
+            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 0, (page, command, out.stdout[-1000:], out.stderr[-2000:])
+        if shown:
+            first = out.stdout.splitlines()[0].split() if out.stdout.strip() else []
+            want = shown[0].split()
+            assert len(first) == len(want) and first[:1] == want[:1], (page, command, out.stdout)
 
 
 # The demo's recipe (600 steps, its learning-rate schedule included) stopped at its middle,
@@ -100,7 +116,7 @@ def test_the_demo_recipe_learns_with_any_seed_and_thread_count(tmp_path: Path) -
     the recipe must get there from another seed and with 2 threads, not only on the demo's own
     seed 0 on 1 thread (which the demo test above trains to the end). Seed 3 on 2 threads, to
     the middle of the recipe, step 300, where the demo reads 0.90-0.95 (a recipe that stalled
-    stayed below 0.15 there: see the README). Seeds 0-6, on 1 and 2 threads, all learned when the
+    stayed below 0.15 there: see docs/getting-started.md). Seeds 0-6, on 1 and 2 threads, all learned when the
     recipe was chosen; a recipe that learns only on seed 0, or only on 1 thread, fails here."""
     threads, seed = 2, 3
     folder = tmp_path / f"t{threads}-seed{seed}"

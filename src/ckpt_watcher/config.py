@@ -40,7 +40,7 @@ from ckpt_watcher.harnesses.entries import (
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
 
 
 class LocalSource(_Model):
@@ -806,7 +806,7 @@ def format_validation_error(e: ValidationError) -> str:
         msg = f"unknown key {key!r}" + (
             f" (did you mean {close[0]!r}?)"
             if close
-            else " (check its spelling and the config reference in the README)"
+            else " (check its spelling and docs/reference/config.md)"
         )
     elif err["type"] == "missing":
         msg = "required but missing"

@@ -32,6 +32,63 @@ from ckpt_watcher.timestamps import seconds_between
 
 SCHEMA = 1
 LEDGER_NAME = "ledger.jsonl"
+# Every field a ledger line may carry, and what it means: the one definition (docs/reference/
+# ledger.md is generated from it; the tests check each line they read against it).
+FIELDS: dict[str, str] = {
+    "schema": "The line format's version (1).",
+    "run": "The run's name (`mix` for `.../jobA/mix_step600`).",
+    "run_path": "The run's path under its source (`jobA/mix`): the ledger's folder.",
+    "step": "The training step (null for a labelled checkpoint such as `_final`).",
+    "label": "The checkpoint's folder name (`mix_step600`, `checkpoint-600`, `mix_final`).",
+    "checkpoint": "Where the checkpoint was found (a local path or an `s3://` URI).",
+    "fingerprint": "The content fingerprint the result was computed on (`sampled:...` or "
+    "`full:...`); a checkpoint rewritten with other weights gets results of its own.",
+    "task": "The task (lm-eval's name, or the entry's `name`; an OLMES part: `<entry>/<part>`).",
+    "name": "The task entry's `name`, where it has one.",
+    "num_fewshot": "Few-shot examples (null where the harness has no such setting).",
+    "status": "`ok`, `failed` (`error` says why) or `skipped` (by policy; `error` says which).",
+    "metrics": "The task's metrics by name (`exact_match,none`, `pass@4`, `reward`, ...); "
+    "empty unless `ok`.",
+    "error": "Why the result failed or was skipped (null when `ok`).",
+    "backend": "`vllm` or `hf`: the engine lm-eval entries ran on.",
+    "device": "The device the job ran on (`cuda:6`, `cpu:0`).",
+    "devices": "Every device that computed the result: the job's own first, then helpers.",
+    "model_args": "The engine's arguments (`eval.model_args`, merged over the defaults).",
+    "gen_kwargs": "Generation arguments applied (`eval.gen_kwargs`, the entry's, `max_gen_toks`).",
+    "seed": "The seed (`eval.seed`).",
+    "clamped_requests": "Requests whose generation length was lowered to fit the context.",
+    "truncated_prompts": "Prompts cut to leave room for generation.",
+    "n_samples": "Documents evaluated (examples, for verifiers).",
+    "samples": "Responses per document (sampled tasks only).",
+    "pass_at": "The k of each pass@k metric (sampled tasks only).",
+    "apply_chat_template": "True where the entry applied the tokenizer's chat template.",
+    "attempt": "Which attempt of the job produced the line (1 first).",
+    "started_at": "When the task started (UTC, ISO 8601).",
+    "finished_at": "When the task ended (UTC, ISO 8601).",
+    "duration_s": "Seconds from start to end of the task.",
+    "lm_eval_version": "lm-eval's version (lm-eval entries).",
+    "harness": "Which harness computed it: `lm-eval`, `olmes`, `verifiers` or `command`.",
+    "harness_version": "That harness's version (part of the settings hash).",
+    "engine": "`cold` (loaded or started for this job) or `warm` (weights swapped in, or "
+    "already serving).",
+    "engine_seconds": "Seconds to have the model ready for this job (load, or swap and check).",
+    "resumed": "Units (responses, likelihood requests) answered from the task's journal "
+    "after an interruption instead of computed again.",
+    "results_file": "The harness's results file, relative to the ledger's folder.",
+    "samples_file": "The per-document records (`watcher samples`), relative to the ledger's "
+    "folder.",
+    "job_id": "The job that computed it (its folder under `<state_dir>/jobs/`).",
+    "settings_hash": "The hash of every setting that changes a result (task entry, eval "
+    "settings, harness version): another hash is another result.",
+    "reused_from": "Where an equal result was computed (the same fingerprint and settings): "
+    "filed here too, not computed again.",
+    "entry": "For a part of an entry with several results (an OLMES suite): the entry's name.",
+    "entry_parts": "How many parts that entry has (the entry is done when all are in).",
+    "response_tokens": "Response lengths in tokens: mean, p50, p90, max (generation tasks).",
+    "length_capped_rate": "The share of responses the length cap stopped.",
+    "unterminated_rate": "The share that never closed their thinking (with `think_end`; "
+    "else null).",
+}
 REPORT_NAME = "report.html"  # the run's HTML page (report/page.py), beside its ledger
 log = structlog.get_logger("ckpt_watcher.ledger")
 

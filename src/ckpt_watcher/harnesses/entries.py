@@ -28,7 +28,7 @@ PLACEHOLDERS = ("checkpoint", "device", "output_dir", "url", "model")
 
 
 class _Entry(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
 
     name: str = Field(min_length=1, pattern=NAME_PATTERN)
     """The ledger's `task` for this entry (tables, plots, alerts and `--task` use it)."""
@@ -175,7 +175,7 @@ class CommandTask(_Entry):
 
 
 class CommandResults(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     file: str = Field(min_length=1)
     """The results file (JSON), placeholders allowed: `{output_dir}/results.json`."""
