@@ -211,6 +211,20 @@ def read_results(path: Path) -> list[dict[str, Any]]:
     return rollouts
 
 
+def _stderr(metrics: dict[str, Any], name: str, per_example: list[list[float]]) -> None:
+    """`<name>_stderr`: the standard error of the mean over examples (each example's mean over
+    its rollouts; sample standard deviation over the square root of their number), where lm-eval
+    puts a metric's stderr, so the alerts, the report's bands and `--vs` judge rewards as they
+    judge lm-eval's metrics. Left out with one example."""
+    means = [sum(v) / len(v) for v in per_example if v]
+    n = len(means)
+    if n < 2:
+        return
+    mean = sum(means) / n
+    variance = sum((m - mean) ** 2 for m in means) / (n - 1)
+    metrics[f"{name}_stderr"] = (variance / n) ** 0.5
+
+
 def score(rollouts: list[dict[str, Any]], task: str) -> Parsed:
     """The ledger's metrics and per-example records from the rollouts (errored ones score 0)."""
     by_example: dict[Any, list[dict[str, Any]]] = {}
@@ -228,10 +242,19 @@ def score(rollouts: list[dict[str, Any]], task: str) -> Parsed:
         "reward": sum(rewards) / len(rewards),
         "error_rate": sum(1 for r in rollouts if r["error"]) / len(rollouts),
     }
+    per_example = [[0.0 if r["error"] else weighted(r) for r in rs] for rs in by_example.values()]
+    _stderr(metrics, "reward", per_example)
     for fn in functions:
         values = [0.0 if r["error"] else r["scores"].get(fn, 0.0) for r in rollouts]
         metrics[f"reward/{fn}"] = sum(values) / len(values)
-    per_example = [[0.0 if r["error"] else weighted(r) for r in rs] for rs in by_example.values()]
+        _stderr(
+            metrics,
+            f"reward/{fn}",
+            [
+                [0.0 if r["error"] else r["scores"].get(fn, 0.0) for r in rs]
+                for rs in by_example.values()
+            ],
+        )
     n = min(len(rs) for rs in per_example)
     if n >= 1 and is_binary(per_example):
         ks = sorted({2**i for i in range(n.bit_length())} | {n})
