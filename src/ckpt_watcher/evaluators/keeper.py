@@ -266,25 +266,33 @@ class EngineKeeper:
         self._load(req, sig)
         loaded = time.monotonic()
         cold = probe(self.lm, req.backend)
-        why = compare(warm, cold, req.model_args.get("dtype"))
         seconds = {
             "swap_s": round(swapped - began, 3),
             "probe_s": round(probed - swapped, 3),
             "release_s": round(dropped - probed, 3),
             "load_s": round(loaded - dropped, 3),
         }
+        self.judge("engine", req, sig, warm, cold, seconds)
+        return Engine(self.lm, "cold", time.monotonic() - began)
+
+    def judge(
+        self,
+        what: str,
+        req: EvalRequest,
+        sig: str,
+        warm: Probe,
+        cold: Probe,
+        seconds: dict[str, float],
+    ) -> None:
+        """The check's verdict on a swap into `what` (an engine, or a model server): the
+        `<what>.verify_ok` event, or `<what>.verify_failed` and the signature cold for good."""
+        why = compare(warm, cold, req.model_args.get("dtype"))
+        fields = {"checkpoint": req.checkpoint, "signature": sig, **seconds}
         if why is None:
-            self.event("engine.verify_ok", checkpoint=req.checkpoint, signature=sig, **seconds)
+            self.event(f"{what}.verify_ok", **fields)
         else:
             self.cold_for_good[sig] = why
-            self.event(
-                "engine.verify_failed",
-                checkpoint=req.checkpoint,
-                signature=sig,
-                reason=why,
-                **seconds,
-            )
-        return Engine(self.lm, "cold", time.monotonic() - began)
+            self.event(f"{what}.verify_failed", reason=why, **fields)
 
     def drop(self, exiting: bool = False) -> None:
         """Release the engine. `exiting`: the process ends next and its memory with it, so the

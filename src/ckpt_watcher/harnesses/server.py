@@ -310,19 +310,8 @@ class Servers:
         self.stop()
         self._cold(req, out, shape, sig)
         loaded = time.monotonic()
-        why = _compare(warm, probe(self.port), req)
         seconds = {"swap_s": round(swapped - began, 3), "load_s": round(loaded - swapped, 3)}
-        if why is None:
-            keeper.event("server.verify_ok", checkpoint=req.checkpoint, signature=sig, **seconds)
-        else:
-            keeper.cold_for_good[sig] = why
-            keeper.event(
-                "server.verify_failed",
-                checkpoint=req.checkpoint,
-                signature=sig,
-                reason=why,
-                **seconds,
-            )
+        keeper.judge("server", req, sig, warm, probe(self.port), seconds)
         return "cold"
 
     def _cold(
@@ -365,9 +354,3 @@ class Servers:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _compare(warm: Probe, cold: Probe, req: EvalRequest) -> str | None:
-    from ckpt_watcher.evaluators.keeper import compare
-
-    return compare(warm, cold, req.model_args.get("dtype"))
