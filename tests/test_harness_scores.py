@@ -154,7 +154,7 @@ def test_a_verifiers_result_is_shown_like_any_other(tmp_path: Path) -> None:
     from ckpt_watcher.sinks.prometheus import DaemonMetrics
     from ckpt_watcher.sinks.wandb import logged_values
 
-    from .conftest import write_config
+    from .conftest import idle_config
 
     good, bad = [1.0] * 12 + [0.5] * 4 + [0.0] * 4, [0.0] * 14 + [0.5] * 6
     lines = [
@@ -189,15 +189,7 @@ def test_a_verifiers_result_is_shown_like_any_other(tmp_path: Path) -> None:
     exposed = generate_latest(m.registry).decode()
     assert 'ckpt_watcher_ledger_lines_total{status="ok"} 2.0' in exposed
     assert 'ckpt_watcher_eval_seconds_count{task="sums"} 2.0' in exposed
-    cfg = write_config(
-        tmp_path / "w.yaml",
-        {
-            "state_dir": str(tmp_path / "s"),
-            "ledger_dir": str(tmp_path / "l"),
-            "sources": [{"kind": "local", "path": str(tmp_path)}],
-            "eval": {"tasks": [{"task": "gsm8k", "num_fewshot": 8}]},
-        },
-    )
+    cfg = idle_config(tmp_path)  # its ledger_dir is tmp_path / "l"
     for line in lines:
         append(tmp_path / "l", line)
     out = CliRunner().invoke(main, ["results", "-c", str(cfg), "r", "--format", "json"])

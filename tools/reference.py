@@ -131,12 +131,13 @@ def config_page() -> str:
 
     visit(WatcherConfig, "")
     for model, path in order:
-        kind = model.model_fields.get("kind") or model.model_fields.get("harness")
-        which = ""
-        one = kind is not None and typing.get_origin(kind.annotation) is typing.Literal
-        if one and kind is not None and len(typing.get_args(kind.annotation)) == 1:
-            key = "kind" if "kind" in model.model_fields else "harness"
-            which = f" ({key}: {typing.get_args(kind.annotation)[0]})"
+        which = ""  # a model one of several under one key: which (`kind: s3`, `harness: olmes`)
+        for key in ("kind", "harness"):
+            field = model.model_fields.get(key)
+            values = typing.get_args(field.annotation) if field is not None else ()
+            if field is not None and typing.get_origin(field.annotation) is typing.Literal:
+                which = f" ({key}: {values[0]})" if len(values) == 1 else ""
+                break
         _PATHS[model] = (path or "Top level") + which
     out = [
         NOTE,

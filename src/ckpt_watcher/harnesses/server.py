@@ -230,7 +230,6 @@ class Servers:
         self.keeper = keeper
         self.req: EvalRequest | None = None
         self.port = 0
-        self.checkpoint: str | None = None  # what it serves
         self._proc: subprocess.Popen[bytes] | None = None
         self._shape: list[str] = []  # its argv, the checkpoint's path left out
         self._signature: str | None = None
@@ -260,7 +259,7 @@ class Servers:
             return self.port, "warm", 0.0
         began = time.monotonic()
         signature = self._signature_of(req, shape)
-        if same and signature is not None and self._swappable(signature):
+        if same and self._swappable(signature):
             kind = self._swap(req, signature, out, began)
             if kind is not None:
                 return self.port, kind, time.monotonic() - began
@@ -279,24 +278,25 @@ class Servers:
             return None  # an unreadable config: the cold start says why
 
     def _swappable(self, signature: str | None) -> bool:
-        keeper = self.keeper
+        """The kept server's signature is this checkpoint's, and not one gone cold for good
+        (None, as without a keeper: never)."""
         return (
-            keeper is not None
+            self.keeper is not None
             and signature is not None
             and signature == self._signature
-            and signature not in keeper.cold_for_good
+            and signature not in self.keeper.cold_for_good
         )
 
-    def _swap(self, req: EvalRequest, signature: str, out: Path, began: float) -> str | None:
+    def _swap(self, req: EvalRequest, signature: str | None, out: Path, began: float) -> str | None:
         """Swap `req`'s checkpoint in: "warm", or "cold" where the swap was checked against a
         fresh server (which then serves); None when the swap failed (the caller starts cold)."""
         keeper = self.keeper
-        assert keeper is not None
+        assert keeper is not None and signature is not None  # _swappable said so
         n = keeper.swaps.get(signature, 0)
         try:
             swap(self.port, req.checkpoint)
             keeper.swaps[signature] = n + 1
-            self.checkpoint, self._this_job = req.checkpoint, True
+            self._this_job = True
             warm = probe(self.port) if n % keeper.verify_every == 0 else None
         except Exception as e:  # any error in a swap: a fresh server, nothing lost
             keeper.event("server.swap_failed", error=f"{type(e).__name__}: {e}")
@@ -306,12 +306,12 @@ class Servers:
             return "warm"
         # the check: the same checkpoint in a fresh server, which then serves the job
         swapped = time.monotonic()
-        shape, sig = self._shape, signature
+        shape = self._shape
         self.stop()
-        self._cold(req, out, shape, sig)
+        self._cold(req, out, shape, signature)
         loaded = time.monotonic()
         seconds = {"swap_s": round(swapped - began, 3), "load_s": round(loaded - swapped, 3)}
-        keeper.judge("server", req, sig, warm, probe(self.port), seconds)
+        keeper.judge("server", req, signature, warm, probe(self.port), seconds)
         return "cold"
 
     def _cold(
@@ -340,17 +340,10 @@ class Servers:
         except BaseException:
             self.stop()
             raise
-        self._shape, self._signature = shape, signature
-        self.checkpoint, self._this_job = req.checkpoint, True
+        self._shape, self._signature, self._this_job = shape, signature, True
 
     def stop(self) -> None:
         if self._proc is not None:
             _stop(self._proc)
             self._proc = None
-        self.checkpoint, self._signature, self._shape, self._this_job = None, None, [], False
-
-    def __enter__(self) -> Servers:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self._signature, self._shape, self._this_job = None, [], False

@@ -236,25 +236,27 @@ def score(rollouts: list[dict[str, Any]], task: str) -> Parsed:
             return float(r["reward"])
         return sum(s * r.get("weights", {}).get(fn, 1.0) for fn, s in r["scores"].items())
 
+    def graded(r: dict[str, Any], fn: str | None = None) -> float:
+        """A rollout's weighted reward (or function `fn`'s score); an errored one scores 0."""
+        if r["error"]:
+            return 0.0
+        return weighted(r) if fn is None else float(r["scores"].get(fn, 0.0))
+
     functions = sorted({fn for r in rollouts for fn in r["scores"]})
-    rewards = [0.0 if r["error"] else weighted(r) for r in rollouts]
+    groups = list(by_example.values())
+    # each metric's grades per example, rollout by rollout (None: the weighted reward)
+    grades = {fn: [[graded(r, fn) for r in rs] for rs in groups] for fn in [None, *functions]}
+    rewards = [graded(r) for r in rollouts]
     metrics: dict[str, Any] = {
         "reward": sum(rewards) / len(rewards),
         "error_rate": sum(1 for r in rollouts if r["error"]) / len(rollouts),
     }
-    per_example = [[0.0 if r["error"] else weighted(r) for r in rs] for rs in by_example.values()]
+    per_example = grades[None]
     _stderr(metrics, "reward", per_example)
     for fn in functions:
-        values = [0.0 if r["error"] else r["scores"].get(fn, 0.0) for r in rollouts]
+        values = [graded(r, fn) for r in rollouts]
         metrics[f"reward/{fn}"] = sum(values) / len(values)
-        _stderr(
-            metrics,
-            f"reward/{fn}",
-            [
-                [0.0 if r["error"] else r["scores"].get(fn, 0.0) for r in rs]
-                for rs in by_example.values()
-            ],
-        )
+        _stderr(metrics, f"reward/{fn}", grades[fn])
     n = min(len(rs) for rs in per_example)
     if n >= 1 and is_binary(per_example):
         ks = sorted({2**i for i in range(n.bit_length())} | {n})
@@ -270,14 +272,11 @@ def score(rollouts: list[dict[str, Any]], task: str) -> Parsed:
             "target": rs[0]["answer"],
             "responses": [r["reply"] for r in rs],
             "extracted": {},
-            "scores": {"reward,none": [0.0 if r["error"] else weighted(r) for r in rs]}
-            | {
-                f"{fn},none": [0.0 if r["error"] else r["scores"].get(fn, 0.0) for r in rs]
-                for fn in functions
-            },
+            "scores": {"reward,none": grades[None][i]}
+            | {f"{fn},none": grades[fn][i] for fn in functions},
             "errors": [r["error"] for r in rs],
         }
-        for example, rs in by_example.items()
+        for i, (example, rs) in enumerate(by_example.items())
     ]
     return Parsed(metrics, len(by_example), records)
 
