@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from ckpt_watcher.checkpoints import completeness
+from ckpt_watcher.checkpoints.files import eval_mark
 from ckpt_watcher.errors import S3Error, StagingError
-from ckpt_watcher.s3client import Retry, make_client
+from ckpt_watcher.s3client import Retry, S3Files, make_client
 from ckpt_watcher.sources.s3 import S3Source
 from ckpt_watcher.sources.staging import stage, staged_path
 
@@ -124,16 +125,22 @@ def test_a_due_s3_checkpoint_is_held_so_a_deleted_prefix_costs_nothing(
     s3_endpoint: str, bucket: str, tmp_path: Path
 ) -> None:
     """S3Source.hold stages a due checkpoint at once; the trainer then deletes the prefix
-    (keep-last-k); the job's worker still gets the whole copy."""
+    (keep-last-k), an object at a time; the job's worker gets the whole copy, half way through
+    the delete (the copy is of exactly the objects judged) and after it."""
     client = make_client(s3_endpoint)
     ck = write_fake_checkpoint(tmp_path / "src" / "r_step4", naming_bug=True)
     upload_dir(client, ck, bucket, "held/r_step4/")
     cache = tmp_path / "cache"
     source = S3Source(f"s3://{bucket}/held/", endpoint_url=s3_endpoint, cache_dir=cache)
     location = f"s3://{bucket}/held/r_step4/"
+    judged = eval_mark(S3Files(client, NO_WAIT, bucket, "held/r_step4/"))
     assert not source.held(location)
     source.hold(location)
-    assert source.held(location)
+    assert source.held(location) and source.held(location, judged)
+    assert not source.held(location, judged[:-4] + "beef")  # a copy of other objects
+    client.delete_object(Bucket=bucket, Key="held/r_step4/model.safetensors.index.json")  # half way
+    dest = stage(location, cache, client=client, retry=NO_WAIT, write_mark=judged)
+    assert (dest / "model.safetensors").read_bytes() == (ck / "model.safetensors").read_bytes()
     for obj in client.list_objects_v2(Bucket=bucket, Prefix="held/")["Contents"]:
         client.delete_object(Bucket=bucket, Key=obj["Key"])
     assert not source.exists(location)

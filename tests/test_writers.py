@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog.testing
 
 from ckpt_watcher.checkpoints import completeness
 from ckpt_watcher.checkpoints.files import LocalFiles, eval_mark
@@ -33,7 +34,7 @@ from ckpt_watcher.pins import Pins, pin_path
 from ckpt_watcher.s3client import Retry, make_client
 from ckpt_watcher.sources.local import LocalSource
 from ckpt_watcher.sources.s3 import S3Source
-from ckpt_watcher.state import State
+from ckpt_watcher.state import Job, State
 
 from .conftest import (
     base_config,
@@ -247,6 +248,69 @@ def test_a_pin_of_files_that_changed_since_they_were_judged_holds_nothing(tmp_pa
         (ck / "optimizer.pt").write_bytes(b"o" * 100)
         assert pins.pin(str(ck), "f1", 3.0, judged) is not None
     finally:
+        state.close()
+
+
+def test_a_queued_pinned_checkpoint_that_a_trainer_deletes_file_by_file_is_not_missed(
+    tmp_path: Path,
+) -> None:
+    """keep-last-k's `rmtree` takes a file at a time: a scan in the middle sees the checkpoint's
+    files changed. Its pin holds exactly what was judged, so its job stays and reads the pin
+    (before: judged again, its pin released, and `missed` once the folder was gone). A write
+    through the pin's links (in place) still sends it to be judged again."""
+    watch = tmp_path / "ckpts"
+    kept = write_fake_checkpoint(watch / "r_step1")
+    written = write_fake_checkpoint(watch / "r_step2")
+    state = State(tmp_path / "state")
+    pins = Pins(state, max_bytes=None)
+    clock = Clock()
+    source = LocalSource(watch, poll_seconds=1000, inotify=False)
+    discovery = Discovery(
+        [source], state, 1, wake=lambda: None, clock=clock, settle_seconds=0, pin_of=pins.path
+    )
+    try:
+        first_look(discovery, clock)
+        look(discovery, clock, 1.5)
+        for ck in (kept, written):  # what the planner does with a due checkpoint
+            row = state.checkpoint(str(ck))
+            assert row is not None and row.state == "ready", row
+            state.upsert_checkpoint(str(ck), source.name, clock.t, state="planned")
+            state.add_job(
+                Job(
+                    f"j{ck.name}",
+                    str(ck),
+                    "r",
+                    row.step,
+                    ck.name,
+                    [{"task": "t"}],
+                    "h",
+                    clock.t,
+                    0.0,
+                    fingerprint=row.fingerprint,
+                    write_mark=row.write_mark,
+                )
+            )
+            assert pins.pin(str(ck), row.fingerprint, clock.t, row.write_mark) is not None
+        (kept / "model.safetensors").unlink()  # the trainer's rmtree, half way
+        (written / "config.json").write_text('{"model_type": "llama", "rewritten": 1}')
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(2):
+                discovery.tick(clock.t, force=True, polls=False)
+                look(discovery, clock, 0.1)
+            shutil.rmtree(kept)  # and done
+            discovery.tick(clock.t, force=True, polls=False)
+            look(discovery, clock, 0.1)
+        events = [(e["event"], Path(e["location"]).name) for e in logs if "location" in e]
+        assert events.count(("checkpoint.changed_held", "r_step1")) == 1, events
+        assert ("checkpoint.deleted_pinned", "r_step1") in events
+        assert state.checkpoint(str(kept)).state == "planned"  # type: ignore[union-attr]
+        assert [j.id for j in state.jobs("queued")] == ["jr_step1"]
+        assert pins.path(str(kept)) is not None
+        # the one written in place through its pin: judged again, its job gone
+        assert ("checkpoint.changed_before_eval", "r_step2") in events
+        assert ("checkpoint.changed_held", "r_step2") not in events
+    finally:
+        discovery.close()
         state.close()
 
 

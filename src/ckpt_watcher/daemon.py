@@ -122,7 +122,7 @@ class Daemon:
             cfg.stable_seconds,
             self.wake.set,
             on_ready=self.metrics.checkpoint_ready,
-            pinned=lambda location: self.pins.path(location) is not None,
+            pin_of=self.pins.path,
             settle_seconds=cfg.settle_seconds,
             tokenizer_required=not cfg.eval.model_args.get("tokenizer"),
             clock=clock,

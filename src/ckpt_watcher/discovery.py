@@ -32,15 +32,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import structlog
 
 from ckpt_watcher.checkpoints import completeness
 from ckpt_watcher.checkpoints.completeness import DEFAULT_SETTLE_SECONDS, Completeness
-from ckpt_watcher.checkpoints.files import MARK_VERSION, eval_mark
+from ckpt_watcher.checkpoints.files import MARK_VERSION, LocalFiles, check_unchanged, eval_mark
 from ckpt_watcher.checkpoints.fingerprint import fingerprint
-from ckpt_watcher.errors import NamingFixError, WatcherError
+from ckpt_watcher.errors import CheckpointChanged, NamingFixError, WatcherError
 from ckpt_watcher.jobfolder import Stage
 from ckpt_watcher.lane import Lane
 from ckpt_watcher.sources.base import Found, Source, diff
@@ -130,7 +131,7 @@ class Discovery:
         stable_seconds: float,
         wake: Callable[[], None],
         on_ready: Callable[[float], None] | None = None,
-        pinned: Callable[[str], bool] = lambda location: False,
+        pin_of: Callable[[str], str | None] = lambda location: None,
         *,
         settle_seconds: float = DEFAULT_SETTLE_SECONDS,
         tokenizer_required: bool = True,
@@ -144,8 +145,9 @@ class Discovery:
         self.clock = clock
         self._wake = wake
         self._on_ready = on_ready  # seconds from a checkpoint's last write to judging it ready
-        self._pinned = pinned  # its files are held for its eval (pins.py): a delete is no loss
+        self._pin_of = pin_of  # its pinned copy (pins.py): a delete is no loss
         self.on_held_deleted: Callable[[], None] = lambda: None
+        self._said_held: dict[str, str] = {}  # location -> its files' mark when last said changed
         self.watched = [
             _Watched(s, Lane(f"source-{i}", wake), Lane(f"hold-{i}", wake))
             for i, s in enumerate(sources)
@@ -177,13 +179,19 @@ class Discovery:
         if w is not None:
             w.hold_lane.submit(_logged("source.hold_failed", w.source.hold, location))
 
-    def held(self, source_name: str, location: str) -> bool:
+    def held(self, source_name: str, location: str, write_mark: str | None = None) -> bool:
         """A complete copy of what the eval reads is held (a delete at the source costs
-        nothing): pinned (a local checkpoint, pins.py), or staged by its source (S3)."""
-        if self._pinned(location):
-            return True
+        nothing): pinned (a local checkpoint, pins.py), or staged by its source (S3). With
+        `write_mark`: a copy of exactly the files judged with that mark."""
+        pin = self._pin_of(location)
+        if pin is not None:
+            try:
+                check_unchanged(LocalFiles(Path(pin)), write_mark, location)
+                return True
+            except (CheckpointChanged, OSError):  # written through its links, in place
+                return False
         src = self.source_named(source_name)
-        return src is not None and src.held(location)
+        return src is not None and src.held(location, write_mark)
 
     def release(self, source_name: str, location: str) -> None:
         """A checkpoint's jobs ended: the source may drop what it staged (on its lane)."""
@@ -412,7 +420,7 @@ class Discovery:
             if row is not None and row.state in EVALUATED:
                 self._apply_remark(row, remark, now)
             elif row is not None and row.state == "planned" and remark.changed:
-                self._changed_while_queued(row, now)
+                self._changed_while_queued(row, remark, now)
         for location, judged in result.judged.items():
             row = self.state.checkpoint(location)
             if row is not None and row.state in RECHECK:
@@ -526,11 +534,26 @@ class Discovery:
             fields["reason"] = "files changed but the content is the same: results stand"
         return fields
 
-    def _changed_while_queued(self, row: CheckpointRow, now: float) -> None:
+    def _changed_while_queued(self, row: CheckpointRow, remark: Remark, now: float) -> None:
         """A checkpoint rewritten while its jobs wait: none of them starts on files other than
         judged; they go, and it is judged again. Once one runs, its worker watches the files it
-        reads (worker/job.py), and a rewrite after the job is a new version, as always."""
+        reads (worker/job.py), and a rewrite after the job is a new version, as always.
+        A checkpoint whose judged files are held (pinned, staged) is not touched: its eval reads
+        that copy, and what changed may be the trainer's keep-last-k deleting it file by file
+        (a rewrite is then judged once its job is done, as any rewrite after a job)."""
         if self.state.jobs("running", location=row.location):
+            return
+        if self.held(row.source, row.location, row.write_mark):
+            if self._said_held.get(row.location) == remark.write_mark:
+                return
+            self._said_held[row.location] = remark.write_mark
+            log.info(
+                "checkpoint.changed_held",
+                location=row.location,
+                run=row.run,
+                step=row.step,
+                reason="its files changed while its eval waited; the eval reads the copy held",
+            )
             return
         for job in self.state.jobs("queued", location=row.location):
             self.state.delete_job(job.id)

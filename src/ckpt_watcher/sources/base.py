@@ -67,8 +67,9 @@ class Source(Protocol):
         costs nothing (S3: stage it now; a local folder is pinned by the daemon, pins.py)."""
         ...
 
-    def held(self, location: str) -> bool:
-        """Is a complete copy of what the eval reads held (`hold` finished)?"""
+    def held(self, location: str, write_mark: str | None = None) -> bool:
+        """Is a complete copy of what the eval reads held (`hold` finished)? With
+        `write_mark`: a copy of exactly the files judged with that mark."""
         ...
 
     def release(self, location: str) -> None:

@@ -64,7 +64,7 @@ class BaselineSource:
     def hold(self, location: str) -> None:
         return None  # the base model is nobody's to delete
 
-    def held(self, location: str) -> bool:
+    def held(self, location: str, write_mark: str | None = None) -> bool:
         return False
 
     def release(self, location: str) -> None:

@@ -138,7 +138,7 @@ class LocalSource:
     def hold(self, location: str) -> None:
         return None  # the daemon pins local checkpoints itself (pins.py)
 
-    def held(self, location: str) -> bool:
+    def held(self, location: str, write_mark: str | None = None) -> bool:
         return False
 
     def stage_spec(self, location: str) -> None:

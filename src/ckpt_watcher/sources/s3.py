@@ -156,8 +156,8 @@ class S3Source:
             request_timeout=self.request_timeout,
         )
 
-    def held(self, location: str) -> bool:
-        return is_staged(self.cache_dir, location)
+    def held(self, location: str, write_mark: str | None = None) -> bool:
+        return is_staged(self.cache_dir, location, write_mark)
 
     def release(self, location: str) -> None:
         if not self.keep_staged:

@@ -78,12 +78,17 @@ def stage(
     """Download what an eval of `location` needs into the cache; returns the local folder.
     With `write_mark` (the S3 write mark the checkpoint was judged with), raises
     CheckpointChanged unless what is staged is exactly those objects."""
+    dest = staged_path(cache_dir, location)
+    if comparable(write_mark) and is_staged(cache_dir, location, write_mark):
+        # held when it was due (S3Source.hold), of exactly the objects judged: the eval reads
+        # it, whatever the prefix holds now (a keep-last-k may be deleting it object by object)
+        (dest / LAST_USED).touch()
+        return dest
     client = client or make_client(endpoint_url, request_timeout)
     retry = retry or Retry()
     bucket, key = split_uri(location)
     view = S3Files(client, retry, bucket, key)
     names = needed_files(view.files)
-    dest = staged_path(cache_dir, location)
     if "config.json" not in names:
         if is_staged(cache_dir, location):  # held when it was due (S3Source.hold); gone since
             log.info("staging.prefix_gone_copy_held", location=location, path=str(dest))
@@ -176,9 +181,13 @@ def _manifest(dest: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def is_staged(cache_dir: Path, location: str) -> bool:
-    """A complete staged copy of `location` is in the cache (its last step marks it)."""
-    return (staged_path(cache_dir, location) / LAST_USED).is_file()
+def is_staged(cache_dir: Path, location: str, write_mark: str | None = None) -> bool:
+    """A complete staged copy of `location` is in the cache (its last step marks it); with
+    `write_mark`, a copy of exactly the objects judged with that mark."""
+    dest = staged_path(cache_dir, location)
+    if not (dest / LAST_USED).is_file():
+        return False
+    return not comparable(write_mark) or _manifest(dest).get("mark") == write_mark
 
 
 def _verified(folder: Path, name: str, size: int) -> bool:
