@@ -97,19 +97,19 @@ def test_rewards_equal_traces_a_swapped_server_equals_a_fresh_one_and_a_kill_9_r
     tmp_path: Path, checkpoints: list[Path]
 ) -> None:
     # an uninterrupted run of three checkpoints by one warm worker, which keeps its model
-    # server and swaps each next checkpoint's weights in (the first swap checked against a
-    # fresh server)
+    # server and swaps each next checkpoint's weights in (swaps proven by the quick check on the
+    # server the first checkpoint started)
     ref = tmp_path / "ref"
     for ck in checkpoints:
         shutil.copytree(ck, ref / "ckpts" / ck.name)
     lines = watcher_once(config(ref, ref / "ckpts"), ref / "ledgers", "run1")
     sums = sorted((ln for ln in lines if ln["task"] == "sums"), key=lambda ln: ln["step"])
     assert [ln["step"] for ln in sums] == [100, 200, 300]
-    # started; swapped in, then checked against a fresh server (which served); swapped in
-    assert [ln["engine"] for ln in sums] == ["cold", "cold", "warm"], sums
+    # started and checked; swapped in; swapped in
+    assert [ln["engine"] for ln in sums] == ["cold", "warm", "warm"], sums
     (engine_file,) = (ref / "state" / "jobs" / "_warm").glob("*/engine.json")
-    events = [e["event"] for e in json.loads(engine_file.read_text())["events"]]
-    assert events == ["server.verify_ok"], events
+    events = [(e["event"], e["check"]) for e in json.loads(engine_file.read_text())["events"]]
+    assert events == [("server.verify_ok", "quick")], events
     line = sums[-1]  # step 300, served by swapped weights
     assert all(ln["status"] == "ok" for ln in sums), sums
     assert line["harness"] == "verifiers" and line["harness_version"].startswith("0.4")

@@ -320,7 +320,9 @@ class EvalConfig(_Model):
     checkpoint's weights in when its architecture, tokenizer and engine arguments are the same
     (local executor). Default: true for vllm, false for hf."""
     warm_verify_every: int = Field(20, ge=1)
-    """Prove the first swap of each architecture, then every this many, equal to a fresh load."""
+    """Prove swaps of each architecture by the quick check on its first cold engine (or, where
+    that does not apply, the first swap equal to a fresh load), then every this many swaps equal
+    to a fresh load."""
     compile_cache_dir: Path | None = None
     """Where compiled kernels are kept (vLLM's torch.compile cache, one folder per model shape,
     and torch inductor's and Triton's caches), so a model shape compiles once, not once per

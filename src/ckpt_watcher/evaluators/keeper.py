@@ -5,10 +5,22 @@ load.
 A swap is tried only when the new checkpoint has the same *signature* as the loaded one: its
 `config.json` (apart from fields that do not change the graph), its tokenizer and generation
 files, and the engine's arguments. Anything else, or any error in a swap, loads cold; the job
-loses nothing. The first swap of each signature, and then every `verify_every`-th, is verified:
-greedy tokens and their logprobs on `PROBE_TEXTS` from the swapped engine against a fresh load
-of the same checkpoint (which then serves the job). A mismatch sends that signature cold for
-good. Imported only inside worker processes.
+loses nothing.
+
+Swaps are checked, two ways:
+- the *quick check*, once per signature, on the engine a cold load just made (its checkpoint's
+  files are held for its job): every weight set to NaN, the checkpoint's weights with the hidden
+  dimension permuted swapped in (the same function, weights.py), the probes compared with the
+  cold load's; then the checkpoint's own weights swapped back, every parameter's bits and the
+  probes equal to the cold load's. A swap that leaves a weight out, or a layer deriving from its
+  weights only at load (vLLM's tied head), fails it. It costs two swaps and a few probes, not an
+  engine start; where it does not apply (tensor names it does not know) or fails, the first swap
+  is checked against a fresh load instead;
+- against a fresh load: greedy tokens and their logprobs on `PROBE_TEXTS` from the swapped
+  engine against a fresh load of the same checkpoint (which then serves the job), for the first
+  swap of a signature the quick check did not prove, and then every `verify_every`-th swap. A
+  mismatch sends that signature cold for good.
+Imported only inside worker processes.
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +38,7 @@ import structlog
 from ckpt_watcher.checkpoints.files import LocalFiles
 from ckpt_watcher.checkpoints.namefix import read_index
 from ckpt_watcher.errors import SwapError
-from ckpt_watcher.evaluators import heap, vllm_internals
+from ckpt_watcher.evaluators import heap, vllm_internals, weights
 from ckpt_watcher.evaluators.harness import Engine, engine_args, load_model
 from ckpt_watcher.jobfolder import EvalRequest
 
@@ -141,6 +154,47 @@ def tolerance(dtype: str | None) -> tuple[float, float]:
     return 1e-3, 1e-2
 
 
+def hidden_size(checkpoint: Path) -> int | None:
+    """The model's hidden size from its config (None where it names none)."""
+    try:
+        config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = config.get("hidden_size")
+    return value if isinstance(value, int) else None
+
+
+@dataclass
+class Reach:
+    """How the quick check reaches a loaded model: an engine in this process, or a model
+    server over HTTP (harnesses/server.py)."""
+
+    probe: Callable[[], Probe]
+    digest: Callable[[], dict[str, int]]
+    scramble: Callable[[], object]
+    swap: Callable[[], object]  # the checkpoint's own weights
+    swap_permuted: Callable[[], object]  # its weights with the hidden dimension permuted
+
+
+def quick_check(reach: Reach, dtype: str | None) -> tuple[str | None, dict[str, float]]:
+    """The quick check (module docstring) of a model a cold load just made: None when it
+    holds, else why not; and the seconds it took. The model holds the cold load's weights
+    again when it returns None."""
+    began = time.monotonic()
+    cold, bits = reach.probe(), reach.digest()
+    reach.scramble()
+    reach.swap_permuted()
+    why = compare(reach.probe(), cold, dtype)
+    permuted = time.monotonic()
+    reach.swap()
+    why = why and f"with the hidden dimension permuted: {why}"
+    why = (
+        why or weights.compare_digests(reach.digest(), bits) or compare(reach.probe(), cold, dtype)
+    )
+    ended = time.monotonic()
+    return why, {"permuted_s": round(permuted - began, 3), "back_s": round(ended - permuted, 3)}
+
+
 def compare(warm: Probe, cold: Probe, dtype: str | None) -> str | None:
     """None when the probes agree; else the first difference, in words."""
     atol, rtol = tolerance(dtype)
@@ -167,6 +221,33 @@ def swap(lm: Any, backend: str, checkpoint: str) -> None:
         _swap_hf(lm.model, Path(checkpoint))
 
 
+def engine_reach(lm: Any, backend: str, checkpoint: str, hidden: int) -> Reach:
+    """The quick check's way to an engine in this process (vLLM's `LLM`, or an hf model)."""
+    if backend == "vllm":
+        rpc = lm.model.collective_rpc
+
+        def swap_permuted() -> None:
+            rpc("ckpt_watcher_swap_permuted", args=(checkpoint, str(hidden)))
+            lm.model.reset_prefix_cache()
+
+        return Reach(
+            probe=lambda: probe(lm, backend),
+            digest=lambda: rpc("ckpt_watcher_digest")[0],
+            scramble=lambda: rpc("ckpt_watcher_scramble"),
+            swap=lambda: swap(lm, backend, checkpoint),
+            swap_permuted=swap_permuted,
+        )
+    return Reach(
+        probe=lambda: probe(lm, backend),
+        digest=lambda: weights.digest(lm.model),
+        scramble=lambda: weights.scramble(lm.model),
+        swap=lambda: swap(lm, backend, checkpoint),
+        swap_permuted=lambda: _load_hf(
+            lm.model, dict(weights.permuted(Path(checkpoint), hidden)), checkpoint
+        ),
+    )
+
+
 def _weight_files(checkpoint: Path) -> list[Path]:
     weight_map = read_index(LocalFiles(checkpoint))
     if weight_map is not None:
@@ -183,6 +264,10 @@ def _swap_hf(model: Any, checkpoint: Path) -> None:
     state: dict[str, Any] = {}
     for f in _weight_files(checkpoint):
         state.update(load_file(f))
+    _load_hf(model, state, checkpoint)
+
+
+def _load_hf(model: Any, state: dict[str, Any], checkpoint: Path | str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = {id(params[k]) for k in state if k in params}
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -227,6 +312,7 @@ class EngineKeeper:
     checkpoint: str | None = None
     swaps: dict[str, int] = field(default_factory=dict)  # swaps per signature
     cold_for_good: dict[str, str] = field(default_factory=dict)  # signature -> why
+    checked: set[str] = field(default_factory=set)  # signatures the quick check proved here
     events: list[dict[str, Any]] = field(default_factory=list)  # for engine.json / status
 
     def acquire(self, req: EvalRequest) -> Engine:
@@ -240,7 +326,7 @@ class EngineKeeper:
                 swap(self.lm, req.backend, req.checkpoint)
                 self.swaps[sig] = n + 1
                 self.checkpoint = req.checkpoint
-                if n % self.verify_every == 0:
+                if self.fresh_check_due(sig, n):
                     return self._verify(req, sig, began)
             except Exception as e:  # any error in or after a swap: a cold start, nothing lost
                 self.event("engine.swap_failed", error=f"{type(e).__name__}: {e}")
@@ -249,11 +335,51 @@ class EngineKeeper:
                 return Engine(self.lm, "warm", time.monotonic() - began)
         self.drop()
         self._load(req, sig)
+        hidden = self.quick_check_due(sig, Path(req.checkpoint))
+        if hidden is not None:
+            reach = engine_reach(self.lm, req.backend, req.checkpoint, hidden)
+            if not self.quick_verdict("engine", req, sig, reach):
+                self.drop()  # what the failed check left loaded is not the checkpoint
+                self._load(req, sig)
         return Engine(self.lm, "cold", time.monotonic() - began)
 
     def _load(self, req: EvalRequest, sig: str) -> None:
         self.lm = load_model(req, swappable=True)
         self.signature, self.checkpoint = sig, req.checkpoint
+
+    def fresh_check_due(self, sig: str, n: int) -> bool:
+        """The swap after `n` swaps of `sig` is checked against a fresh load: the first, unless
+        the quick check proved the signature, then every `verify_every`-th."""
+        return n % self.verify_every == 0 and not (n == 0 and sig in self.checked)
+
+    def quick_check_due(self, sig: str, checkpoint: Path) -> int | None:
+        """The hidden size to permute when a cold load of `sig` is to be quick-checked: never
+        swapped here or on this device before, not cold for good, tensors the check knows."""
+        if sig in self.checked or sig in self.cold_for_good or self.swaps.get(sig, 0):
+            return None
+        hidden = hidden_size(checkpoint)
+        try:
+            known = hidden is not None and weights.permutable(checkpoint, hidden)
+        except Exception as e:  # unreadable headers: the cold load would have said so
+            log.warning("engine.quick_check_skipped", error=f"{type(e).__name__}: {e}")
+            return None
+        return hidden if known else None
+
+    def quick_verdict(self, what: str, req: EvalRequest, sig: str, reach: Reach) -> bool:
+        """Run the quick check on a model a cold load made: `<what>.verify_ok` and the
+        signature proved, or `<what>.quick_check_failed` (its first swap is then checked
+        against a fresh load). False: the caller loads the checkpoint again."""
+        try:
+            why, seconds = quick_check(reach, req.model_args.get("dtype"))
+        except Exception as e:  # an engine that cannot do it: a fresh load checks the swap
+            why, seconds = f"{type(e).__name__}: {e}", {}
+        fields = {"checkpoint": req.checkpoint, "signature": sig, "check": "quick", **seconds}
+        if why is None:
+            self.checked.add(sig)
+            self.event(f"{what}.verify_ok", **fields)
+            return True
+        self.event(f"{what}.quick_check_failed", reason=why, **fields)
+        return False
 
     def _verify(self, req: EvalRequest, sig: str, began: float) -> Engine:
         """Probe the swapped engine, load the checkpoint fresh, probe again, compare. The fresh
@@ -287,7 +413,7 @@ class EngineKeeper:
         """The check's verdict on a swap into `what` (an engine, or a model server): the
         `<what>.verify_ok` event, or `<what>.verify_failed` and the signature cold for good."""
         why = compare(warm, cold, req.model_args.get("dtype"))
-        fields = {"checkpoint": req.checkpoint, "signature": sig, **seconds}
+        fields = {"checkpoint": req.checkpoint, "signature": sig, "check": "fresh", **seconds}
         if why is None:
             self.event(f"{what}.verify_ok", **fields)
         else:

@@ -190,7 +190,29 @@ class SwapExtension:
 
     def ckpt_watcher_swap(self, path: str) -> list[str]:
         """Load `path`'s weights in place; returns the tied modules that were re-processed."""
-        self.model_runner.reload_weights(weights_path=path)
+        return self._ckpt_watcher_reload(weights_path=path)
+
+    def ckpt_watcher_swap_permuted(self, path: str, hidden: str) -> list[str]:
+        """`path`'s weights with the hidden dimension permuted, in place (the quick check,
+        keeper.py); arguments as strings, as vLLM's /collective_rpc route passes them."""
+        from pathlib import Path
+
+        from ckpt_watcher.evaluators.weights import permuted
+
+        return self._ckpt_watcher_reload(weights_iterator=permuted(Path(path), int(hidden)))
+
+    def ckpt_watcher_scramble(self) -> int:
+        from ckpt_watcher.evaluators.weights import scramble
+
+        return scramble(self.model_runner.get_model())
+
+    def ckpt_watcher_digest(self) -> dict[str, int]:
+        from ckpt_watcher.evaluators.weights import digest
+
+        return digest(self.model_runner.get_model())
+
+    def _ckpt_watcher_reload(self, **source: Any) -> list[str]:
+        self.model_runner.reload_weights(**source)
         model = self.model_runner.get_model()
         unwrap_recorded_loaders(model)
         redone = []

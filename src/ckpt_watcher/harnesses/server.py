@@ -8,11 +8,12 @@ outlives the job: when the next job's checkpoint has the same *signature* as the
 (`keeper.model_signature`: the config apart from graph-neutral fields, the tokenizer and
 generation files, the server's arguments), its weights are swapped into the running server
 through vLLM's development endpoint `/collective_rpc` (`SwapExtension.ckpt_watcher_swap`, the
-reload the in-process warm engine uses) instead of a restart. The first swap of each signature,
-and then every `verify_every`-th, is checked as the keeper checks engines: greedy tokens and
-their logprobs on `PROBE_TEXTS` from the swapped server against a freshly started one, which
-then serves the job. A mismatch sends the signature cold for good; any error in a swap restarts
-the server: the job loses nothing.
+reload the in-process warm engine uses) instead of a restart. Swaps are checked as the keeper
+checks engines (evaluators/keeper.py): the quick check on a server just started for a signature
+never swapped here, through the same route (`ckpt_watcher_swap_permuted`, `_scramble`,
+`_digest`); where it does not apply or fails, the first swap against a freshly started server,
+which then serves the job; and every `verify_every`-th swap so. A mismatch sends the signature
+cold for good; any error in a swap restarts the server: the job loses nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ckpt_watcher.harnesses.run import reaped
 from ckpt_watcher.jobfolder import EvalRequest
 
 if TYPE_CHECKING:
-    from ckpt_watcher.evaluators.keeper import EngineKeeper, Probe
+    from ckpt_watcher.evaluators.keeper import EngineKeeper, Probe, Reach
 
 log = structlog.get_logger("ckpt_watcher.harnesses.server")
 
@@ -265,7 +266,45 @@ class Servers:
                 return self.port, kind, time.monotonic() - began
         self.stop()
         self._cold(req, out, shape, signature)
+        self._quick_check(req, out, shape, signature)
         return self.port, "cold", time.monotonic() - began
+
+    def _quick_check(
+        self, req: EvalRequest, out: Path, shape: list[str], signature: str | None
+    ) -> None:
+        """The keeper's quick check of swaps into the server just started, where it is due; a
+        failed one starts the server again (the first swap is then checked against a fresh
+        server)."""
+        keeper = self.keeper
+        if keeper is None or signature is None:
+            return
+        hidden = keeper.quick_check_due(signature, Path(req.checkpoint))
+        if hidden is None:
+            return
+        if not keeper.quick_verdict("server", req, signature, self._reach(req.checkpoint, hidden)):
+            self.stop()
+            self._cold(req, out, shape, signature)
+
+    def _reach(self, checkpoint: str, hidden: int) -> Reach:
+        from ckpt_watcher.evaluators.keeper import Reach
+
+        port = self.port
+
+        def rpc(method: str, *args: str) -> Any:
+            answer = _post(port, "/collective_rpc", {"method": method, "args": list(args)}, 600)
+            return answer["results"][0] if answer else None
+
+        def swap_permuted() -> None:
+            rpc("ckpt_watcher_swap_permuted", checkpoint, str(hidden))
+            _post(port, "/reset_prefix_cache", {}, 60)
+
+        return Reach(
+            probe=lambda: probe(port),
+            digest=lambda: rpc("ckpt_watcher_digest"),
+            scramble=lambda: rpc("ckpt_watcher_scramble"),
+            swap=lambda: swap(port, checkpoint),
+            swap_permuted=swap_permuted,
+        )
 
     def _signature_of(self, req: EvalRequest, shape: list[str]) -> str | None:
         if self.keeper is None:
@@ -297,7 +336,7 @@ class Servers:
             swap(self.port, req.checkpoint)
             keeper.swaps[signature] = n + 1
             self._this_job = True
-            warm = probe(self.port) if n % keeper.verify_every == 0 else None
+            warm = probe(self.port) if keeper.fresh_check_due(signature, n) else None
         except Exception as e:  # any error in a swap: a fresh server, nothing lost
             keeper.event("server.swap_failed", error=f"{type(e).__name__}: {e}")
             return None

@@ -1,0 +1,108 @@
+"""The quick check of swaps (evaluators/keeper.py, weights.py) on the hf backend, in process: a
+checkpoint with its hidden dimension permuted computes what it computed; the check holds for a
+right swap and leaves the cold load's weights; a swap that leaves one weight out fails it; a
+checkpoint with tensor names it does not know is not permuted (its swaps are checked against a
+fresh load)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_watcher.demo.tiny import build_model, build_tokenizer, save_checkpoint
+from ckpt_watcher.evaluators import weights
+from ckpt_watcher.evaluators.keeper import EngineKeeper, engine_reach, quick_check
+from ckpt_watcher.jobfolder import EvalRequest
+
+from .conftest import write_safetensors
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("quick") / "r_step1"
+    tok = build_tokenizer(False)
+    save_checkpoint(build_model(len(tok), seed=3), tok, out, naming_bug=False)
+    return out
+
+
+def _request(checkpoint: Path) -> EvalRequest:
+    return EvalRequest(
+        checkpoint=str(checkpoint),
+        backend="hf",
+        tasks=[],
+        seed=42,
+        gen_kwargs={},
+        max_gen_toks=None,
+        model_args={"dtype": "float32", "max_model_len": 64},
+        include_path=None,
+        batch_size=None,
+        limit=None,
+        results_dir=str(checkpoint.parent),
+        device="cpu",
+    )
+
+
+def test_the_permuted_checkpoint_computes_the_same_function(checkpoint: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hidden = json.loads((checkpoint / "config.json").read_text())["hidden_size"]
+    assert weights.permutable(checkpoint, hidden)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 9, 11, 4, 7, 3]])
+    with torch.no_grad():
+        before = model(ids).logits
+        state = dict(weights.permuted(checkpoint, hidden))
+        changed = [k for k, v in model.state_dict().items() if k in state and v.ne(state[k]).any()]
+        model.load_state_dict(state, strict=False)
+        after = model(ids).logits
+    # every matrix moved (the norms of an untrained model are all ones: the same permuted)
+    assert {k for k, v in state.items() if v.ndim == 2} <= set(changed), changed
+    assert torch.allclose(before, after, atol=1e-5), (before - after).abs().max()
+
+
+def test_a_right_swap_passes_and_leaves_the_cold_weights_a_swap_missing_a_weight_fails(
+    checkpoint: Path,
+) -> None:
+    keeper = EngineKeeper()
+    engine = keeper.acquire(_request(checkpoint))
+    assert engine.kind == "cold"
+    ((event, check),) = [(e["event"], e["check"]) for e in keeper.events]
+    assert (event, check) == ("engine.verify_ok", "quick")
+    assert keeper.checked == {keeper.signature}
+    hidden = json.loads((checkpoint / "config.json").read_text())["hidden_size"]
+    reach = engine_reach(engine.lm, "hf", str(checkpoint), hidden)
+    loaded = reach.digest()
+    assert quick_check(reach, "float32")[0] is None
+    assert reach.digest() == loaded  # the cold load's weights, bit for bit
+
+    def permuted_without_the_norm() -> None:
+        state = dict(weights.permuted(checkpoint, hidden))
+        del state["model.norm.weight"]
+        engine.lm.model.load_state_dict(state, strict=False)
+
+    why, _ = quick_check(replace(reach, swap_permuted=permuted_without_the_norm), "float32")
+    assert why is not None and "with the hidden dimension permuted" in why, why
+    # a swap back that leaves a weight out: the check that the cold load's weights are back
+    reach.scramble()
+    reach.swap()
+    bare = replace(reach, swap=lambda: None)
+    assert "not as loaded after the swap back" in str(quick_check(bare, "float32")[0])
+    keeper.drop()
+
+
+def test_a_checkpoint_with_tensors_it_does_not_know_is_not_permuted(tmp_path: Path) -> None:
+    write_safetensors(tmp_path / "model.safetensors", {"model.norm.weight": 16})
+    assert weights.permutable(tmp_path, 16)
+    write_safetensors(tmp_path / "model.safetensors", {"transformer.h.0.attn.c_attn.weight": 16})
+    assert not weights.permutable(tmp_path, 16)
+    # the axes by name: what reads the residual stream, what writes it, what has none
+    assert weights.hidden_axis("model.layers.0.self_attn.q_proj.weight", (64, 16), 16) == 1
+    assert weights.hidden_axis("model.layers.0.mlp.down_proj.weight", (16, 64), 16) == 0
+    assert weights.hidden_axis("model.layers.0.self_attn.k_proj.bias", (64,), 16) is None
+    assert weights.hidden_axis("model.layers.0.self_attn.q_norm.weight", (8,), 16) is None
+    assert weights.hidden_axis("lm_head.weight", (100, 16), 16) == 1
+    assert weights.hidden_axis("lm_head.weight", (100, 12), 16) is False  # not this model's
