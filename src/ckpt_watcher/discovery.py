@@ -467,6 +467,7 @@ class Discovery:
         log.info("checkpoint.seen", location=f.location, run=ident.run, step=ident.step)
 
     def _forget(self, f: Found, now: float) -> None:
+        self._said_held.pop(f.location, None)
         row = self.state.checkpoint(f.location)
         if row is None or row.state not in MISSABLE:
             return
