@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
-    """Replace `path` with `data` atomically (tmp + fsync + rename)."""
+    """Replace `path` with `data` atomically (tmp + fsync + rename). The temporary name is the
+    writer's own (process and thread): two writers of one file at once (a task check that
+    outlived a daemon killed -9, and the next daemon's) each replace it whole, where with one
+    shared name the second found its file renamed away."""
     raw = data.encode("utf-8") if isinstance(data, str) else data
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "wb") as f:
         f.write(raw)
         f.flush()
