@@ -76,7 +76,7 @@ def test_a_right_swap_passes_and_leaves_the_cold_weights_a_swap_missing_a_weight
     hidden = json.loads((checkpoint / "config.json").read_text())["hidden_size"]
     reach = engine_reach(engine.lm, "hf", str(checkpoint), hidden)
     loaded = reach.digest()
-    assert quick_check(reach, "float32")[0] is None
+    assert quick_check(reach, "float32")[:2] == (None, True)
     assert reach.digest() == loaded  # the cold load's weights, bit for bit
 
     def permuted_without_the_norm() -> None:
@@ -84,13 +84,17 @@ def test_a_right_swap_passes_and_leaves_the_cold_weights_a_swap_missing_a_weight
         del state["model.norm.weight"]
         engine.lm.model.load_state_dict(state, strict=False)
 
-    why, _ = quick_check(replace(reach, swap_permuted=permuted_without_the_norm), "float32")
+    why, restored, _ = quick_check(
+        replace(reach, swap_permuted=permuted_without_the_norm), "float32"
+    )
     assert why is not None and "with the hidden dimension permuted" in why, why
+    assert restored and reach.digest() == loaded  # the swap back made it the cold load again
     # a swap back that leaves a weight out: the check that the cold load's weights are back
     reach.scramble()
     reach.swap()
     bare = replace(reach, swap=lambda: None)
-    assert "not as loaded after the swap back" in str(quick_check(bare, "float32")[0])
+    why, restored, _ = quick_check(bare, "float32")
+    assert "not as loaded after the swap back" in str(why) and not restored
     keeper.drop()
 
 

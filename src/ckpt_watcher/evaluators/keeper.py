@@ -35,8 +35,6 @@ from typing import Any
 
 import structlog
 
-from ckpt_watcher.checkpoints.files import LocalFiles
-from ckpt_watcher.checkpoints.namefix import read_index
 from ckpt_watcher.errors import SwapError
 from ckpt_watcher.evaluators import heap, vllm_internals, weights
 from ckpt_watcher.evaluators.harness import Engine, engine_args, load_model
@@ -176,23 +174,26 @@ class Reach:
     swap_permuted: Callable[[], object]  # its weights with the hidden dimension permuted
 
 
-def quick_check(reach: Reach, dtype: str | None) -> tuple[str | None, dict[str, float]]:
+def quick_check(reach: Reach, dtype: str | None) -> tuple[str | None, bool, dict[str, float]]:
     """The quick check (module docstring) of a model a cold load just made: None when it
-    holds, else why not; and the seconds it took. The model holds the cold load's weights
-    again when it returns None."""
+    holds, else why not; whether the model holds the cold load's weights again (every
+    parameter's bits and the probes as loaded, checked whatever the permuted swap gave); and
+    the seconds it took."""
     began = time.monotonic()
     cold, bits = reach.probe(), reach.digest()
     reach.scramble()
     reach.swap_permuted()
-    why = compare(reach.probe(), cold, dtype)
-    permuted = time.monotonic()
+    permuted = compare(reach.probe(), cold, dtype)
+    swapped = time.monotonic()
     reach.swap()
-    why = why and f"with the hidden dimension permuted: {why}"
-    why = (
-        why or weights.compare_digests(reach.digest(), bits) or compare(reach.probe(), cold, dtype)
-    )
+    back = weights.compare_digests(reach.digest(), bits) or compare(reach.probe(), cold, dtype)
+    why = f"with the hidden dimension permuted: {permuted}" if permuted else back
     ended = time.monotonic()
-    return why, {"permuted_s": round(permuted - began, 3), "back_s": round(ended - permuted, 3)}
+    return (
+        why,
+        back is None,
+        {"permuted_s": round(swapped - began, 3), "back_s": round(ended - swapped, 3)},
+    )
 
 
 def compare(warm: Probe, cold: Probe, dtype: str | None) -> str | None:
@@ -248,21 +249,11 @@ def engine_reach(lm: Any, backend: str, checkpoint: str, hidden: int) -> Reach:
     )
 
 
-def _weight_files(checkpoint: Path) -> list[Path]:
-    weight_map = read_index(LocalFiles(checkpoint))
-    if weight_map is not None:
-        return [checkpoint / n for n in sorted(set(weight_map.values()))]
-    files = sorted(checkpoint.glob("*.safetensors"))
-    if not files:
-        raise SwapError(f"{checkpoint}: no safetensors weights to swap in")
-    return files
-
-
 def _swap_hf(model: Any, checkpoint: Path) -> None:
     from safetensors.torch import load_file
 
     state: dict[str, Any] = {}
-    for f in _weight_files(checkpoint):
+    for f in weights.weight_files(checkpoint):
         state.update(load_file(f))
     _load_hf(model, state, checkpoint)
 
@@ -339,7 +330,7 @@ class EngineKeeper:
         if hidden is not None:
             reach = engine_reach(self.lm, req.backend, req.checkpoint, hidden)
             if not self.quick_verdict("engine", req, sig, reach):
-                self.drop()  # what the failed check left loaded is not the checkpoint
+                self.drop()  # what the check left loaded is not the checkpoint's weights
                 self._load(req, sig)
         return Engine(self.lm, "cold", time.monotonic() - began)
 
@@ -368,18 +359,20 @@ class EngineKeeper:
     def quick_verdict(self, what: str, req: EvalRequest, sig: str, reach: Reach) -> bool:
         """Run the quick check on a model a cold load made: `<what>.verify_ok` and the
         signature proved, or `<what>.quick_check_failed` (its first swap is then checked
-        against a fresh load). False: the caller loads the checkpoint again."""
+        against a fresh load). False: the model no longer holds the cold load's weights, and
+        the caller loads the checkpoint again (a check that failed only with the dimension
+        permuted, bfloat16's sums in another order say, leaves the model as loaded)."""
         try:
-            why, seconds = quick_check(reach, req.model_args.get("dtype"))
+            why, restored, seconds = quick_check(reach, req.model_args.get("dtype"))
         except Exception as e:  # an engine that cannot do it: a fresh load checks the swap
-            why, seconds = f"{type(e).__name__}: {e}", {}
+            why, restored, seconds = f"{type(e).__name__}: {e}", False, {}
         fields = {"checkpoint": req.checkpoint, "signature": sig, "check": "quick", **seconds}
         if why is None:
             self.checked.add(sig)
             self.event(f"{what}.verify_ok", **fields)
-            return True
-        self.event(f"{what}.quick_check_failed", reason=why, **fields)
-        return False
+        else:
+            self.event(f"{what}.quick_check_failed", reason=why, **fields)
+        return restored
 
     def _verify(self, req: EvalRequest, sig: str, began: float) -> Engine:
         """Probe the swapped engine, load the checkpoint fresh, probe again, compare. The fresh

@@ -26,6 +26,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ckpt_watcher.checkpoints.files import LocalFiles
+from ckpt_watcher.checkpoints.namefix import read_index
+from ckpt_watcher.errors import SwapError
+
 # the last two parts of a tensor's name -> the axis that is the hidden dimension
 _READS_HIDDEN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj")
 _WRITES_HIDDEN = ("o_proj", "down_proj")
@@ -63,13 +67,14 @@ def hidden_axis(name: str, shape: tuple[int, ...], hidden: int) -> int | None | 
 
 
 def weight_files(checkpoint: Path) -> list[Path]:
-    """The safetensors files of a checkpoint (each once, whatever names the naming fix added)."""
-    seen, files = set(), []
-    for path in sorted(checkpoint.glob("*.safetensors")):
-        ino = path.stat().st_ino
-        if ino not in seen:
-            seen.add(ino)
-            files.append(path)
+    """The safetensors files a load reads: those its index maps to, else every one; a swap
+    and the quick check read these (a name the naming fix added is in neither twice)."""
+    weight_map = read_index(LocalFiles(checkpoint))
+    if weight_map is not None:
+        return [checkpoint / n for n in sorted(set(weight_map.values()))]
+    files = sorted(checkpoint.glob("*.safetensors"))
+    if not files:
+        raise SwapError(f"{checkpoint}: no safetensors weights to swap in")
     return files
 
 
@@ -78,8 +83,11 @@ def permutable(checkpoint: Path, hidden: int) -> bool:
     headers (no weights read)."""
     from safetensors import safe_open
 
-    files = weight_files(checkpoint)
-    if not files or hidden <= 1:
+    try:
+        files = weight_files(checkpoint)
+    except SwapError:  # no safetensors: nothing a swap could load either
+        return False
+    if hidden <= 1:
         return False
     for path in files:
         with safe_open(str(path), "pt") as f:

@@ -272,9 +272,9 @@ class Servers:
     def _quick_check(
         self, req: EvalRequest, out: Path, shape: list[str], signature: str | None
     ) -> None:
-        """The keeper's quick check of swaps into the server just started, where it is due; a
-        failed one starts the server again (the first swap is then checked against a fresh
-        server)."""
+        """The keeper's quick check of swaps into the server just started, where it is due
+        (failed, the first swap is checked against a fresh server); a server it left other
+        than started is started again."""
         keeper = self.keeper
         if keeper is None or signature is None:
             return
