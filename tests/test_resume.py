@@ -222,11 +222,11 @@ from ckpt_watcher.evaluators import harness, resume, lm_eval_internals as lmi
 from ckpt_watcher.jobfolder import EvalRequest, TaskRun
 from ckpt_watcher.tasks import task_paths
 ckpt, tasks, work, chunk = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
-model_args = json.loads(sys.argv[5])
+model_args, batch = json.loads(sys.argv[5]), int(sys.argv[6])
 apply_fix(Path(ckpt))
 task = TaskRun("addition", 0, samples=16, gen_kwargs={"temperature": 0.8}, pass_at=[1, 16])
 req = EvalRequest(checkpoint=ckpt, backend="vllm", model_args=model_args, tasks=[task], seed=42,
-    gen_kwargs={"temperature": 0}, max_gen_toks=None, include_path=tasks, batch_size=None,
+    gen_kwargs={"temperature": 0}, max_gen_toks=None, include_path=tasks, batch_size=batch,
     limit=20, results_dir=str(work / "results"), device="cpu")
 lm = harness.load_model(req)
 tm = lmi.task_manager(["addition"], task_paths(tasks))
@@ -242,7 +242,9 @@ def run(tj):
     return {"metrics": results["sampled_metrics"], "records": records}
 class Cut(Exception):
     pass
+reports = []
 def cut_mid_chunk(done, total, unit):
+    reports.append((done, total))
     if done % chunk and done > chunk:
         raise Cut(done)
 resume.REPORT_SECONDS = 0.0  # a report at each engine step that finishes responses
@@ -254,8 +256,9 @@ except Cut as e:
 out["in_flight_after"] = lm.model.llm_engine.get_num_unfinished_requests()
 out["kept"] = len(journal.read(ref).values)
 out["done_marks"] = len(list((Path(ref.folder) / journal.CLAIMS_FOLDER).glob("*.done")))
-again = resume.TaskJournal(ref, "attempt-2", chunk)
+again = resume.TaskJournal(ref, "attempt-2", chunk, lambda d, t, u: reports.append((d, t)))
 out["again"] = run(again)
+out["reports"] = reports
 out["resumed"], out["computed"] = again.resumed, again.computed
 print("RESULT " + json.dumps(out, default=str))
 """
@@ -272,10 +275,14 @@ def test_on_vllm_each_response_is_journaled_as_the_engine_finishes_it_not_with_i
     run's metrics and records, having computed only the rest."""
     ckpt = copy_checkpoint(tmp_path / "r_step300", same_content=True)
     chunk = 64  # vLLM's running batch: 320 responses are 5 chunks
+    batch = 2 * chunk  # lm-eval's vLLM streams 3 batches of requests: 128, 128, 64
     # a step's prefills share 64 tokens, so a running batch's responses start (and end) over
     # several steps, as long ones do in a real task
     model_args = VLLM_EVAL["model_args"] | {"max_num_seqs": chunk, "max_num_batched_tokens": 64}
-    args = [str(ckpt), str(addition_tasks), str(tmp_path), str(chunk), json.dumps(model_args)]
+    args = [
+        *(str(ckpt), str(addition_tasks), str(tmp_path), str(chunk)),
+        *(json.dumps(model_args), str(batch)),
+    ]
     r = subprocess.run(
         [sys.executable, "-c", STREAM_SCRIPT, *args], capture_output=True, text=True, timeout=600
     )
@@ -289,3 +296,8 @@ def test_on_vllm_each_response_is_journaled_as_the_engine_finishes_it_not_with_i
     assert out["done_marks"] < done / chunk  # the chunk in flight kept its finished responses
     assert out["again"] == out["reference"]
     assert (out["resumed"], out["computed"]) == (done, RESPONSES - done)
+    # progress is the whole task's, over lm-eval's batches: never back, always of 320
+    assert {total for _, total in out["reports"]} == {RESPONSES}, out["reports"]
+    cut = out["reports"].index([done, RESPONSES]) + 1
+    for run in (out["reports"][:cut], out["reports"][cut:]):
+        assert [d for d, _ in run] == sorted(d for d, _ in run), run

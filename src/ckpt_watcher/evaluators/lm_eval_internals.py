@@ -153,6 +153,7 @@ class ClampMixin:
     journal: Any = None  # resume.TaskJournal
     seeds_per_request = False  # True where the backend takes a seed in each request
     streams = False  # True where a journaled task streams responses from the engine's step loop
+    streamed = (0, 0)  # a streamed task's units before the batch now streamed, and its total
     # (task, doc_id) -> each of its responses' (tokens, finish: "length" | "stop" | None,
     # unterminated: True | False | None without think_end), in the order lm-eval asked for
     # them (its `resps`); the harness takes it after each task
@@ -173,6 +174,9 @@ class ClampMixin:
             else unit_keys([req for req, _ in copies], [seed for _, seed in copies])
         )
         if keys is None or self.streams:  # streamed: one call, MeasuredVLLM's step loop journals
+            # lm-eval's vLLM splits the call into `batch_size` batches, each streamed on its
+            # own: their progress is reported as of the whole task
+            self.streamed = (0, len(copies))
             answers = self._generate(copies, disable_tqdm, keys)
         else:
             answers = self.journal.answer(
@@ -342,6 +346,7 @@ class MeasuredVLLM:
     the raw text (before lm-eval cuts thinking and stop sequences)."""
 
     journal: Any  # ClampMixin's
+    streamed: tuple[int, int]  # ClampMixin's
     model: Any  # lm-eval's VLLM: vLLM's LLM
 
     def _model_generate(
@@ -369,7 +374,17 @@ class MeasuredVLLM:
         for tokens, sp in zip(requests, params, strict=True):
             key = _take_unit_key(sp)
             units.append((key, (tokens, sp)))
-        values = self.journal.stream(units, EngineStream(self.model), "responses", decode=_streamed)
+        before, total = self.streamed
+        report = self.journal.progress
+        if report is not None and total >= before + len(units):
+            self.journal.progress = lambda done, _, unit: report(before + done, total, unit)
+        try:
+            values = self.journal.stream(
+                units, EngineStream(self.model), "responses", decode=_streamed
+            )
+        finally:
+            self.journal.progress = report
+        self.streamed = (before + len(units), total)
         measures: list[tuple[int, str, tuple[str, list[int]]]] = []
         outputs = []
         for v in values:
