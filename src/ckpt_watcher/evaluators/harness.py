@@ -30,7 +30,7 @@ import structlog
 
 from ckpt_watcher.durable import write_atomic, write_json_atomic
 from ckpt_watcher.errors import EvalError, TaskSetupError
-from ckpt_watcher.evaluators import compile_cache, heap, lengths, vllm_internals
+from ckpt_watcher.evaluators import compile_cache, engine_watch, heap, lengths, vllm_internals
 from ckpt_watcher.evaluators import lm_eval_internals as lmi
 from ckpt_watcher.evaluators.clamp import ClampCounts
 from ckpt_watcher.evaluators.failures import classify
@@ -117,7 +117,7 @@ def load_model(req: EvalRequest, swappable: bool = False) -> Any:
     """Load the checkpoint once, as lm-eval's backend with the clamp; returns an lm-eval LM."""
     cls, args = engine_args(req, swappable)
     heap.settle()  # the imports out of the full collections an engine start runs (heap.py)
-    lm = cls(pretrained=req.checkpoint, **args)
+    lm = engine_watch.watched(lambda: cls(pretrained=req.checkpoint, **args))
     lm.clamp_counts = ClampCounts()
     return lm
 

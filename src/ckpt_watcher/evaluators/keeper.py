@@ -36,7 +36,7 @@ from typing import Any
 import structlog
 
 from ckpt_watcher.errors import SwapError
-from ckpt_watcher.evaluators import heap, vllm_internals, weights
+from ckpt_watcher.evaluators import engine_watch, heap, vllm_internals, weights
 from ckpt_watcher.evaluators.harness import Engine, engine_args, load_model
 from ckpt_watcher.jobfolder import EvalRequest
 
@@ -273,6 +273,7 @@ def _load_hf(model: Any, state: dict[str, Any], checkpoint: Path | str) -> None:
 
 def shutdown(lm: Any) -> None:
     """Stop vLLM's engine, if `lm` has one (hf models have none)."""
+    engine_watch.stop(lm)  # its engine process ends now, on purpose
     try:
         vllm_internals.shutdown(lm)
     except Exception as e:  # a broken engine: the process group dies with the worker anyway

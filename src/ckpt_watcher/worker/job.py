@@ -21,7 +21,7 @@ import structlog
 
 from ckpt_watcher.checkpoints.files import LocalFiles, check_unchanged
 from ckpt_watcher.errors import CheckpointChanged
-from ckpt_watcher.evaluators import compile_cache
+from ckpt_watcher.evaluators import compile_cache, engine_watch
 from ckpt_watcher.jobfolder import (
     EXIT_CHANGED,
     EXIT_CRASH,
@@ -95,8 +95,19 @@ def run_job(
     job_dir: Path, keeper: EngineKeeper | None = None, servers: Servers | None = None
 ) -> int:
     """One job: stage, load (or have `keeper` swap in) the checkpoint, run its tasks. A warm
-    worker passes its `keeper` and its kept model `servers` (for served harnesses)."""
+    worker passes its `keeper` and its kept model `servers` (for served harnesses). If its
+    engine's process dies, the worker exits at once with the job's crash (`engine_watch`)."""
     folder = JobFolder(job_dir)
+
+    def engine_died(why: str) -> None:
+        folder.write_crash(Crash(why, heals=True))
+        folder.write_exit(EXIT_CRASH)
+
+    with engine_watch.last_words(engine_died):
+        return _run_job(folder, keeper, servers)
+
+
+def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | None) -> int:
     spec = folder.read_spec()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     compile_cache.use(spec.request.compile_cache)  # before anything compiles
