@@ -74,6 +74,18 @@ def task_folder(work: Path, copies: int = 1) -> tuple[Path, list[str]]:
     return folder, names
 
 
+def sampled_task(samples: int) -> dict[str, Any]:
+    """The addition task, `samples` responses a document at temperature 0.8, pass@1 and
+    pass@`samples`."""
+    return {
+        "task": "addition",
+        "num_fewshot": 0,
+        "samples": samples,
+        "gen_kwargs": {"temperature": 0.8},
+        "pass_at": [1, samples],
+    }
+
+
 def config(
     path: Path, root: Path, watch: Path, tasks_dir: Path, tasks: list[str], **over: Any
 ) -> Path:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from common import sampled_task
 
 WATCHER = [sys.executable, "-m", "ckpt_watcher"]
 ON_CPU = os.environ.get("DEVICE", "cuda") == "cpu"
@@ -474,15 +475,7 @@ def sampled_run(
             "retry_backoff_seconds": 0.5,
             "max_attempts": 4,  # up to 3 kills
             "batch_size": None if backend == "vllm" else 32,  # vLLM's: auto
-            "tasks": [
-                {
-                    "task": "addition",
-                    "num_fewshot": 0,
-                    "samples": samples,
-                    "gen_kwargs": {"temperature": 0.8},
-                    "pass_at": [1, samples],
-                }
-            ],
+            "tasks": [sampled_task(samples)],
         },
     )
     report: dict[str, Any] = {}

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import WATCHER, config, task_folder, trained_checkpoint
+from common import WATCHER, config, sampled_task, task_folder, trained_checkpoint
 
 VLLM_ARGS = {"dtype": "float32", "max_model_len": 64, "enforce_eager": True}
 
@@ -125,15 +125,7 @@ def work_lost(work: Path, ckpt: Path, tasks_dir: Path, samples: int, chunk: int)
             "model_args": VLLM_ARGS | {"max_num_seqs": chunk},
             "batch_size": None,
             "retry_backoff_seconds": 0.5,
-            "tasks": [
-                {
-                    "task": "addition",
-                    "num_fewshot": 0,
-                    "samples": samples,
-                    "gen_kwargs": {"temperature": 0.8},
-                    "pass_at": [1, samples],
-                }
-            ],
+            "tasks": [sampled_task(samples)],
         },
     )
     needed = 100 * samples

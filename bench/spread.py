@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import WATCHER, config, task_folder, trained_checkpoint
+from common import WATCHER, config, sampled_task, task_folder, trained_checkpoint
 
 from ckpt_watcher.devices import THREAD_VARS
 from ckpt_watcher.executors.processes import find_workers
@@ -75,15 +75,7 @@ def _run(
         eval={
             "batch_size": 2,
             "limit": docs,
-            "tasks": [
-                {
-                    "task": "addition",
-                    "num_fewshot": 0,
-                    "samples": samples,
-                    "gen_kwargs": {"temperature": 0.8},
-                    "pass_at": [1, samples],
-                }
-            ],
+            "tasks": [sampled_task(samples)],
         },
     )
     stop, pinned = threading.Event(), {}
