@@ -88,6 +88,8 @@ def _run_lm_eval(
             for o in run_tasks(sub, record, keeper.acquire(sub), progress, spec.device_label)
         }
         outcomes = [again.get(o.key, o) for o in outcomes]
+    elif keeper is not None and any("EngineDeadError" in (o.error or "") for o in failed):
+        keeper.drop()  # vLLM declared this engine dead (a process of its own died): not kept
     return outcomes
 
 
