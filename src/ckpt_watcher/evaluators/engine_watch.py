@@ -22,6 +22,7 @@ import multiprocessing.connection
 import os
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -62,6 +63,11 @@ class EngineWatch:
             return
         dead = next(p for p in self._processes if p.sentinel in ended)
         dead.join(timeout=1)
+        # vLLM's own monitor may reap it first: its exit code then shows once that thread
+        # has recorded it (our waitpid found nothing)
+        deadline = time.monotonic() + 5
+        while dead.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         why = f"vLLM's engine process (pid {dead.pid}) {_how(dead.exitcode)} while its engine was in use"
         log.error("engine.process_died", pid=dead.pid, exitcode=dead.exitcode, error=why)
         for say in list(_last_words):
@@ -77,7 +83,7 @@ def _how(exitcode: int | None) -> str:
         name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else exitcode
         hint = " (the host's OOM killer, or a kill -9?)" if exitcode == -signal.SIGKILL else ""
         return f"was killed by {name}{hint}"
-    return f"exited with code {exitcode}"
+    return "ended" if exitcode is None else f"exited with code {exitcode}"
 
 
 def watched(load: Callable[[], T]) -> T:
