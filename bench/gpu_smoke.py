@@ -42,6 +42,9 @@ from typing import Any
 import yaml
 from common import sampled_task
 
+from ckpt_watcher.proctable import children
+from ckpt_watcher.proctable import process_alive as alive
+
 WATCHER = [sys.executable, "-m", "ckpt_watcher"]
 ON_CPU = os.environ.get("DEVICE", "cuda") == "cpu"
 DTYPE = "float32" if ON_CPU else "bfloat16"
@@ -163,20 +166,6 @@ def worker_logs(d: Path) -> list[Path]:
     return sorted((d / "state" / "jobs").rglob("worker.log"))
 
 
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 def engine_process(worker: int) -> int | None:
     """vLLM's engine core process under a worker (CUDA's default; on the CPU only with
     VLLM_ENABLE_V1_MULTIPROCESSING=1), or None when the engine runs in the worker's process."""
@@ -189,14 +178,6 @@ def engine_process(worker: int) -> int | None:
         if b"EngineCore" in argv or "EngineCore" in comm or b"spawn_main" in argv:
             return pid
     return None
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def gpu_holders() -> dict[int, int]:

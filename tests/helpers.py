@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ckpt_watcher.proctable import proc_stat, process_alive
+from ckpt_watcher.proctable import process_alive
 from ckpt_watcher.state import Job, State
 
 from .conftest import WATCHER, read_ledger
@@ -340,16 +340,6 @@ class Throttle:
 def alive(pid: int) -> bool:
     """True if `pid` is a process that has not exited (a zombie has)."""
     return process_alive(pid)
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        fields = proc_stat(int(entry.name)) if entry.name.isdigit() else None
-        if fields is not None and len(fields) > 1 and int(fields[1]) == pid:
-            found.append(int(entry.name))
-    return found
 
 
 def check_pass_at_k_from_records(line: dict[str, Any], recs: list[dict[str, Any]], n: int) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from ckpt_watcher.proctable import children
 from ckpt_watcher.state import Job
 
 from .conftest import (
@@ -36,7 +37,6 @@ from .conftest import (
 from .helpers import (
     Throttle,
     check_pass_at_k_from_records,
-    children,
     running_jobs,
     status_json,
     wait_for,

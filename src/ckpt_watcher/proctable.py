@@ -28,3 +28,13 @@ def process_start_token(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (/proc/PID/stat field 22), or None."""
     fields = proc_stat(pid)
     return fields[19] if fields is not None and len(fields) > 19 else None
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (/proc/PID/stat field 4)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        fields = proc_stat(int(entry.name)) if entry.name.isdigit() else None
+        if fields is not None and len(fields) > 1 and int(fields[1]) == pid:
+            found.append(int(entry.name))
+    return found
