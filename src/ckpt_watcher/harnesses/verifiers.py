@@ -28,6 +28,7 @@ from ckpt_watcher.harnesses import interp
 from ckpt_watcher.harnesses.run import Context, Parsed, log_tail
 
 RUN_NAME = "run"
+CONFIG_NAME = "vf-eval.json"  # see _config_file
 API_KEY_VAR = "CKPT_WATCHER_ENDPOINT_KEY"  # the loopback endpoint takes any key
 
 
@@ -50,29 +51,41 @@ class VerifiersHarness:
             ctx.url,
             "--client.api-key-var",
             API_KEY_VAR,
-            "-n",
-            str(spec.get("num_examples", -1)),
             "-r",
             str(spec.get("rollouts", 1)),
             "-o",
             str(ctx.output_dir),
             "--run.name",
             RUN_NAME,
-            # stay on this host: no harness program, no sandbox, no upload, plain output
+            # stay on this host: no harness program, no sandbox
             "--env.agent.harness.id",
             "null",
             "--env.agent.runtime.type",
             "subprocess",
-            "--no-push",
-            "--no-rich",
+            "@",
+            str(self._config_file(ctx)),
         ]
-        for key, value in sorted((spec.get("sampling") or {}).items()):
-            argv += [f"--sampling.{key.replace('_', '-')}", _arg(value)]
-        for key, value in sorted((spec.get("env_args") or {}).items()):
-            argv += [f"--env.taskset.{key.replace('_', '-')}", _arg(value)]
+        if int(spec.get("num_examples", -1)) > 0:  # else all: vf-eval 0.4 refuses `-n -1`
+            argv += ["-n", str(spec["num_examples"])]
         if spec.get("concurrency"):
             argv += ["--max-concurrent", str(spec["concurrency"])]
         return argv + list(spec.get("extra_args") or [])
+
+    @staticmethod
+    def _config_file(ctx: Context) -> Path:
+        """The rest of vf-eval's settings, as its `@ file`: no upload, plain output, and the
+        entry's sampling and env_args. As `--sampling.<key>` flags, a value of a key vf-eval does
+        not type (stop, logit_bias, ...) stays the string given: `stop: ["\\n"]` reached vLLM as
+        the stop string `["\\n"]`. (With a file, vf-eval refuses `--no-push`/`--no-rich`.)"""
+        spec = ctx.spec
+        given: dict[str, Any] = {"push": False, "rich": None}
+        if spec.get("sampling"):
+            given["sampling"] = spec["sampling"]
+        if spec.get("env_args"):
+            given["env"] = {"taskset": spec["env_args"]}
+        path = ctx.output_dir / CONFIG_NAME
+        path.write_text(json.dumps(given, indent=1) + "\n")
+        return path
 
     def environ(self, ctx: Context, env: dict[str, str]) -> dict[str, str]:
         env.setdefault(API_KEY_VAR, "local")
@@ -99,12 +112,6 @@ class VerifiersHarness:
                 f"{ctx.spec.get('max_error_rate', 0.0)}); the first: {first}"
             )
         return parsed
-
-
-def _arg(value: Any) -> str:
-    return (
-        json.dumps(value) if isinstance(value, dict | list | bool) or value is None else str(value)
-    )
 
 
 def find_output(folder: Path) -> Path | None:
