@@ -160,7 +160,7 @@ def test_a_failure_without_a_finish_time_or_shots_reads_cleanly(tmp_path: Path) 
     del failed["finished_at"]
     failed["num_fewshot"] = None
     page = render_page([failed], "r", tmp_path)
-    assert "addition (default-shot): <code>SafetensorError: truncated</code>" in page
+    assert "addition: <code>SafetensorError: truncated</code>" in page  # no shots set
     assert ", :" not in page and "None-shot" not in page
 
 

@@ -22,10 +22,11 @@ def entry_name(line: dict[str, Any]) -> str:
 
 
 def task_label(line: dict[str, Any]) -> str:
-    """`gsm8k (4-shot)`; `gsm8k (default-shot)` where the task kept its own default; the
-    entry's name instead of the task where it has one."""
+    """`gsm8k (4-shot)`; `gsm8k` alone where no shots were set (the task kept its own default,
+    or the entry is another harness's: verifiers, OLMES, a command); the entry's name instead
+    of the task where it has one."""
     shots = line.get("num_fewshot")
-    return f"{entry_name(line)} ({shots if shots is not None else 'default'}-shot)"
+    return entry_name(line) if shots is None else f"{entry_name(line)} ({shots}-shot)"
 
 
 def _point(line: dict[str, Any]) -> tuple[Any, str]:

@@ -31,6 +31,7 @@ from ckpt_watcher.report.table import (
     is_stderr_metric,
     stderr_column,
     stderr_metric,
+    task_label,
 )
 
 # lm-eval metrics where lower is better; every other metric is taken as higher-is-better.
@@ -285,8 +286,7 @@ def standing(cfg: Any, lines: list[dict[str, Any]]) -> list[Regression]:
 
 
 def failure_text(line: dict[str, Any]) -> str:
-    shots = line.get("num_fewshot")
     return (
         f"eval failed: {line.get('run_path') or line['run']} step {line.get('step')} "
-        f"{entry_name(line)} ({'default' if shots is None else shots}-shot): {line.get('error')}"
+        f"{task_label(line)}: {line.get('error')}"
     )
