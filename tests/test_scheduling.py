@@ -5,6 +5,7 @@ dispatch."""
 from __future__ import annotations
 
 import shutil
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,30 @@ def run_once(
             cb, lambda task, k: DURATIONS[task], sim, **({"watch": watch} if keep_last else {})
         ),
     )
+    sim.busy = daemon.discovery.scanning
     assert daemon.run() == 0
     return tmp_path / "ledgers"
+
+
+def test_simulated_time_waits_for_a_slow_scan(tmp_path: Path, monkeypatch: Any) -> None:
+    """A scan reads the clock as it judges each checkpoint. On a loaded machine (a full suite,
+    3 workers on 2 cores) the first scan stalled past the simulated clock's real grace before
+    step 300, time jumped, and the next scan found steps 100 and 200 settled but not 300:
+    skip_superseded then ran 200. Simulated time now stands still while a scan is out."""
+    from ckpt_watcher.discovery import Discovery
+
+    judge = Discovery._judge
+    looks: Counter[str] = Counter()
+
+    def slow(self: Discovery, source: Any, location: str, *args: Any) -> Any:
+        looks[location] += 1
+        if location.endswith("r_step300") and looks[location] == 1:
+            time.sleep(0.05)  # the first scan stalls once, just before its last checkpoint
+        return judge(self, source, location, *args)
+
+    monkeypatch.setattr(Discovery, "_judge", slow)
+    ledgers = run_once(tmp_path, [100, 200, 300], gpus=1, policy={"skip_superseded": True})
+    assert {ln["step"] for ln in read_ledger(ledgers, "r")} == {300}
 
 
 def test_spare_devices_split_a_checkpoints_tasks_and_each_runs_once(tmp_path: Path) -> None:

@@ -67,16 +67,22 @@ class SimClock:
 
     `wait` is the daemon's sleep: the next call due within its timeout runs at once (time jumps
     to it); with none, time jumps by the whole timeout. Threads of the daemon that really work
-    (source scans) still wake it early, as the real wait would."""
+    (source scans) still wake it early, as the real wait would; while `busy()` says one is out,
+    time stands still until it answers (set it to `daemon.discovery.scanning`): a scan reads
+    the clock as it judges each checkpoint, and a jump mid-scan on a loaded machine once made
+    step 200 ready one scan before step 300."""
 
     # real seconds a wait gives the daemon's own threads (scans) before time jumps
     REAL_GRACE_SECONDS = 0.005
+    # real seconds a wait lasts at most while `busy()` (the scan wakes the daemon when done)
+    BUSY_WAIT_SECONDS = 1.0
 
     def __init__(self, start: float = 1_800_000_000.0) -> None:
         self.now = start
         self._queue: list[_Scheduled] = []
         self._seq = itertools.count()
         self._lock = threading.Lock()
+        self.busy: Callable[[], bool] = lambda: False
 
     def __call__(self) -> float:
         return self.now
@@ -98,6 +104,8 @@ class SimClock:
     def wait(self, event: threading.Event, timeout: float) -> bool:
         if event.is_set():
             return True
+        if self.busy():
+            return event.wait(self.BUSY_WAIT_SECONDS)
         due = self._next_due(self.now + timeout)
         if due is not None:
             self.now = max(self.now, due.when)
