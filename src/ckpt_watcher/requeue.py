@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ckpt_watcher import planner
 from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.ledger import LedgerIndex
+from ckpt_watcher.report.table import task_label
 from ckpt_watcher.state import State
 
 _REQUEUEABLE = ("done", "failed", "skipped")
@@ -46,10 +47,7 @@ def requeue(
             if r.run_path == run_path and (step is None or r.step == step)
         ]
         for row in rows:
-            due = [
-                f"{t['task']} ({t['num_fewshot']}-shot)"
-                for t in ledger.due(planner.subject(row), tasks, settings)
-            ]
+            due = [task_label(t) for t in ledger.due(planner.subject(row), tasks, settings)]
             if row.state not in _REQUEUEABLE:
                 left.append(f"{row.label}: {row.state} (already in line or not evaluable yet)")
             elif not due:

@@ -24,7 +24,7 @@ from ckpt_watcher.jobfolder import (
 from ckpt_watcher.ledger import LedgerIndex, Subject
 from ckpt_watcher.pins import Pin, held_alone
 from ckpt_watcher.proctable import process_alive
-from ckpt_watcher.report.table import entry_name, newest_versions
+from ckpt_watcher.report.table import entry_name, newest_versions, task_label
 from ckpt_watcher.sinks.alerts import Regression
 from ckpt_watcher.sources.baseline import source_name
 from ckpt_watcher.state import HEARTBEAT_SECONDS, Job, State
@@ -416,11 +416,10 @@ def render(data: dict[str, Any]) -> str:
             lines.append(f"  {w['device']}: swaps off for this architecture: {why}")
     lines.append("latest results:")
     for r in data["latest_results"]:
-        shots = r["num_fewshot"] if r["num_fewshot"] is not None else "default"
         metrics = ", ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["metrics"].items()
         )
-        lines.append(f"  {_who(r)}  {r['task']} ({shots}-shot)  {metrics}")
+        lines.append(f"  {_who(r)}  {task_label(r)}  {metrics}")
     return "\n".join(lines)
 
 

@@ -245,11 +245,11 @@ def _regressions(entries: list[Entry], judge: Judge | None) -> str:
     rows = []
     for run, lines in runs:
         for r in judge(lines):
-            shots = "default" if r.num_fewshot is None else r.num_fewshot
+            label = task_label({"task": r.task, "num_fewshot": r.num_fewshot})
             where = f"<td>{_e(run)}</td>" if len(runs) > 1 else ""
             rows.append(
                 f'<tr class="regression">{where}<td>{r.step}</td>'
-                f"<td>{_e(r.task)} ({_e(shots)}-shot)</td><td>{_e(r.metric)}</td>"
+                f"<td>{_e(label)}</td><td>{_e(r.metric)}</td>"
                 f"<td>{r.value:.4f}</td><td>{_e(r.against)}: {r.reference:.4f}</td>"
                 f"<td>{_e(r.beyond_noise())}</td></tr>"
             )

@@ -66,10 +66,10 @@ class Regression:
         return f"{self.sigmas:.1f} stderr"
 
     def text(self) -> str:
-        shots = "default" if self.num_fewshot is None else self.num_fewshot
+        label = task_label({"task": self.task, "num_fewshot": self.num_fewshot})
         where = "from" if self.ci95 is not None else "below"
         return (
-            f"regression: {self.run_path} step {self.step} {self.task} ({shots}-shot) "
+            f"regression: {self.run_path} step {self.step} {label} "
             f"{self.metric} = {self.value:.4f}, {self.beyond_noise()} {where} {self.against} "
             f"({self.reference:.4f})"
         )
