@@ -52,6 +52,11 @@ class EvalError(WatcherError):
     """An evaluation failed inside the worker (bad task, backend refusal, crash)."""
 
 
+class ResultsNotWritten(EvalError):
+    """A task's results could not be written into the ledger folder (full, read-only, an NFS
+    error): the task failed, but a retry resumes from its journal."""
+
+
 class TaskSetupError(EvalError):
     """A task entry that cannot run as configured (e.g. samples on a multiple-choice task)."""
 

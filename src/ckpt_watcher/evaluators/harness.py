@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 
 from ckpt_watcher.durable import write_atomic, write_json_atomic
-from ckpt_watcher.errors import EvalError, TaskSetupError
+from ckpt_watcher.errors import EvalError, ResultsNotWritten, TaskSetupError
 from ckpt_watcher.evaluators import compile_cache, engine_watch, heap, lengths, vllm_internals
 from ckpt_watcher.evaluators import lm_eval_internals as lmi
 from ckpt_watcher.evaluators.clamp import ClampCounts
@@ -200,9 +200,15 @@ def run_tasks(
             stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H-%M-%S.%f")
             name = f"{safe_filename(t.name or t.task)}_{shots}_{stamp}"
             sfile = results_dir / f"samples_{name}.jsonl.gz"
-            write_samples(sfile, records)
             rfile = results_dir / f"results_{name}.json"
-            write_json_atomic(rfile, results, default=json_default)
+            try:
+                write_samples(sfile, records)
+                write_json_atomic(rfile, results, default=json_default)
+            except OSError as e:
+                raise ResultsNotWritten(
+                    f"cannot write the results into {results_dir}: {e.strerror or e} "
+                    "(free space on the ledger folder, or fix it; a retry resumes from the journal)"
+                ) from e
             clamped, truncated = lm.clamp_counts.take()
             outcome.status = "ok"
             outcome.metrics = (
