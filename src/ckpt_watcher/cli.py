@@ -231,7 +231,8 @@ def status(config_path: Path, as_json: bool) -> None:
     """Is the daemon alive; sources, checkpoints by state, queue, running evals, failures, results.
 
     Exit code 0 when the daemon is running, 3 when it is down, 4 when its heartbeat is stale,
-    5 when it runs degraded (a source unreachable for 3 of its polls, at least 30 s).
+    5 when it runs degraded (a source unreachable for 3 of its polls, at least 30 s; a warm
+    engine whose jobs keep crashing; a ledger folder that cannot be written).
     """
     from ckpt_watcher import status as status_mod
 

@@ -32,12 +32,13 @@ from ckpt_watcher.devices import (
 )
 from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.durable import write_atomic
-from ckpt_watcher.errors import ConfigError
+from ckpt_watcher.errors import ConfigError, LedgerError
 from ckpt_watcher.executors import build_executor
 from ckpt_watcher.executors.base import Executor, ExitCallback
 from ckpt_watcher.executors.processes import process_groups
 from ckpt_watcher.jobs.book import JobBook
 from ckpt_watcher.jobs.dispatch import Dispatcher
+from ckpt_watcher.jobs.filing import Filing
 from ckpt_watcher.jobs.journals import Journals
 from ckpt_watcher.jobs.recovery import recover
 from ckpt_watcher.jobs.supervise import Supervisor
@@ -128,6 +129,7 @@ class Daemon:
             clock=clock,
         )
         self.book = JobBook(cfg, self.state, self.ledger, self.discovery)
+        self.filing = Filing(cfg.ledger_dir, keep_trying=not once)
         self.dispatcher = Dispatcher(
             cfg, self.state, self.executor, self.discovery, self.book, clock, self.pins
         )
@@ -149,6 +151,7 @@ class Daemon:
             self.discovery,
             self.book,
             self.helpers,
+            self.filing,
             # running time: monotonic, unless time itself is simulated (tests)
             monotonic=time.monotonic if clock is time.time else clock,
         )
@@ -239,7 +242,7 @@ class Daemon:
         self._save_resolved_config()
         if self.cfg.metrics_port is not None:
             self._serve_metrics(self.cfg.metrics_port, self.cfg.metrics_addr)
-        recover(self.book, self.executor, now)
+        recover(self.book, self.executor, self.filing, now)
         log.info(
             "daemon.started",
             pid=os.getpid(),
@@ -258,13 +261,16 @@ class Daemon:
             else:
                 # `once` scans once, then only looks again at checkpoints that are settling
                 self.discovery.tick(now, force=first_pass, polls=not self.once)
-                self._plan(now)
-                self.dispatcher.enforce_backlog(now)
-                self.dispatcher.enforce_pin_budget(now)
+                self._filing_steps(
+                    now,
+                    self._plan,
+                    self.dispatcher.enforce_backlog,
+                    self.dispatcher.enforce_pin_budget,
+                )
                 self.journals.tick(now)
                 self.supervisor.check_timeouts(now)
                 self._give_back(now)
-                self._dispatch(now)
+                self._filing_steps(now, self._dispatch)
             first_pass = False
             self._heartbeat(now)
             if self.once and not self.stop_requests and self._idle():
@@ -275,6 +281,16 @@ class Daemon:
         if self.once and self.book.failures:
             return 1
         return 0
+
+    def _filing_steps(self, now: float, *steps: Callable[[float], object]) -> None:
+        """Steps that may file lines (skips, reused results): a ledger folder that cannot take
+        them ends these steps for this pass, never the loop (`jobs/filing.py`); every step
+        looks at the state afresh, so the next pass does again what this one left."""
+        try:
+            for step in steps:
+                step(now)
+        except LedgerError as e:
+            self.filing.failed(str(e), now)
 
     def _serve_metrics(self, port: int, addr: str) -> None:
         try:
@@ -295,6 +311,9 @@ class Daemon:
         watchdog = self.notifier.watchdog_due(now)
         if watchdog is not None:
             deadlines.append(watchdog)
+        filing = self.filing.deadline()
+        if filing is not None:
+            deadlines.append(filing)
         scan = self.discovery.next_deadline(polls=not self.once)
         if scan is not None:
             deadlines.append(scan)
@@ -362,7 +381,7 @@ class Daemon:
             our_pids=self._our_pids(running),
             idle_memory_mib=self.cfg.devices.idle_memory_mib,
         )
-        self.dispatcher.dispatch(now, free)
+        self.dispatcher.dispatch(now, free, may_start=self.filing.can_start)
 
     def _on_gpus(self) -> bool:
         """Some of our workers (jobs or helpers) run on a GPU."""
@@ -415,7 +434,11 @@ class Daemon:
             self._watch_zombies(now)
             if self.mirror is not None:
                 self.mirror.retry_due(now)
-            self.state.set_meta(heartbeat=now, stopping=bool(self.stop_requests))
+            self.state.set_meta(
+                heartbeat=now,
+                stopping=bool(self.stop_requests),
+                ledger_unwritable=self.filing.summary(now),
+            )
             self.notifier.status(self._status_line())
             self._last_heartbeat = now
 
@@ -489,14 +512,24 @@ class Daemon:
         )
 
     def _save_resolved_config(self) -> None:
-        self.cfg.ledger_dir.mkdir(parents=True, exist_ok=True)
+        """The settings this daemon runs with, beside the ledgers (for the reader's record; a
+        ledger folder that cannot be written now is the filing's business, not a reason to
+        stop)."""
         text = yaml.safe_dump(self.cfg.resolved(), sort_keys=False)
-        write_atomic(self.cfg.ledger_dir / "watcher-config.resolved.yaml", text)
+        try:
+            self.cfg.ledger_dir.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.cfg.ledger_dir / "watcher-config.resolved.yaml", text)
+        except OSError as e:
+            log.warning(
+                "config.resolved_not_saved", ledger_dir=str(self.cfg.ledger_dir), error=str(e)
+            )
 
     # --- two-stage shutdown --------------------------------------------------------------------
     def _stopping(self, now: float) -> bool:
-        """True when the loop may exit. First signal drains; deadline or second signal kills."""
-        running = self.state.jobs("running")
+        """True when the loop may exit. First signal drains; deadline or second signal kills.
+        A job whose worker has ended but whose lines wait for the ledger folder stays `running`
+        in the state: the next start files it, as after a crash."""
+        running = [j for j in self.state.jobs("running") if not self.filing.waits_for(j.id)]
         if self.stop_deadline is None:
             self.stop_deadline = now + self.cfg.shutdown_grace_seconds
             self.state.set_meta(stopping=True)

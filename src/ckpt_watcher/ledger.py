@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from ckpt_watcher.timestamps import seconds_between
 
 SCHEMA = 1
 LEDGER_NAME = "ledger.jsonl"
+PROBE_BYTES = 4096  # `writable` writes a page: a disk with no page left refuses it
 # Every field a ledger line may carry, and what it means: the one definition (docs/reference/
 # ledger.md is generated from it; the tests check each line they read against it).
 FIELDS: dict[str, str] = {
@@ -334,6 +336,24 @@ def append(ledger_dir: Path, line: dict[str, Any]) -> Path:
     if created:
         fsync_dir(path.parent)
     return path
+
+
+def writable(ledger_dir: Path) -> str | None:
+    """None if a new file can be created, written and synced in `ledger_dir`, as the first
+    append of a run does; else why not, as the system said it (a full disk, a quota, a
+    read-only mount, an NFS error)."""
+    try:
+        ledger_dir.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".watcher-probe-", dir=ledger_dir)
+        try:
+            os.write(fd, b"\n" * PROBE_BYTES)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(name)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def _ends_with_newline(path: Path) -> bool:

@@ -34,7 +34,7 @@ STALE_AFTER = 10 * HEARTBEAT_SECONDS
 EXIT_RUNNING = 0
 EXIT_DOWN = 3
 EXIT_STALE = 4
-EXIT_DEGRADED = 5  # running, but a source has been unreachable for a while
+EXIT_DEGRADED = 5  # running, but not doing all it should (`degraded` says why)
 # a source counts as down (not a passing blip) once unreachable for this many of its polls,
 # and at least this long
 DEGRADED_POLLS = 3
@@ -172,6 +172,8 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
             for k, p in sorted(pins.items())
         ]
         regressions = state.get_meta("regressions") or []
+        # set by a live daemon's heartbeat while its ledger folder cannot be written
+        unwritable = state.get_meta("ledger_unwritable") if alive else None
         journals = state.get_meta("journals")
     finally:
         state.close()
@@ -183,6 +185,15 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         for e in engines
         if len(jobs := (e.get("failing") or {}).get("jobs") or []) >= WARM_FAILING_JOBS
     ]
+    if unwritable:
+        waiting = len(unwritable.get("waiting_jobs") or [])
+        filed = f"{waiting} finished job(s) wait to be filed, and " if waiting else ""
+        degraded.insert(
+            0,
+            f"ledger_dir {unwritable['ledger_dir']} cannot be written since "
+            f"{unwritable['since']}: {unwritable['error']}; {filed}no eval starts until it can "
+            "be written (free space on it, or fix it: nothing is lost)",
+        )
     return {
         "daemon": daemon,
         "degraded": degraded,  # why a running daemon is not doing all it should (exit 5)
@@ -198,6 +209,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         ],
         "failure_history": history,
         "suspected_zombies": zombies,
+        "ledger_unwritable": unwritable,
         "pinned": pinned,  # checkpoints whose files are held until their results are in
         # resume journals under state_dir: {folders, bytes, max_bytes} at the last sweep
         "journals": journals,

@@ -150,10 +150,13 @@ class Dispatcher:
                 self.on_skipped("backlog")
         return skipped
 
-    def dispatch(self, now: float, free: list[Device]) -> None:
+    def dispatch(
+        self, now: float, free: list[Device], may_start: Callable[[float], bool] = lambda t: True
+    ) -> None:
         """Give free devices their next jobs (splitting a checkpoint over spare devices); the
         devices still free then join running jobs' tasks (helpers); helpers give their devices
-        back to queued jobs that have none."""
+        back to queued jobs that have none. `may_start` is asked before jobs start (no: none
+        starts, as while the ledger folder cannot be written)."""
         queued = self.state.jobs("queued")
         self.pins.sweep({j.location for j in queued + self.state.jobs("running")})
         eligible = scheduler.eligible(queued, now)
@@ -168,6 +171,8 @@ class Dispatcher:
             self._keep_pins_within_budget(now)
             queued = self.state.jobs("queued")
         assignments = scheduler.assign(queued, free, now, self.cfg.policy.order)
+        if assignments and not may_start(now):
+            return
         if assignments:
             needed: dict[str, list[str]] = {}
             for job in queued + self.state.jobs("running"):

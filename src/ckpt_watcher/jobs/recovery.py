@@ -12,17 +12,20 @@ checkpoint is planned again under the new settings).
 
 from __future__ import annotations
 
+from functools import partial
+
 import structlog
 
 from ckpt_watcher.executors.base import Executor, WorkerHandle
 from ckpt_watcher.executors.processes import find_workers, is_our_worker, kill_group
 from ckpt_watcher.jobs import settle
 from ckpt_watcher.jobs.book import JobBook
+from ckpt_watcher.jobs.filing import Filing
 
 log = structlog.get_logger("ckpt_watcher.jobs")
 
 
-def recover(book: JobBook, executor: Executor, now: float) -> None:
+def recover(book: JobBook, executor: Executor, filing: Filing, now: float) -> None:
     state = book.state
     adopted: set[int] = set()
     for job in state.jobs("running"):
@@ -34,39 +37,8 @@ def recover(book: JobBook, executor: Executor, now: float) -> None:
                 log.info("recovery.adopted", job_id=job.id, run=job.run, step=job.step, pid=job.pid)
                 continue
             kill_group(job.pid)
-        book.harvest(job)
-        remaining = book.due(job)
-        progressed = len(remaining) < len(job.tasks)  # a task finished since it last started
-        verdict = settle.recover(
-            job.attempt,
-            job.daemon_deaths,
-            book.cfg.eval.max_attempts,
-            remaining,
-            explained=alive or progressed,
-        )
-        state.update_job(job.id, daemon_deaths=verdict.daemon_deaths or job.daemon_deaths)
-        if verdict.kind == "requeue":
-            book.requeue(job, remaining, attempt=verdict.attempt, error=verdict.reason)
-            log.info(
-                "recovery.requeued",
-                job_id=job.id,
-                run=job.run,
-                step=job.step,
-                daemon_deaths=verdict.daemon_deaths,
-                worker_outlived_daemon=alive,
-                progressed=progressed,
-            )
-        elif verdict.kind == "fail":
-            log.error(
-                "recovery.crash_loop",
-                job_id=job.id,
-                run=job.run,
-                step=job.step,
-                reason=verdict.reason,
-            )
-            book.fail(job, remaining, {}, verdict, now)
-        else:
-            book.finish(job, "ok", now)
+        # a ledger folder that cannot be written keeps the job running, filed on a later pass
+        filing.attempt(job.id, partial(_settle_gone, book, job.id, alive), now)
     for pid in find_workers(book.cfg.state_dir):
         if pid not in adopted:
             log.warning("recovery.killing_stray_worker", pid=pid)
@@ -81,3 +53,45 @@ def recover(book: JobBook, executor: Executor, now: float) -> None:
             book.finish(job, "ok", now)
         elif remaining != job.tasks:
             state.update_job(job.id, tasks=remaining)
+
+
+def _settle_gone(book: JobBook, job_id: str, alive: bool, now: float) -> None:
+    """A running job whose worker is gone (or was just killed): file what it finished, then
+    `settle.recover` decides."""
+    state = book.state
+    job = state.job(job_id)
+    if job is None or job.state != "running":
+        return
+    book.harvest(job)
+    remaining = book.due(job)
+    progressed = len(remaining) < len(job.tasks)  # a task finished since it last started
+    verdict = settle.recover(
+        job.attempt,
+        job.daemon_deaths,
+        book.cfg.eval.max_attempts,
+        remaining,
+        explained=alive or progressed,
+    )
+    state.update_job(job.id, daemon_deaths=verdict.daemon_deaths or job.daemon_deaths)
+    if verdict.kind == "requeue":
+        book.requeue(job, remaining, attempt=verdict.attempt, error=verdict.reason)
+        log.info(
+            "recovery.requeued",
+            job_id=job.id,
+            run=job.run,
+            step=job.step,
+            daemon_deaths=verdict.daemon_deaths,
+            worker_outlived_daemon=alive,
+            progressed=progressed,
+        )
+    elif verdict.kind == "fail":
+        log.error(
+            "recovery.crash_loop",
+            job_id=job.id,
+            run=job.run,
+            step=job.step,
+            reason=verdict.reason,
+        )
+        book.fail(job, remaining, {}, verdict, now)
+    else:
+        book.finish(job, "ok", now)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 
 import structlog
 
@@ -26,6 +27,7 @@ from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.executors.base import Executor
 from ckpt_watcher.jobs import settle
 from ckpt_watcher.jobs.book import JobBook
+from ckpt_watcher.jobs.filing import Filing
 from ckpt_watcher.jobs.helpers import Helpers
 from ckpt_watcher.ledger import task_key
 from ckpt_watcher.state import Job, State
@@ -55,6 +57,7 @@ class Supervisor:
         discovery: Discovery,
         book: JobBook,
         helpers: Helpers,
+        filing: Filing,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         """`monotonic` measures running time (tests on a simulated clock pass that clock)."""
@@ -68,6 +71,7 @@ class Supervisor:
         self.exits = exits  # (job id, exit code), queued by the executor's threads
         self.discovery = discovery
         self.book = book
+        self.filing = filing  # exits whose lines the ledger folder could not take yet
         self.timed_out: set[str] = set()
         self.killed_for_stop: set[str] = set()
         self.yielded: dict[str, str] = {}  # job id -> the device given back, and why
@@ -75,7 +79,12 @@ class Supervisor:
 
     def busy(self) -> bool:
         """Jobs queued or running, or exits and verdicts not yet handled."""
-        return bool(self.state.jobs("queued", "running") or not self.exits.empty() or self.asking)
+        return bool(
+            self.state.jobs("queued", "running")
+            or not self.exits.empty()
+            or self.asking
+            or self.filing.pending
+        )
 
     def deadlines(self, now: float) -> list[float]:
         """When supervision next needs the loop: time-outs of running jobs, answers waited for."""
@@ -103,6 +112,8 @@ class Supervisor:
         for gone in set(self._first_seen) - {(j.id, j.attempt, j.started_at) for j in running}:
             del self._first_seen[gone]  # ended, or queued again: its next attempt starts anew
         for job in running:
+            if self.filing.waits_for(job.id):
+                continue  # its worker has ended: its lines wait for the ledger folder
             ran = self.running_for(job, now)
             if ran is not None and ran > limit and job.id not in self.timed_out:
                 self.timed_out.add(job.id)
@@ -110,7 +121,10 @@ class Supervisor:
                 self.executor.kill(job.id)
 
     def collect(self, now: float) -> None:
-        """Handle worker exits, and failed jobs whose source has answered (or not in time)."""
+        """Handle worker exits, and failed jobs whose source has answered (or not in time).
+        An exit whose lines the ledger folder cannot take waits in `filing`, the job still
+        `running`, and is handled again from the start when the folder takes them."""
+        self.filing.retry(now)
         while True:
             try:
                 job_id, rc = self.exits.get_nowait()
@@ -118,30 +132,36 @@ class Supervisor:
                 break
             if self.helpers.exited(job_id, rc):
                 continue
-            job = self.state.job(job_id)
-            if job is None or job.state != "running":
-                continue
-            self.book.harvest(job)
-            # its files are held for it (pinned, a staged S3 copy): a failure is no delete
-            held = self.discovery.held(self.book.source_name(job), job.location)
-            if (
-                not self.book.due(job)
-                or held
-                or job.id in self.killed_for_stop
-                or job.id in self.yielded
-            ):
-                self._settle(job, rc, gone=False, now=now)
-                continue
-            # a failure: was the checkpoint deleted meanwhile? Ask its source, off the loop.
-            asked = self.discovery.exists(self.book.source_name(job), job.location)
-            self.asking[job.id] = _Asking(rc, asked, now + EXISTS_WAIT_SECONDS)
+            self.filing.attempt(job_id, partial(self._exited, job_id, rc), now)
         for job_id, asking in list(self.asking.items()):
             if asking.asked is not None and not asking.asked.done() and now < asking.deadline:
                 continue
             del self.asking[job_id]
-            job = self.state.job(job_id)
-            if job is not None and job.state == "running":
-                self._settle(job, asking.rc, gone=_answered_no(asking.asked), now=now)
+            self.filing.attempt(job_id, partial(self._answered, job_id, asking), now)
+
+    def _exited(self, job_id: str, rc: int, now: float) -> None:
+        job = self.state.job(job_id)
+        if job is None or job.state != "running":
+            return
+        self.book.harvest(job)
+        # its files are held for it (pinned, a staged S3 copy): a failure is no delete
+        held = self.discovery.held(self.book.source_name(job), job.location)
+        if (
+            not self.book.due(job)
+            or held
+            or job.id in self.killed_for_stop
+            or job.id in self.yielded
+        ):
+            self._settle(job, rc, gone=False, now=now)
+            return
+        # a failure: was the checkpoint deleted meanwhile? Ask its source, off the loop.
+        asked = self.discovery.exists(self.book.source_name(job), job.location)
+        self.asking[job.id] = _Asking(rc, asked, now + EXISTS_WAIT_SECONDS)
+
+    def _answered(self, job_id: str, asking: _Asking, now: float) -> None:
+        job = self.state.job(job_id)
+        if job is not None and job.state == "running":
+            self._settle(job, asking.rc, gone=_answered_no(asking.asked), now=now)
 
     def _settle(self, job: Job, rc: int, gone: bool, now: float) -> None:
         """Carry out `settle.settle`'s verdict on a worker's exit."""
@@ -153,11 +173,10 @@ class Supervisor:
         permanent = (crash is not None and not crash.heals) or bool(
             failed and all(o is not None and not o.heals for o in failed)
         )
+        # read here, forgotten once the verdict is carried out (a filing done again reads them)
         timed_out = job.id in self.timed_out
-        self.timed_out.discard(job.id)
         killed_for_stop = job.id in self.killed_for_stop
-        self.killed_for_stop.discard(job.id)
-        yielded = self.yielded.pop(job.id, None)
+        yielded = self.yielded.get(job.id)
         verdict = settle.settle(
             settle.Attempt(
                 attempt=job.attempt,
@@ -211,6 +230,9 @@ class Supervisor:
             )
         else:
             self.book.fail(job, remaining, outcomes, verdict, now)
+        self.timed_out.discard(job.id)
+        self.killed_for_stop.discard(job.id)
+        self.yielded.pop(job.id, None)
 
     def give_back(self, busy: dict[str, str], labels: dict[str, str]) -> list[str]:
         """devices.yield_to_others: stop every running job on a device that another process now
@@ -218,7 +240,12 @@ class Supervisor:
         back; its journal keeps what it finished. Returns the jobs stopped now."""
         stopped = []
         for job in self.state.jobs("running"):
-            if job.device not in busy or job.id in self.yielded or job.id in self.killed_for_stop:
+            if (
+                job.device not in busy
+                or job.id in self.yielded
+                or job.id in self.killed_for_stop
+                or self.filing.waits_for(job.id)  # its worker has ended already
+            ):
                 continue
             self.yielded[job.id] = f"{labels.get(job.device, job.device)} ({busy[job.device]})"
             log.warning(
@@ -238,7 +265,7 @@ class Supervisor:
         never marked ok."""
         self.helpers.stop_all()
         for job in self.state.jobs("running"):
-            if job.id in self.killed_for_stop:
+            if job.id in self.killed_for_stop or self.filing.waits_for(job.id):
                 continue
             self.killed_for_stop.add(job.id)
             log.warning("daemon.killing_worker", job_id=job.id, pid=job.pid)
