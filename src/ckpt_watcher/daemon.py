@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from ckpt_watcher.devices import (
 )
 from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.durable import write_atomic
-from ckpt_watcher.errors import ConfigError, LedgerError
+from ckpt_watcher.errors import ConfigError, LedgerError, StateError
 from ckpt_watcher.executors import build_executor
 from ckpt_watcher.executors.base import Executor, ExitCallback
 from ckpt_watcher.executors.processes import process_groups
@@ -200,6 +201,12 @@ class Daemon:
         self.state.acquire_daemon_lock()
         try:
             return self._run()
+        except sqlite3.OperationalError as e:  # its disk full (a trainer's checkpoints), I/O
+            raise StateError(
+                f"cannot write the state database {self.state.path} ({e}): free space on its "
+                "disk, or fix it, then start the watcher again. Nothing is lost: running evals "
+                "are adopted, finished ones filed from their job folders"
+            ) from e
         finally:
             self.helpers.stop_all()  # they help jobs of this daemon only
             self.executor.close()  # warm engines are released with the daemon
@@ -215,7 +222,10 @@ class Daemon:
             self.discovery.close()
             self.metrics.close()
             self.sinks.close()
-            self.state.set_meta(daemon_stopped_at=self.clock(), daemon_pid=None)
+            try:
+                self.state.set_meta(daemon_stopped_at=self.clock(), daemon_pid=None)
+            except sqlite3.OperationalError as e:  # as above: `watcher status` says "down"
+                log.error("state.not_written", error=str(e))
             self.state.close()
 
     def _run(self) -> int:

@@ -1,7 +1,8 @@
-"""A ledger folder that cannot be written (here a real full disk: a tmpfs of 2 MiB, filled) stops
+"""Full disks, real ones (a tmpfs of 2 MiB, filled). A ledger folder that cannot be written stops
 neither the daemon nor any result: finished results wait in their job folders, no eval starts,
-`watcher status` says DEGRADED, and everything is filed once there is room. `watcher once` stops
-with one line instead of waiting."""
+`watcher status` says DEGRADED, and everything is filed once there is room; `watcher once` stops
+with one line instead of waiting. A state folder that cannot be written stops the daemon with
+one line saying what to do, and the next start goes on."""
 
 from __future__ import annotations
 
@@ -23,7 +24,14 @@ from ckpt_watcher.executors.simulated import SimClock, SimulatedExecutor
 from ckpt_watcher.jobfolder import JobFolder
 from ckpt_watcher.jobs.filing import RETRY_SECONDS
 
-from .conftest import WATCHER, base_config, read_ledger, write_config, write_fake_checkpoint
+from .conftest import (
+    WATCHER,
+    base_config,
+    idle_config,
+    read_ledger,
+    write_config,
+    write_fake_checkpoint,
+)
 from .helpers import alive, running_jobs, status_json, wait_for, watcher_run
 
 
@@ -209,3 +217,22 @@ def test_a_full_ledger_disk_loses_no_result_and_stops_no_daemon(
     assert 0.0 <= by_step[100]["metrics"]["exact_match,none"] <= 1.0
     text = log.read_text()
     assert '"ledger.unwritable"' in text and '"ledger.writable_again"' in text
+
+
+@pytest.mark.e2e
+def test_a_full_state_disk_stops_the_daemon_with_one_line_and_the_next_start_goes_on(
+    tmp_path: Path, small_disk: Path
+) -> None:
+    cfg = idle_config(tmp_path, state_dir=str(small_disk / "state"))
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        wait_for(lambda: status_json(cfg)[0] == 0, 60, "the daemon to run", daemon, log)
+        filler = fill(small_disk)
+        assert daemon.wait(timeout=60) == 1  # its heartbeat cannot be written
+    said = log.read_text().strip().splitlines()[-1]
+    assert said.startswith("watcher: cannot write the state database"), said
+    assert "database or disk is full" in said and "free space on its disk" in said, said
+    assert status_json(cfg)[0] == 3  # down
+    filler.unlink()
+    with watcher_run(cfg, log) as daemon:
+        wait_for(lambda: status_json(cfg)[0] == 0, 60, "the next start to run", daemon, log)
