@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ckpt_watcher.errors import StateError
 from ckpt_watcher.proctable import process_alive
 from ckpt_watcher.state import Job, State
 
@@ -301,6 +302,16 @@ def running_jobs(state_dir: Path) -> list[Job]:
         return db.jobs("running")
     finally:
         db.close()
+
+
+def running_job(state: Path) -> Job | None:
+    """The running job once its worker has a pid, read from the state folder directly (not
+    through `watcher status`, a slower subprocess): on a fast machine a tiny eval ends a few
+    seconds after its worker starts, and the test must act on it before then."""
+    try:
+        return next((j for j in running_jobs(state) if j.pid), None)
+    except StateError:  # the daemon has not made its database yet
+        return None
 
 
 class Throttle:

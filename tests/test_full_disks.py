@@ -18,7 +18,6 @@ import pytest
 from ckpt_watcher.config import parse_config
 from ckpt_watcher.daemon import Daemon
 from ckpt_watcher.devices import FakeGpu, FakeInventory
-from ckpt_watcher.errors import StateError
 from ckpt_watcher.executors.base import WorkerHandle
 from ckpt_watcher.executors.simulated import SimClock, SimulatedExecutor
 from ckpt_watcher.jobfolder import JobFolder
@@ -32,7 +31,7 @@ from .conftest import (
     write_config,
     write_fake_checkpoint,
 )
-from .helpers import alive, running_jobs, status_json, wait_for, watcher_run
+from .helpers import alive, running_job, status_json, wait_for, watcher_run
 
 
 @pytest.fixture
@@ -63,13 +62,6 @@ def fill(disk: Path) -> Path:
         except OSError as e:
             assert e.errno == errno.ENOSPC, e
     return path
-
-
-def running_pid(state: Path) -> int | None:
-    try:
-        return next((j.pid for j in running_jobs(state) if j.pid), None)
-    except StateError:  # no database yet
-        return None
 
 
 def test_an_exit_whose_lines_cannot_be_filed_waits_and_no_other_job_starts(
@@ -147,10 +139,10 @@ def test_a_full_ledger_disk_loses_no_result_and_stops_no_daemon(
     # step 100's worker finishes after its daemon died (kill -9): its result is in its job
     # folder only, and the ledger's disk is full before any daemon can file it
     with watcher_run(cfg, log) as daemon:
-        pid = wait_for(lambda: running_pid(state), 120, "step 100's eval to start", daemon, log)
+        job = wait_for(lambda: running_job(state), 120, "step 100's eval to start", daemon, log)
         os.kill(daemon.pid, signal.SIGKILL)
         daemon.wait()
-    wait_for(lambda: not alive(pid), 180, "step 100's worker to finish alone")
+    wait_for(lambda: not alive(job.pid), 180, "step 100's worker to finish alone")
     (job_dir,) = (state / "jobs").iterdir()
     assert JobFolder(job_dir / "attempt-1").exit_code() == 0
     filler = fill(small_disk)

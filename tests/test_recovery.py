@@ -22,21 +22,11 @@ from .conftest import (
     write_config,
     write_fake_checkpoint,
 )
-from .helpers import alive, running_jobs, status_json, wait_for, watcher_run
+from .helpers import alive, running_job, status_json, wait_for, watcher_run
 
 pytestmark = pytest.mark.e2e
 
 TASKS = [{"task": "addition", "num_fewshot": 0}, {"task": "addition", "num_fewshot": 1}]
-
-
-def running_job(state: Path) -> Job | None:
-    """The running job once its worker has a pid, read from the state folder directly (not
-    through `watcher status`, a slower subprocess): on a fast machine a tiny eval ends a few
-    seconds after its worker starts, and the test must act on it before then."""
-    try:
-        return next((j for j in running_jobs(state) if j.pid), None)
-    except StateError:  # the daemon has not made its database yet
-        return None
 
 
 def test_kill_9_mid_eval_then_restart_loses_and_duplicates_nothing(
