@@ -101,6 +101,11 @@ def test_an_exit_whose_lines_cannot_be_filed_waits_and_no_other_job_starts(
         seen["queued"] = [j.step for j in daemon.state.jobs("queued")]
         seen["running"] = [j.step for j in daemon.state.jobs("running")]
         seen["summary"] = daemon.filing.summary(sim())
+        seen["gauge"] = metric()
+
+    def metric() -> float | None:
+        name = "ckpt_watcher_ledger_unwritable_seconds"
+        return daemon.metrics.registry.get_sample_value(name)
 
     daemon = Daemon(
         cfg,
@@ -122,6 +127,10 @@ def test_an_exit_whose_lines_cannot_be_filed_waits_and_no_other_job_starts(
         (200, "ok", 1),
     ]
     assert daemon.filing.summary(sim()) is None
+    # Prometheus (set by the heartbeat): how long it could not be written, then 0
+    gauge = seen["gauge"]
+    assert isinstance(gauge, float) and 50 <= gauge <= 61, gauge
+    assert metric() == 0.0
 
 
 @pytest.mark.e2e

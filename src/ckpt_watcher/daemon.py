@@ -476,6 +476,8 @@ class Daemon:
             if p is not None and p.total:
                 ratios[(job.id, p.task)] = p.done / p.total
         self.metrics.job_progress(ratios)
+        unwritable = self.filing.summary(self.clock())
+        self.metrics.ledger_unwritable.set(unwritable["for_s"] if unwritable else 0.0)
 
     def _watch_zombies(self, now: float) -> None:
         """Report processes not ours that sit on GPU memory at 0% utilisation; kill them only

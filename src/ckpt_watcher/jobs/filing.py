@@ -118,8 +118,9 @@ class Filing:
         self.next_try = now + RETRY_SECONDS
         if not self.keep_trying:
             raise LedgerError(
-                f"{error}. Nothing is lost: the results wait in the state folder's job folders, "
-                "and the next `watcher once` or `watcher run` files them once it can be written"
+                f"{error}. Nothing is lost: finished results wait in the state folder's job "
+                "folders; once it can be written, the next `watcher once` or `watcher run` files "
+                "them and evaluates the rest"
             )
         if self.trouble is None:
             self.trouble = _Trouble(now, error)

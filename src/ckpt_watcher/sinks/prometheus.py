@@ -79,6 +79,11 @@ class DaemonMetrics:
             ["source"],
             registry=r,
         )
+        self.ledger_unwritable = Gauge(
+            "ckpt_watcher_ledger_unwritable_seconds",
+            "Seconds since ledger_dir could not be written (0: it can); no eval starts meanwhile",
+            registry=r,
+        )
         self.ledger_lines = Counter(
             "ckpt_watcher_ledger_lines", "Ledger lines written, by status", ["status"], registry=r
         )
