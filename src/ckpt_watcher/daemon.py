@@ -444,10 +444,10 @@ class Daemon:
             self._watch_zombies(now)
             if self.mirror is not None:
                 self.mirror.retry_due(now)
+            unwritable = self.filing.summary(now)
+            self.metrics.ledger_unwritable.set(unwritable["for_s"] if unwritable else 0.0)
             self.state.set_meta(
-                heartbeat=now,
-                stopping=bool(self.stop_requests),
-                ledger_unwritable=self.filing.summary(now),
+                heartbeat=now, stopping=bool(self.stop_requests), ledger_unwritable=unwritable
             )
             self.notifier.status(self._status_line())
             self._last_heartbeat = now
@@ -476,8 +476,6 @@ class Daemon:
             if p is not None and p.total:
                 ratios[(job.id, p.task)] = p.done / p.total
         self.metrics.job_progress(ratios)
-        unwritable = self.filing.summary(self.clock())
-        self.metrics.ledger_unwritable.set(unwritable["for_s"] if unwritable else 0.0)
 
     def _watch_zombies(self, now: float) -> None:
         """Report processes not ours that sit on GPU memory at 0% utilisation; kill them only

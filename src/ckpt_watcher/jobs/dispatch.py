@@ -150,9 +150,7 @@ class Dispatcher:
                 self.on_skipped("backlog")
         return skipped
 
-    def dispatch(
-        self, now: float, free: list[Device], may_start: Callable[[float], bool] = lambda t: True
-    ) -> None:
+    def dispatch(self, now: float, free: list[Device], may_start: Callable[[float], bool]) -> None:
         """Give free devices their next jobs (splitting a checkpoint over spare devices); the
         devices still free then join running jobs' tasks (helpers); helpers give their devices
         back to queued jobs that have none. `may_start` is asked before jobs start (no: none

@@ -59,7 +59,7 @@ class Filing:
             filing(now)
         except LedgerError as e:
             self.pending[job_id] = filing
-            self._failed(str(e), now)
+            self.failed(str(e), now)
             return False
         self.pending.pop(job_id, None)
         return True
@@ -84,9 +84,26 @@ class Filing:
         return self.trouble is None
 
     def failed(self, error: str, now: float) -> None:
-        """A ledger write failed outside a job's filing (a skip, a reuse): it is done again on
-        a later pass; meanwhile no job starts."""
-        self._failed(error, now)
+        """A ledger write failed (a job's filing, the probe, or a skip or reused result, which
+        a later pass does again): no job starts until it can be written."""
+        self.next_try = now + RETRY_SECONDS
+        if not self.keep_trying:
+            raise LedgerError(
+                f"{error}. Nothing is lost: finished results wait in the state folder's job "
+                "folders; once it can be written, the next `watcher once` or `watcher run` files "
+                "them and evaluates the rest"
+            )
+        if self.trouble is None:
+            self.trouble = _Trouble(now, error)
+            log.error(
+                "ledger.unwritable",
+                ledger_dir=str(self.ledger_dir),
+                error=error,
+                waiting_jobs=sorted(self.pending),
+                hint=WAITING_HINT,
+            )
+        else:
+            self.trouble.error = error
 
     def waits_for(self, job_id: str) -> bool:
         return job_id in self.pending
@@ -112,27 +129,7 @@ class Filing:
         if why is None:
             self._cleared(now)
         else:
-            self._failed(f"cannot write to ledger_dir {self.ledger_dir}: {why}", now)
-
-    def _failed(self, error: str, now: float) -> None:
-        self.next_try = now + RETRY_SECONDS
-        if not self.keep_trying:
-            raise LedgerError(
-                f"{error}. Nothing is lost: finished results wait in the state folder's job "
-                "folders; once it can be written, the next `watcher once` or `watcher run` files "
-                "them and evaluates the rest"
-            )
-        if self.trouble is None:
-            self.trouble = _Trouble(now, error)
-            log.error(
-                "ledger.unwritable",
-                ledger_dir=str(self.ledger_dir),
-                error=error,
-                waiting_jobs=sorted(self.pending),
-                hint=WAITING_HINT,
-            )
-        else:
-            self.trouble.error = error
+            self.failed(f"cannot write to ledger_dir {self.ledger_dir}: {why}", now)
 
     def _cleared(self, now: float) -> None:
         if self.trouble is None:
