@@ -213,3 +213,91 @@ def test_a_worker_killed_9_takes_its_harness_and_all_it_started_along(tmp_path: 
         time.sleep(0.1)
     else:
         raise AssertionError("the harness's child outlived the worker")
+
+
+# Binds a Unix socket in its TMPDIR, as vLLM's engine does (ZMQ `ipc://`), then waits to be
+# killed; run again (its first run's record exists), it finishes.
+LINGERER = r"""
+import json, os, socket, sys, time
+out, probe = sys.argv[1], os.environ["PROBE_DIR"]
+tmp = os.environ["TMPDIR"]
+first = not os.path.exists(os.path.join(probe, "first.json"))
+if first:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(os.path.join(tmp, "engine.sock"))
+record = {"tmp": tmp, "pid": os.getpid()}
+json.dump(record, open(os.path.join(probe, "first.json" if first else "second.json"), "w"))
+if first:
+    time.sleep(300)
+os.makedirs(out, exist_ok=True)
+json.dump({"scores": {"size": 1}}, open(os.path.join(out, "results.json"), "w"))
+"""
+
+
+@pytest.mark.e2e
+def test_what_a_killed_worker_left_in_its_temporary_folder_goes_with_it(
+    tmp_path: Path, harness_venv: Path
+) -> None:
+    """vLLM leaves its engine's sockets in the temporary folder when it is killed: each worker
+    has a folder of its own there, gone when its process group is (scratch.py)."""
+    import os
+    import signal
+    import sys
+
+    from ckpt_watcher import scratch
+
+    from .helpers import alive, running_job, wait_for, watcher_run
+
+    watch, probe = tmp_path / "ckpts", tmp_path / "probe"
+    probe.mkdir()
+    write_fake_checkpoint(watch / "run1" / "step_100")
+    (harness_venv / "lingerer.py").write_text(LINGERER)
+    raw = config(
+        tmp_path,
+        watch,
+        harness_venv,
+        argv=["python", str(harness_venv / "lingerer.py"), "{output_dir}/o"],
+        results={"file": "{output_dir}/o/results.json", "metrics": {"size": "scores.size"}},
+        samples=None,
+        env={"PROBE_DIR": str(probe)},
+    )
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    # a worker that ended while no daemon watched it left its folder; a live one keeps its own
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    left = scratch.folder(ended.pid)
+    left.mkdir()
+    (left / "stale.sock").write_text("")
+    mine = scratch.folder(os.getpid())
+    mine.mkdir(exist_ok=True)
+    log = tmp_path / "daemon.log"
+    try:
+        with watcher_run(cfg, log) as daemon:
+            wait_for(lambda: not left.exists(), 60, "the ended worker's folder swept", daemon, log)
+            assert mine.is_dir()
+            first = wait_for(lambda: _json(probe / "first.json"), 120, "the harness", daemon, log)
+            assert first is not None
+            job = running_job(tmp_path / "state")
+            assert job is not None and job.pid
+            assert first["tmp"] == str(scratch.folder(job.pid))  # the worker's, inherited
+            assert (scratch.folder(job.pid) / "engine.sock").exists()
+            os.kill(job.pid, signal.SIGKILL)  # the worker; its harness is left to the daemon
+            wait_for(lambda: not scratch.folder(job.pid).exists(), 30, "reaped", daemon, log)
+            (line,) = wait_for(
+                lambda: read_ledger(tmp_path / "ledgers", "run1"), 120, "the retry", daemon, log
+            )
+            assert line["status"] == "ok" and line["attempt"] == 2, line
+            second = _json(probe / "second.json")
+            assert second is not None and second["tmp"] != first["tmp"]
+        # a warm worker holds its folder until it exits; the daemon killed, it exits cleanly
+        wait_for(lambda: not Path(second["tmp"]).exists(), 60, "a clean exit's", None, log)
+        assert not alive(first["pid"])  # the harness that bound the socket went with its worker
+    finally:
+        mine.rmdir()
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

@@ -16,8 +16,9 @@ import sys
 import threading
 import time
 
+from ckpt_watcher import scratch
 from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
-from ckpt_watcher.executors.processes import kill_group
+from ckpt_watcher.executors.processes import kill_group, reap_group
 from ckpt_watcher.jobfolder import WORKER_MODULE, JobFolder
 from ckpt_watcher.proctable import process_alive, process_start_token
 
@@ -54,11 +55,7 @@ class LocalExecutor(Executor):
 
     def _wait(self, job_id: str, proc: subprocess.Popen[bytes]) -> None:
         rc = proc.wait()
-        # reap the rest of the group (vLLM engine processes) so nothing outlives its job
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        reap_group(proc.pid)  # the rest of its group (vLLM engine processes) goes with it
         with self._lock:
             self._procs.pop(job_id, None)
         self.on_exit(job_id, rc)
@@ -86,6 +83,11 @@ class LocalExecutor(Executor):
             time.sleep(ADOPTED_POLL_SECONDS)  # finishing its exit (a warm worker: its release)
         if not gone():
             kill_group(handle.pid)
+            deadline = time.monotonic() + ADOPTED_EXIT_GRACE_SECONDS
+            while not gone() and time.monotonic() < deadline:
+                time.sleep(ADOPTED_POLL_SECONDS / 10)
+        if not process_alive(handle.pid):  # else its pid is another's now: the next start's sweep
+            scratch.remove(handle.pid)
         with self._lock:
             self._adopted.pop(handle.job_id, None)
         # no exit file: it died before it could write one (killed)

@@ -1,6 +1,6 @@
 """This host's process table (/proc), as the daemon needs it: is a worker still ours, which
 processes belong to our workers' groups, which workers an earlier daemon left behind, and how to
-kill a worker with everything it started. (Whether a pid is alive, and since when: `proctable`.)"""
+kill a worker with everything it started, and clear up after it. (Whether a pid is alive, and since when: `proctable`.)"""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import structlog
 
+from ckpt_watcher import scratch
 from ckpt_watcher.jobfolder import WORKER_MODULE, jobs_root
 from ckpt_watcher.proctable import proc_stat, process_start_token
 
@@ -68,3 +69,10 @@ def kill_group(pid: int) -> None:
         pass
     except PermissionError as e:
         log.error("executor.kill_refused", pid=pid, error=str(e))
+
+
+def reap_group(pid: int) -> None:
+    """A worker exited: kill what is left of its process group (its engine processes) and
+    remove its temporary folder (scratch.py), which holds what those left behind."""
+    kill_group(pid)
+    scratch.remove(pid)

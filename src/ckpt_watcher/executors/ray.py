@@ -18,6 +18,7 @@ from typing import Any
 
 import structlog
 
+from ckpt_watcher import scratch
 from ckpt_watcher.devices import Device, GpuProcess
 from ckpt_watcher.errors import BackendUnavailable
 from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
@@ -41,13 +42,15 @@ def _run_on_node(spec_json: str, job_id: str) -> Iterator[Any]:
         folder = JobFolder(Path(tmp))
         folder.write_spec(JobSpec.from_json(spec_json))
         with open(folder.log, "wb") as out:
-            rc = subprocess.call(
+            proc = subprocess.Popen(
                 [sys.executable, "-m", WORKER_MODULE, str(folder)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=dict(os.environ),
             )
+            rc = proc.wait()
+        scratch.remove(proc.pid)  # its temporary folder, with what a killed engine left there
         yield {
             "rc": rc,
             "files": folder.results(),

@@ -26,7 +26,7 @@ import structlog
 
 from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
 from ckpt_watcher.executors.local import LocalExecutor
-from ckpt_watcher.executors.processes import kill_group
+from ckpt_watcher.executors.processes import kill_group, reap_group
 from ckpt_watcher.jobfolder import (
     KILLED_FILE,
     LOG_FILE,
@@ -142,7 +142,7 @@ class WarmExecutor(Executor):
                 if job_id is not None:
                     self.on_exit(job_id, rc)
         rc = w.proc.wait()
-        kill_group(w.proc.pid)  # its engine processes go with it
+        reap_group(w.proc.pid)  # its engine processes go with it
         with self._lock:
             job_id, w.job_id = w.job_id, None
             if self._workers.get(w.device) is w:
@@ -209,4 +209,4 @@ class WarmExecutor(Executor):
                     w.proc.wait(timeout)
                 except subprocess.TimeoutExpired:
                     pass
-            kill_group(w.proc.pid)
+            reap_group(w.proc.pid)

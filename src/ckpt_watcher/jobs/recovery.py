@@ -7,7 +7,8 @@ here can adopt) is killed with its process group. A job whose worker is gone fir
 finished outcomes filed, then `settle.recover` decides: done, back to the queue, or (a job under
 which the daemon keeps dying with nothing else to explain it) failed. Queued jobs are trimmed to
 what is still due, and dropped when the eval settings changed since they were queued (their
-checkpoint is planned again under the new settings).
+checkpoint is planned again under the new settings). The temporary folders of workers that
+ended meanwhile are removed (scratch.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from functools import partial
 
 import structlog
 
+from ckpt_watcher import scratch
 from ckpt_watcher.executors.base import Executor, WorkerHandle
 from ckpt_watcher.executors.processes import find_workers, is_our_worker, kill_group
 from ckpt_watcher.jobs import settle
@@ -43,6 +45,9 @@ def recover(book: JobBook, executor: Executor, filing: Filing, now: float) -> No
         if pid not in adopted:
             log.warning("recovery.killing_stray_worker", pid=pid)
             kill_group(pid)
+    swept = scratch.sweep()  # workers that ended while no daemon watched them (vLLM's sockets)
+    if swept:
+        log.info("recovery.temp_folders_removed", workers=swept)
     for job in state.jobs("queued"):
         if job.settings_hash != book.settings_hash:
             state.update_job(job.id, state="skipped", error="eval settings changed")

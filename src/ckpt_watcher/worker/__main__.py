@@ -8,6 +8,7 @@ from pathlib import Path
 
 import structlog
 
+from ckpt_watcher import scratch
 from ckpt_watcher.evaluators import heap
 
 
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    tmp = scratch.enter()  # before anything can create a temporary file (vLLM's sockets)
     rc = main()
+    scratch.leave(tmp)  # after a kill, the daemon removes it when it reaps the worker
     heap.thaw()  # a frozen heap at exit makes Triton's bindings report leaks (heap.py)
     sys.exit(rc)

@@ -1,0 +1,72 @@
+"""Each worker's own temporary folder, removed with it.
+
+vLLM keeps its engine's ZMQ sockets and its rendezvous files in the temporary folder
+(`tempfile.gettempdir()`), and leaves them there when its engine is killed: a host whose evals
+are timed out, given back to training or preempted gathered thousands of them in /tmp. So a
+worker makes `<tmp>/ckpt-watcher-worker-<pid>` its TMPDIR before anything else runs (what it
+starts, engine processes and model servers, inherits it), and whoever sees the worker's process
+group end removes the folder: the daemon when it reaps the group, the worker itself on a clean
+exit, and a daemon's start for workers that ended while no daemon watched (`sweep`).
+
+The compile caches are not in it: they are kept under the state folder (compile_cache.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from ckpt_watcher.proctable import process_alive
+
+PREFIX = "ckpt-watcher-worker-"
+_NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)$")
+
+
+def folder(pid: int) -> Path:
+    """The temporary folder of the worker `pid` (workers inherit the daemon's TMPDIR)."""
+    return Path(tempfile.gettempdir()) / f"{PREFIX}{pid}"
+
+
+def enter() -> Path | None:
+    """In a worker, first thing: make its own folder this process's and its children's TMPDIR.
+    Where it cannot be made, the inherited one is kept (nothing else changes)."""
+    path = folder(os.getpid())
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+    except OSError:
+        return None
+    os.environ["TMPDIR"] = str(path)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    return path
+
+
+def leave(path: Path | None) -> None:
+    """In a worker, last thing: its folder goes (`enter`'s; what killed engine processes of its
+    left there too). After a kill, the daemon's `remove` does it."""
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove(pid: int) -> None:
+    """The worker `pid` and its process group are gone: its folder goes too."""
+    shutil.rmtree(folder(pid), ignore_errors=True)
+
+
+def sweep() -> list[int]:
+    """Remove the folders of workers no longer alive (they ended while no daemon watched them,
+    or on another daemon's watch that died); returns their pids. A live worker's folder stays,
+    whichever daemon or user it belongs to."""
+    removed: list[int] = []
+    try:
+        names = os.listdir(tempfile.gettempdir())
+    except OSError:
+        return removed
+    for name in names:
+        m = _NAME.match(name)
+        if m and not process_alive(int(m.group(1))):
+            remove(int(m.group(1)))
+            removed.append(int(m.group(1)))
+    return removed
