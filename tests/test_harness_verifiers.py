@@ -32,7 +32,8 @@ pytestmark = pytest.mark.skipif(
     not VENV, reason="set CKPT_WATCHER_VERIFIERS_VENV to a venv with verifiers 0.4 (.ci/run does)"
 )
 
-EXAMPLES, ROLLOUTS = 6, 2
+# each rollout is a program vf-eval starts (its runtime `subprocess`): about 2 s of CPU here
+EXAMPLES, ROLLOUTS = 4, 2
 
 
 def config(tmp: Path, watch: Path, *more: dict[str, Any], **entry_over: Any) -> Path:
@@ -50,7 +51,7 @@ def config(tmp: Path, watch: Path, *more: dict[str, Any], **entry_over: Any) -> 
         # tokens/s here: 58 tokens a rollout were most of this test's time)
         "sampling": {"temperature": 0.0, "max_tokens": 62, "stop": ["\n"]},
         "chat_template": str(tmp / "chat.jinja"),
-        "concurrency": 4,  # three waves: a kill after the first leaves work to resume
+        "concurrency": 4,  # two waves: a kill after the first answers leaves work to resume
         "env": {"PYTHONPATH": str(TASKSETS)},
     } | entry_over
     ev = dict(VLLM_EVAL) | {
@@ -89,9 +90,9 @@ def recomputed(traces: Path) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, trained_checkpoint: Path) -> list[Path]:
-    """Three checkpoints of run1 (steps 100, 200, 300), each other weights of one shape."""
+    """Two checkpoints of run1 (steps 100, 300), other weights of one shape."""
     out = tmp_path_factory.mktemp("vf_ckpts")
-    return derived_checkpoints(trained_checkpoint, out, "run1", (100, 200, 300))
+    return derived_checkpoints(trained_checkpoint, out, "run1", (100, 300))
 
 
 def test_sampling_and_env_args_reach_vf_eval_as_written(tmp_path: Path) -> None:
@@ -135,17 +136,17 @@ def test_sampling_and_env_args_reach_vf_eval_as_written(tmp_path: Path) -> None:
 def test_rewards_equal_traces_a_swapped_server_equals_a_fresh_one_and_a_kill_9_resumes(
     tmp_path: Path, checkpoints: list[Path]
 ) -> None:
-    # an uninterrupted run of three checkpoints by one warm worker, which keeps its model
-    # server and swaps each next checkpoint's weights in (swaps proven by the quick check on the
+    # an uninterrupted run of two checkpoints by one warm worker, which keeps its model server
+    # and swaps the next checkpoint's weights in (the swap proven by the quick check on the
     # server the first checkpoint started)
     ref = tmp_path / "ref"
     for ck in checkpoints:
         shutil.copytree(ck, ref / "ckpts" / ck.name)
     lines = watcher_once(config(ref, ref / "ckpts"), ref / "ledgers", "run1")
     sums = sorted((ln for ln in lines if ln["task"] == "sums"), key=lambda ln: ln["step"])
-    assert [ln["step"] for ln in sums] == [100, 200, 300]
-    # started and checked; swapped in; swapped in
-    assert [ln["engine"] for ln in sums] == ["cold", "warm", "warm"], sums
+    assert [ln["step"] for ln in sums] == [100, 300]
+    # started and checked; swapped in
+    assert [ln["engine"] for ln in sums] == ["cold", "warm"], sums
     (engine_file,) = (ref / "state" / "jobs" / "_warm").glob("*/engine.json")
     events = [(e["event"], e["check"]) for e in json.loads(engine_file.read_text())["events"]]
     assert events == [("server.verify_ok", "quick")], events
