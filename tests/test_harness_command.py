@@ -301,3 +301,35 @@ def _json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def test_a_temporary_folder_too_deep_for_sockets_is_kept_as_inherited() -> None:
+    """A cluster's TMPDIR can be long: a worker's folder in it must leave room for vLLM's socket
+    names (107 bytes in all), or the worker keeps the TMPDIR it was given."""
+    import os
+    import shutil
+    import sys
+    import tempfile
+
+    show = (
+        "import os; from ckpt_watcher import scratch; print(scratch.enter(), os.environ['TMPDIR'])"
+    )
+    short = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # /tmp/tXXXXXXXX
+    deep = short.joinpath(*["d" * 9] * 6)  # 60 characters more: no room for the socket names
+    deep.mkdir(parents=True)
+    try:
+        for base, fits in ((short, True), (deep, False)):
+            out = subprocess.run(
+                [sys.executable, "-c", show],
+                env=dict(os.environ, TMPDIR=str(base)),
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()
+            if fits:
+                assert Path(out[0]).parent == base and out[1] == out[0], out
+                assert len(out[0]) + 37 <= 107
+            else:
+                assert out == ["None", str(base)], out
+    finally:
+        shutil.rmtree(short)

@@ -22,6 +22,8 @@ from pathlib import Path
 from ckpt_watcher.proctable import process_alive
 
 PREFIX = "ckpt-watcher-worker-"
+MAX_SOCKET_PATH = 107  # a Unix socket's path, in bytes (sun_path less its NUL)
+SOCKET_NAME_CHARS = 36  # vLLM names its sockets by a uuid4
 _NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)$")
 
 
@@ -32,8 +34,11 @@ def folder(pid: int) -> Path:
 
 def enter() -> Path | None:
     """In a worker, first thing: make its own folder this process's and its children's TMPDIR.
-    Where it cannot be made, the inherited one is kept (nothing else changes)."""
+    Where it cannot be made, or its sockets' paths would be too long for a Unix socket, the
+    inherited one is kept (nothing else changes)."""
     path = folder(os.getpid())
+    if len(str(path)) + 1 + SOCKET_NAME_CHARS > MAX_SOCKET_PATH:
+        return None
     try:
         path.mkdir(mode=0o700, exist_ok=True)
     except OSError:
