@@ -71,7 +71,8 @@ def sweep() -> list[int]:
         return removed
     for name in names:
         m = _NAME.match(name)
-        if m and not process_alive(int(m.group(1))):
-            remove(int(m.group(1)))
-            removed.append(int(m.group(1)))
+        if m and not process_alive(pid := int(m.group(1))):
+            remove(pid)
+            if not folder(pid).exists():  # another user's stays theirs
+                removed.append(pid)
     return removed
