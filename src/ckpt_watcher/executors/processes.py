@@ -1,6 +1,7 @@
 """This host's process table (/proc), as the daemon needs it: is a worker still ours, which
-processes belong to our workers' groups, which workers an earlier daemon left behind, and how to
-kill a worker with everything it started, and clear up after it. (Whether a pid is alive, and since when: `proctable`.)"""
+processes belong to our workers' groups, which workers an earlier daemon left behind, how to
+kill a worker with everything it started, and how to clear up after it. (Whether a pid is
+alive, and since when: `proctable`.)"""
 
 from __future__ import annotations
 
