@@ -8,10 +8,13 @@ import os
 import signal
 import sqlite3
 import subprocess
+import tempfile
 from contextlib import closing
 from pathlib import Path
 
 import pytest
+
+from ckpt_watcher import scratch
 
 from .conftest import base_config, read_ledger, write_config
 from .helpers import status_json, wait_for, watcher_run
@@ -51,7 +54,7 @@ def test_two_checkpoints_run_concurrently_on_two_ray_gpus_and_a_killed_worker_is
             """The Ray worker process running step 3's eval (the parent of our worker, whose
             scratch folder is named after the job), and no other process on this machine."""
             r = subprocess.run(
-                ["pgrep", "-f", "ckpt-watcher-ray-3-"], capture_output=True, text=True
+                ["pgrep", "-f", "ckpt-watcher-task-[0-9]+-ray-3-"], capture_output=True, text=True
             )
             for pid in r.stdout.split():
                 try:
@@ -101,3 +104,5 @@ def test_two_checkpoints_run_concurrently_on_two_ray_gpus_and_a_killed_worker_is
     assert s1 < f2 and s2 < f1, held
     third = next(ln for ln in lines if ln["step"] == 3)
     assert third["attempt"] == 2
+    # the killed task's job folder on the node was swept by the next task there (its retry)
+    assert not list(Path(tempfile.gettempdir()).glob(f"{scratch.TASK_PREFIX}{victim}-*"))

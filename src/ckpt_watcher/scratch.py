@@ -6,7 +6,9 @@ are timed out, given back to training or preempted gathered thousands of them in
 worker makes `<tmp>/ckpt-watcher-worker-<pid>` its TMPDIR before anything else runs (what it
 starts, engine processes and model servers, inherits it), and whoever sees the worker's process
 group end removes the folder: the daemon when it reaps the group, the worker itself on a clean
-exit, and a daemon's start for workers that ended while no daemon watched (`sweep`).
+exit, and a daemon's start for workers that ended while no daemon watched (`sweep`). On a Ray
+node the task's job folder, named after the process that runs the task, goes the same way: the
+next task on that node sweeps those of tasks that were killed.
 
 The compile caches are not in it: they are kept under the state folder (compile_cache.py).
 """
@@ -22,14 +24,22 @@ from pathlib import Path
 from ckpt_watcher.proctable import process_alive
 
 PREFIX = "ckpt-watcher-worker-"
+TASK_PREFIX = "ckpt-watcher-task-"  # a Ray task's job folder on its node: `task_prefix`
 MAX_SOCKET_PATH = 107  # a Unix socket's path, in bytes (sun_path less its NUL)
 SOCKET_NAME_CHARS = 36  # vLLM names its sockets by a uuid4
-_NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)$")
+_NAME = re.compile(rf"^(?:{re.escape(PREFIX)}(\d+)|{re.escape(TASK_PREFIX)}(\d+)-.+)$")
 
 
 def folder(pid: int) -> Path:
     """The temporary folder of the worker `pid` (workers inherit the daemon's TMPDIR)."""
     return Path(tempfile.gettempdir()) / f"{PREFIX}{pid}"
+
+
+def task_prefix(job_id: str) -> str:
+    """The name a Ray task's job folder begins with: the process running the task (a Ray worker,
+    which a node kills -9 when it cancels the task, runs out of memory or is preempted, leaving
+    the folder behind), then the job."""
+    return f"{TASK_PREFIX}{os.getpid()}-{job_id}-"
 
 
 def enter() -> Path | None:
@@ -61,18 +71,19 @@ def remove(pid: int) -> None:
 
 
 def sweep() -> list[int]:
-    """Remove the folders of workers no longer alive (they ended while no daemon watched them,
-    or on another daemon's watch that died); returns their pids. A live worker's folder stays,
-    whichever daemon or user it belongs to."""
+    """Remove the folders of workers, and the job folders of Ray tasks, whose process is no
+    longer alive (they ended while no daemon watched them, or were killed); returns those pids.
+    A live process's folder stays, whichever daemon or user it belongs to."""
     removed: list[int] = []
+    root = Path(tempfile.gettempdir())
     try:
-        names = os.listdir(tempfile.gettempdir())
+        names = os.listdir(root)
     except OSError:
         return removed
     for name in names:
         m = _NAME.match(name)
-        if m and not process_alive(pid := int(m.group(1))):
-            remove(pid)
-            if not folder(pid).exists():  # another user's stays theirs
+        if m and not process_alive(pid := int(m.group(1) or m.group(2))):
+            shutil.rmtree(root / name, ignore_errors=True)
+            if not (root / name).exists():  # another user's stays theirs
                 removed.append(pid)
     return removed

@@ -38,7 +38,8 @@ def _run_on_node(spec_json: str, job_id: str) -> Iterator[Any]:
     import ray
 
     yield ray.util.get_node_ip_address()
-    with tempfile.TemporaryDirectory(prefix=f"ckpt-watcher-{job_id}-") as tmp:
+    scratch.sweep()  # what tasks killed on this node left (their job folders, their workers')
+    with tempfile.TemporaryDirectory(prefix=scratch.task_prefix(job_id)) as tmp:
         folder = JobFolder(Path(tmp))
         folder.write_spec(JobSpec.from_json(spec_json))
         with open(folder.log, "wb") as out:
