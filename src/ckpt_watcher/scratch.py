@@ -47,7 +47,7 @@ def enter() -> Path | None:
     Where it cannot be made, or its sockets' paths would be too long for a Unix socket, the
     inherited one is kept (nothing else changes)."""
     path = folder(os.getpid())
-    if len(str(path)) + 1 + SOCKET_NAME_CHARS > MAX_SOCKET_PATH:
+    if len(os.fsencode(path)) + 1 + SOCKET_NAME_CHARS > MAX_SOCKET_PATH:
         return None
     try:
         path.mkdir(mode=0o700, exist_ok=True)

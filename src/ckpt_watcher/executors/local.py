@@ -72,20 +72,22 @@ class LocalExecutor(Executor):
                 handle.pid
             )
 
+        def wait_gone(every: float) -> bool:
+            deadline = time.monotonic() + ADOPTED_EXIT_GRACE_SECONDS
+            while not gone() and time.monotonic() < deadline:
+                time.sleep(every)
+            return gone()
+
         rc = folder.exit_code()
         while rc is None and not gone():
             time.sleep(ADOPTED_POLL_SECONDS)
             rc = folder.exit_code()
         if rc is None:
             rc = folder.exit_code()  # written just before it exited
-        deadline = time.monotonic() + ADOPTED_EXIT_GRACE_SECONDS
-        while not gone() and time.monotonic() < deadline:
-            time.sleep(ADOPTED_POLL_SECONDS)  # finishing its exit (a warm worker: its release)
-        if not gone():
+        # finishing its exit (a warm worker: its release), else killed
+        if not wait_gone(ADOPTED_POLL_SECONDS):
             kill_group(handle.pid)
-            deadline = time.monotonic() + ADOPTED_EXIT_GRACE_SECONDS
-            while not gone() and time.monotonic() < deadline:
-                time.sleep(ADOPTED_POLL_SECONDS / 10)
+            wait_gone(ADOPTED_POLL_SECONDS / 10)
         if not process_alive(handle.pid):  # else its pid is another's now: the next start's sweep
             scratch.remove(handle.pid)
         with self._lock:
