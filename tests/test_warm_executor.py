@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import sys
 import time
 from pathlib import Path
@@ -20,13 +21,20 @@ from .helpers import alive
 
 # Stands in for `python`: `-m ckpt_watcher.worker --serve HOME SETTINGS` serves jobs, and
 # `-m ckpt_watcher.worker JOB_DIR` runs one. A job's `fake.json` says how long it takes and its
-# code; "die": the whole worker exits mid-job with that code.
+# code; "die": the whole worker exits mid-job with that code; "fork": it forks a child that
+# outlives it.
 FAKE_PYTHON = f"""#!{sys.executable}
 import json, os, select, sys, time
 from pathlib import Path
 
 def run(job_dir):
     spec = json.loads((Path(job_dir) / "fake.json").read_text())
+    if spec.get("fork"):  # a child that outlives it, holding what it inherited (vLLM's engine)
+        child = os.fork()
+        if child == 0:
+            time.sleep(600)
+            os._exit(0)
+        (Path(job_dir) / "forked").write_text(str(child))
     (Path(job_dir) / "ran_by").write_text(str(os.getpid()))
     time.sleep(spec.get("seconds", 0))
     if "die" in spec:
@@ -117,6 +125,72 @@ def test_a_worker_that_dies_mid_job_fails_that_job_and_the_next_gets_a_new_worke
         b = _job(tmp_path, "b")
         hb = ex.start("b", b, {})
         assert _exits(q, 1) == {"b": 0} and hb.pid != ha.pid
+    finally:
+        ex.close(timeout=5)
+
+
+def _forked(folder: JobFolder) -> tuple[int, int]:
+    """(the worker, the child it forked) once the job runs."""
+    deadline = time.monotonic() + 20
+    while not (folder.path / "ran_by").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int((folder.path / "ran_by").read_text()), int((folder.path / "forked").read_text())
+
+
+def _gone(pids: tuple[int, ...], seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(alive(p) for p in pids)
+
+
+def test_a_worker_killed_while_a_child_it_forked_holds_its_report_pipe_ends_its_job(
+    tmp_path: Path, fake_python: str
+) -> None:
+    """vLLM's engine core on CUDA is forked from the worker, so it holds the write end of the
+    worker's report pipe. Seen on an H100: the worker killed -9, its engine lived on holding
+    25 GB, the pipe never ended and the job waited for its time-out. The worker's exit is what
+    ends its job, and the rest of its process group goes with it."""
+    ex, q = _executor(tmp_path, fake_python)
+    try:
+        a = _job(tmp_path, "a", seconds=60, fork=True)
+        ex.start("a", a, {})
+        worker, child = _forked(a)
+        os.kill(worker, signal.SIGKILL)
+        assert _exits(q, 1, timeout=10)["a"] == -signal.SIGKILL
+        assert _gone((worker, child))
+        b = _job(tmp_path, "b")
+        hb = ex.start("b", b, {})
+        assert _exits(q, 1) == {"b": 0} and hb.pid != worker
+    finally:
+        ex.close(timeout=5)
+
+
+def test_an_adopted_worker_killed_takes_what_it_forked_with_it(
+    tmp_path: Path, fake_python: str
+) -> None:
+    """A worker the last daemon started, killed -9 under the next one: the child it forked (its
+    engine) must not live on holding the GPU."""
+    import subprocess
+    import threading
+
+    from ckpt_watcher.executors.base import WorkerHandle
+    from ckpt_watcher.jobfolder import WORKER_MODULE
+    from ckpt_watcher.proctable import process_start_token
+
+    a = _job(tmp_path, "a", seconds=60, fork=True)
+    earlier = subprocess.Popen(  # as the dead daemon started it: a session of its own
+        [fake_python, "-m", WORKER_MODULE, str(a.path)], start_new_session=True
+    )
+    threading.Thread(target=earlier.wait, daemon=True).start()  # its parent here reaps it
+    worker, child = _forked(a)
+    ex, q = _executor(tmp_path, fake_python)
+    try:
+        token = process_start_token(worker)
+        assert token and ex.adopt("a", WorkerHandle("a", worker, token), a)
+        os.kill(worker, signal.SIGKILL)
+        assert _exits(q, 1)["a"] == -signal.SIGKILL
+        assert _gone((worker, child))
     finally:
         ex.close(timeout=5)
 

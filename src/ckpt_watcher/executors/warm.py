@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +43,8 @@ from ckpt_watcher.proctable import process_start_token
 log = structlog.get_logger("ckpt_watcher.executors.warm")
 
 CLOSE_WAIT_SECONDS = 10.0
+# How often the report pipe's reader looks whether the worker is still there (see _reports)
+EXIT_POLL_SECONDS = 1.0
 # A worker this close to its idle release is not handed a job (it may be exiting as the job
 # arrives, which would cost the job an attempt): it is let go and a new one starts.
 IDLE_MARGIN_SECONDS = 2.0
@@ -133,14 +137,13 @@ class WarmExecutor(Executor):
 
     def _watch(self, w: _Warm, read_fd: int) -> None:
         """Report each finished job; when the worker exits, its job in flight too."""
-        with os.fdopen(read_fd, "rb") as reports:
-            for raw in reports:
-                rc, _ = parse_status_line(raw)
-                with self._lock:
-                    job_id, w.job_id = w.job_id, None
-                    w.idle_since = time.monotonic()
-                if job_id is not None:
-                    self.on_exit(job_id, rc)
+        for raw in _reports(read_fd, w.proc):
+            rc, _ = parse_status_line(raw)
+            with self._lock:
+                job_id, w.job_id = w.job_id, None
+                w.idle_since = time.monotonic()
+            if job_id is not None:
+                self.on_exit(job_id, rc)
         rc = w.proc.wait()
         reap_group(w.proc.pid)  # its engine processes go with it
         with self._lock:
@@ -210,3 +213,29 @@ class WarmExecutor(Executor):
                 except subprocess.TimeoutExpired:
                     pass
             reap_group(w.proc.pid)
+
+
+def _reports(fd: int, proc: subprocess.Popen[bytes]) -> Iterator[bytes]:
+    """The status lines the worker writes on `fd`, until it has exited and what it wrote is read.
+
+    The pipe's end is not the worker's end: a process the worker forked holds the write end too
+    (vLLM's engine core on CUDA is forked, not spawned), and after a kill -9 of the worker it
+    lives on. Seen on an H100: the job waited, its engine holding 25 GB, until the eval's
+    time-out. Its exit is reaped here, and the group's rest killed, by the caller."""
+    pending = b""
+    try:
+        while True:
+            if not select.select([fd], [], [], EXIT_POLL_SECONDS)[0]:
+                if proc.poll() is None:
+                    continue
+                if not select.select([fd], [], [], 0)[0]:  # nothing written before its exit
+                    break
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            yield from (line + b"\n" for line in lines)
+    finally:
+        os.close(fd)
+    if pending.strip():
+        yield pending
