@@ -4,9 +4,12 @@ run shares it wherever it lies; another shape, or other engine arguments, never 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from ckpt_watcher.evaluators.compile_cache import with_cache
+import pytest
+
+from ckpt_watcher.evaluators.compile_cache import use, with_cache
 
 
 def checkpoint(folder: Path, hidden: int = 128) -> str:
@@ -46,3 +49,25 @@ def test_a_users_own_compile_settings_are_kept(tmp_path: Path) -> None:
     merged = with_cache({"compilation_config": {"mode": 3}}, root, ckpt)
     assert merged["compilation_config"]["mode"] == 3 and "cache_dir" in merged["compilation_config"]
     assert with_cache({}, None, ckpt) == {}
+
+
+def test_kernels_built_at_a_cold_start_are_kept_under_the_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch inductor's, Triton's and FlashInfer's caches (FlashInfer builds vLLM's sampling
+    kernels with nvcc on a host's first engine; 88 s on an H100) go under the root, so a fresh
+    host with the state folder on persistent disk builds nothing again; a user's own win."""
+    names = (
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TRITON_CACHE_DIR",
+        "FLASHINFER_WORKSPACE_BASE",
+        "VLLM_USE_AOT_COMPILE",
+    )
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/mine/triton")
+    root = tmp_path / "cache"
+    use(str(root))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")
+    assert os.environ["FLASHINFER_WORKSPACE_BASE"] == str(root / "flashinfer")
+    assert os.environ["TRITON_CACHE_DIR"] == "/mine/triton"
