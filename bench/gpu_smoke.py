@@ -51,7 +51,14 @@ DTYPE = "float32" if ON_CPU else "bfloat16"
 # what equality holds where: greedy generation, equal on every backend; likelihoods on a GPU,
 # within these tolerances (relative for perplexity, absolute for accuracies)
 LIKELIHOOD_TOLERANCE = {"perplexity,none": ("relative", 1e-2), "acc,none": ("absolute", 0.02)}
-COMPILED = re.compile(r"torch\.compile (?:took|takes) ([\d.]+) s in total")
+# vLLM 0.26: "torch.compile and initial profiling/warmup run together took 11.43 s in total";
+# earlier: "torch.compile takes 12.1 s in total"
+COMPILED = re.compile(
+    r"torch\.compile (?:and initial profiling/warmup run together )?(?:took|takes) ([\d.]+) s in total"
+)
+# the whole engine start in its process (profile, KV cache, warm-up: a host's first engine builds
+# FlashInfer's sampling kernels there)
+INITIALISED = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
 LOADED = re.compile(r"Directly load the compiled graph")
 
 
@@ -348,14 +355,14 @@ def deviations(cold: list[dict], warm: list[dict]) -> tuple[dict[str, float], li
 
 def compile_times(d: Path) -> list[str]:
     """Per cold engine, in start order: torch.compile's seconds, `+cache` when it loaded the
-    shape's compiled graphs instead of compiling, `-` when it did not compile (eager, hf)."""
+    shape's compiled graphs instead of compiling, `-` when it did not compile (eager, hf), and
+    after `/` the engine's whole start in its process (`init engine`)."""
     out = []
     for p in sorted(worker_logs(d), key=lambda p: p.stat().st_mtime):
         text = p.read_text(errors="replace")
-        took = COMPILED.findall(text)
-        out.append(
-            f"{float(took[0]):.1f}{'+cache' if LOADED.search(text) else ''}" if took else "-"
-        )
+        took, init = COMPILED.findall(text), INITIALISED.findall(text)
+        compiled = f"{float(took[0]):.1f}{'+cache' if LOADED.search(text) else ''}" if took else "-"
+        out.append(f"{compiled}/{float(init[0]):.1f}" if init else compiled)
     return out
 
 
@@ -406,7 +413,7 @@ def part_equality(work: Path, backend: str, size: str, n: int) -> bool:
         f"{n} checkpoints x 2 tasks: cold {cold_s:.1f} s, warm {warm_s:.1f} s "
         f"({'; '.join(ratios)}); engine ready cold "
         f"{min(cold_engine, default=0):.2f}-{max(cold_engine, default=0):.2f} s, "
-        f"torch.compile per cold engine {compile_times(work / 'cold')} s, warm swap "
+        f"torch.compile/engine start per cold engine {compile_times(work / 'cold')} s, warm swap "
         f"{', '.join(f'{s:.2f}' for s in warm_engine) or 'none'} s; {check}; engines {engines}; "
         f"warm metrics {'AS CLAIMED' if equal else 'DIFFER: ' + '; '.join(broken)} (greedy equal, "
         f"likelihoods within tolerance; largest deviation {largest[1]:.2e}, {largest[0]})"
