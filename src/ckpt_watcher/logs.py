@@ -26,6 +26,8 @@ def configure(level: str = "INFO", json_output: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # one write per line (print() writes the line, then its newline: another thread's
+        # write to stderr, a library's warning, could land between and break the JSON line)
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,12 @@ class LocalSource:
                         if event.event_type in _WAKE_EVENTS and _PINS not in str(event.src_path):
                             wake()
 
+                # a folder renamed inside the tree (a pin's staging folder made final) keeps its
+                # inotify watch, and watchdog warns that it re-adds it: harmless, and noise in
+                # the daemon's log
+                warnings.filterwarnings(
+                    "ignore", r"Callback with id .* already exists for watch", RuntimeWarning
+                )
                 observer = InotifyObserver()
                 observer.schedule(_Wake(), str(self.root), recursive=True)
                 observer.start()
