@@ -17,7 +17,7 @@ import threading
 import time
 
 from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
-from ckpt_watcher.executors.processes import kill_group, reap_group
+from ckpt_watcher.executors.processes import kill_group, reap_group, reap_remnants
 from ckpt_watcher.jobfolder import WORKER_MODULE, JobFolder
 from ckpt_watcher.proctable import process_alive, process_start_token
 
@@ -87,11 +87,7 @@ class LocalExecutor(Executor):
         if not wait_gone(ADOPTED_POLL_SECONDS):
             kill_group(handle.pid)
             wait_gone(ADOPTED_POLL_SECONDS / 10)
-        # what is left of its group (vLLM's engine outlives a worker killed -9), and its temporary
-        # folder; a pid alive again is another's now (a dead worker's pid is not reused while its
-        # group has members): the next start's sweep removes the folder
-        if not process_alive(handle.pid):
-            reap_group(handle.pid)
+        reap_remnants(handle.pid)  # its engine, and its temporary folder
         with self._lock:
             self._adopted.pop(handle.job_id, None)
         # no exit file: it died before it could write one (killed)

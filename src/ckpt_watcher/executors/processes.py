@@ -13,7 +13,7 @@ import structlog
 
 from ckpt_watcher import scratch
 from ckpt_watcher.jobfolder import WORKER_MODULE, jobs_root
-from ckpt_watcher.proctable import proc_stat, process_start_token
+from ckpt_watcher.proctable import proc_stat, process_alive, process_start_token
 
 log = structlog.get_logger("ckpt_watcher.executors.processes")
 
@@ -77,3 +77,12 @@ def reap_group(pid: int) -> None:
     remove its temporary folder (scratch.py), which holds what those left behind."""
     kill_group(pid)
     scratch.remove(pid)
+
+
+def reap_remnants(pid: int) -> None:
+    """`reap_group` for a worker that is gone, seen later (adopted, or at a start): vLLM's engine
+    process, forked from the worker on CUDA, outlives a kill -9 of it, holding its GPU memory. A
+    pid alive again is another process's and is left alone; while the dead worker's group has
+    members, Linux gives its pid to no new process."""
+    if pid > 0 and not process_alive(pid):
+        reap_group(pid)

@@ -7,22 +7,32 @@ here can adopt) is killed with its process group. A job whose worker is gone fir
 finished outcomes filed, then `settle.recover` decides: done, back to the queue, or (a job under
 which the daemon keeps dying with nothing else to explain it) failed. Queued jobs are trimmed to
 what is still due, and dropped when the eval settings changed since they were queued (their
-checkpoint is planned again under the new settings). The temporary folders of workers that
-ended meanwhile are removed (scratch.py).
+checkpoint is planned again under the new settings). What the workers that ended meanwhile
+left is removed: their temporary folders (scratch.py), and the rest of their process groups
+(vLLM's engine process on CUDA, forked from its worker, outlives a kill -9 of it).
 """
 
 from __future__ import annotations
 
+import json
 from functools import partial
+from pathlib import Path
 
 import structlog
 
 from ckpt_watcher import scratch
 from ckpt_watcher.executors.base import Executor, WorkerHandle
-from ckpt_watcher.executors.processes import find_workers, is_our_worker, kill_group
+from ckpt_watcher.executors.processes import (
+    find_workers,
+    is_our_worker,
+    kill_group,
+    reap_remnants,
+)
+from ckpt_watcher.jobfolder import ENGINE_FILE, warm_root
 from ckpt_watcher.jobs import settle
 from ckpt_watcher.jobs.book import JobBook
 from ckpt_watcher.jobs.filing import Filing
+from ckpt_watcher.proctable import process_alive
 
 log = structlog.get_logger("ckpt_watcher.jobs")
 
@@ -39,12 +49,16 @@ def recover(book: JobBook, executor: Executor, filing: Filing, now: float) -> No
                 log.info("recovery.adopted", job_id=job.id, run=job.run, step=job.step, pid=job.pid)
                 continue
             kill_group(job.pid)
+        elif job.pid:
+            reap_remnants(job.pid)  # a worker killed with the daemon: its engine lives on
         # a ledger folder that cannot be written keeps the job running, filed on a later pass
         filing.attempt(job.id, partial(_settle_gone, book, job.id, alive), now)
     for pid in find_workers(book.cfg.state_dir):
         if pid not in adopted:
             log.warning("recovery.killing_stray_worker", pid=pid)
             kill_group(pid)
+    for pid in _warm_workers_gone_unreleased(book.cfg.state_dir):
+        reap_remnants(pid)  # an idle warm worker killed with the daemon: its engine lives on
     swept = scratch.sweep()  # workers that ended while no daemon watched them (vLLM's sockets)
     if swept:
         log.info("recovery.temp_folders_removed", workers=swept)
@@ -58,6 +72,21 @@ def recover(book: JobBook, executor: Executor, filing: Filing, now: float) -> No
             book.finish(job, "ok", now)
         elif remaining != job.tasks:
             state.update_job(job.id, tasks=remaining)
+
+
+def _warm_workers_gone_unreleased(state_dir: Path) -> list[int]:
+    """The warm workers whose `engine.json` says they held an engine (busy or idle, not
+    released) and whose process is gone."""
+    pids = []
+    for path in warm_root(state_dir).glob(f"*/{ENGINE_FILE}"):
+        try:
+            engine = json.loads(path.read_text(encoding="utf-8"))
+            pid = int(engine.get("pid") or 0)
+        except (OSError, ValueError, TypeError):
+            continue
+        if engine.get("state") != "released" and pid > 0 and not process_alive(pid):
+            pids.append(pid)
+    return pids
 
 
 def _settle_gone(book: JobBook, job_id: str, alive: bool, now: float) -> None:
