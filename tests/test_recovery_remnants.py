@@ -1,8 +1,9 @@
-"""A start ends what workers killed with their daemon left in their process groups: on CUDA
-vLLM's engine process is forked from the worker and outlives a kill -9 of it, holding its GPU
-memory, and to the next daemon it is a process not ours on that GPU (the GPU looks busy for
-good). The worker of a job left running, and a warm worker whose engine.json says it held an
-engine, are such leaders."""
+"""What a worker killed -9 forked does not outlive it. On CUDA vLLM's engine process is forked
+from the worker and lived on after a kill -9 of it, holding its GPU memory; to the next daemon
+it is a process not ours on that GPU (the GPU looks busy for good). The worker's forked children
+now die with it (worker/lifeline.py), and a start ends what is left in the process groups of
+workers killed with their daemon: the worker of a job left running, and a warm worker whose
+engine.json says it held an engine."""
 
 from __future__ import annotations
 
@@ -99,3 +100,35 @@ def test_a_start_ends_what_killed_workers_left_in_their_process_groups(tmp_path:
         daemon.state.close()
         for pid in pids:
             subprocess.run(["kill", "-9", str(pid)], capture_output=True)
+
+
+# the worker's start, then a child forked as vLLM forks its engine on CUDA
+LIFELINE = """
+import multiprocessing as mp, time
+from ckpt_watcher.worker import lifeline
+
+def hold():
+    time.sleep(300)
+
+if __name__ == "__main__":
+    lifeline.arm()
+    engine = mp.get_context("fork").Process(target=hold)
+    engine.start()
+    print(engine.pid, flush=True)
+    time.sleep(300)
+"""
+
+
+def test_what_a_worker_forks_dies_with_it() -> None:
+    worker = subprocess.Popen(
+        [sys.executable, "-c", LIFELINE], start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
+    assert worker.stdout is not None
+    engine = int(worker.stdout.readline())
+    try:
+        assert alive(engine)
+        worker.kill()
+        worker.wait()
+        assert _gone(engine, 5)
+    finally:
+        subprocess.run(["kill", "-9", str(engine)], capture_output=True)

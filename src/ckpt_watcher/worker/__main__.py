@@ -10,6 +10,7 @@ import structlog
 
 from ckpt_watcher import scratch
 from ckpt_watcher.evaluators import heap
+from ckpt_watcher.worker import lifeline
 
 
 def configure_logging() -> None:
@@ -22,7 +23,7 @@ def configure_logging() -> None:
                 colors=False, exception_formatter=structlog.dev.plain_traceback
             ),
         ],
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stdout),  # a line in one write
         cache_logger_on_first_use=True,
     )
 
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    lifeline.arm()  # what it forks (vLLM's engine on CUDA) dies with it
     tmp = scratch.enter()  # before anything can create a temporary file (vLLM's sockets)
     rc = main()
     scratch.leave(tmp)  # after a kill, the daemon removes it when it reaps the worker
