@@ -429,3 +429,31 @@ def read_records(run_dir: Path, line: dict[str, Any]) -> list[dict[str, Any]]:
 
     with gzip.open(run_dir / line["samples_file"], "rt") as f:
         return [json.loads(x) for x in f if x.strip()]
+
+
+def simulated_daemon(tmp: Path, **raw: Any) -> Any:
+    """A Daemon on one CPU slot whose jobs run on the simulated executor (1 s a task, a
+    simulated clock), watching an empty local folder; `raw`: more config keys ("eval" merged)."""
+    from ckpt_watcher.config import parse_config
+    from ckpt_watcher.daemon import Daemon
+    from ckpt_watcher.devices import FakeInventory
+    from ckpt_watcher.executors.simulated import SimClock, SimulatedExecutor
+
+    (tmp / "ckpts").mkdir(exist_ok=True)
+    eval_ = {"tasks": [{"task": "t1"}]} | raw.pop("eval", {})
+    cfg = parse_config(
+        {
+            "state_dir": str(tmp / "state"),
+            "ledger_dir": str(tmp / "ledgers"),
+            "sources": [{"kind": "local", "path": str(tmp / "ckpts"), "inotify": False}],
+            "eval": eval_,
+            **raw,
+        }
+    )
+    sim = SimClock()
+    return Daemon(
+        cfg,
+        clock=sim,
+        inventory=FakeInventory(cpu=1),
+        executor_factory=lambda cb: SimulatedExecutor(cb, lambda task, k: 1.0, sim),
+    )

@@ -154,29 +154,12 @@ def test_a_vanished_data_file_and_an_unloadable_checkpoint_get_one_attempt_each(
 def test_a_wall_clock_stepped_forward_times_out_no_running_eval(tmp_path: Path) -> None:
     """Running time is monotonic from the moment the daemon sees a job running: NTP stepping
     the clock a day ahead (or a VM resumed) kills nothing; a real hour over the limit does."""
-    from ckpt_watcher.config import parse_config
-    from ckpt_watcher.daemon import Daemon
-    from ckpt_watcher.devices import FakeInventory
-    from ckpt_watcher.executors.simulated import SimClock, SimulatedExecutor
     from ckpt_watcher.state import Job
 
-    (tmp_path / "ckpts").mkdir()
-    cfg = parse_config(
-        {
-            "state_dir": str(tmp_path / "state"),
-            "ledger_dir": str(tmp_path / "ledgers"),
-            "sources": [{"kind": "local", "path": str(tmp_path / "ckpts"), "inotify": False}],
-            "eval": {"tasks": [{"task": "t1"}], "timeout_seconds": 3600},
-        }
-    )
-    sim = SimClock()
+    from .helpers import simulated_daemon
+
     killed: list[str] = []
-    daemon = Daemon(
-        cfg,
-        clock=sim,
-        inventory=FakeInventory(cpu=1),
-        executor_factory=lambda cb: SimulatedExecutor(cb, lambda task, k: 1.0, sim),
-    )
+    daemon = simulated_daemon(tmp_path, eval={"timeout_seconds": 3600})
     daemon.executor.kill = killed.append  # type: ignore[method-assign]
     mono = [500.0]
     supervisor = daemon.supervisor

@@ -430,29 +430,12 @@ def test_journals_are_kept_only_while_a_job_can_use_them_and_within_their_budget
     goes (a result filed but killed before its removal, a failed or skipped job, a rewritten
     checkpoint's old content, a helper's empty folder). Over policy.journal_max_gb the queued
     jobs' journals go, never a running job's; status shows what is left."""
-    from ckpt_watcher.config import parse_config
-    from ckpt_watcher.daemon import Daemon
-    from ckpt_watcher.devices import FakeInventory
-    from ckpt_watcher.executors.simulated import SimClock, SimulatedExecutor
     from ckpt_watcher.state import Job
 
-    (tmp_path / "ckpts").mkdir()
-    cfg = parse_config(
-        {
-            "state_dir": str(tmp_path / "state"),
-            "ledger_dir": str(tmp_path / "ledgers"),
-            "sources": [{"kind": "local", "path": str(tmp_path / "ckpts"), "inotify": False}],
-            "eval": {"tasks": [{"task": "t1"}]},
-            "policy": {"journal_max_gb": 1},
-        }
-    )
-    sim = SimClock()
-    daemon = Daemon(
-        cfg,
-        clock=sim,
-        inventory=FakeInventory(cpu=1),
-        executor_factory=lambda cb: SimulatedExecutor(cb, lambda task, k: 1.0, sim),
-    )
+    from .helpers import simulated_daemon
+
+    daemon = simulated_daemon(tmp_path, policy={"journal_max_gb": 1})
+    cfg = daemon.cfg
     state, book = daemon.state, daemon.book
 
     def job_with_journal(jid: str, status: str, size: int) -> Path:

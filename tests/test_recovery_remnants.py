@@ -13,16 +13,12 @@ import sys
 import time
 from pathlib import Path
 
-from ckpt_watcher.config import parse_config
-from ckpt_watcher.daemon import Daemon
-from ckpt_watcher.devices import FakeInventory
-from ckpt_watcher.executors.simulated import SimClock, SimulatedExecutor
 from ckpt_watcher.jobfolder import ENGINE_FILE, warm_home
 from ckpt_watcher.jobs.recovery import recover
 from ckpt_watcher.proctable import process_start_token
 from ckpt_watcher.state import Job
 
-from .helpers import alive
+from .helpers import alive, simulated_daemon
 
 # a worker's stand-in: leads its session, forks a child that keeps running, says its pid
 FORKS = """
@@ -58,22 +54,8 @@ def _gone(pid: int, seconds: float = 10) -> bool:
 
 
 def test_a_start_ends_what_killed_workers_left_in_their_process_groups(tmp_path: Path) -> None:
-    (tmp_path / "ckpts").mkdir()
-    cfg = parse_config(
-        {
-            "state_dir": str(tmp_path / "state"),
-            "ledger_dir": str(tmp_path / "ledgers"),
-            "sources": [{"kind": "local", "path": str(tmp_path / "ckpts"), "inotify": False}],
-            "eval": {"tasks": [{"task": "t1"}]},
-        }
-    )
-    sim = SimClock()
-    daemon = Daemon(
-        cfg,
-        clock=sim,
-        inventory=FakeInventory(cpu=1),
-        executor_factory=lambda cb: SimulatedExecutor(cb, lambda task, k: 1.0, sim),
-    )
+    daemon = simulated_daemon(tmp_path)
+    cfg = daemon.cfg
     pids = []
     try:
         worker, token, engine = _killed_leader()  # a job's worker, killed with its daemon
