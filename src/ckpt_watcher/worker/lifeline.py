@@ -13,13 +13,14 @@ forked this way; the reaper covers them (harnesses/reaper.py).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 _parent = 0  # the forking process, for the child to check it is still there
+_prctl: Any = None  # libc's prctl, looked up before any fork (no dlopen in a forked child)
 
 
 def _before() -> None:
@@ -28,12 +29,16 @@ def _before() -> None:
 
 
 def _in_child() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != _parent:  # the parent died before the signal was armed
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def arm() -> None:
     """Children forked from here on die with their parent (Linux; elsewhere nothing changes)."""
+    global _prctl
+    try:
+        _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
     os.register_at_fork(before=_before, after_in_child=_in_child)
