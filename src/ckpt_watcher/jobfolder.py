@@ -363,6 +363,17 @@ def warm_home(state_dir: Path, device_label: str) -> Path:
     return warm_root(state_dir) / safe_component(device_label)
 
 
+def engine_files(state_dir: Path) -> list[dict[str, Any]]:
+    """Each warm worker's `engine.json` as it last wrote it, by device; unreadable ones left out."""
+    out = []
+    for path in sorted(warm_root(state_dir).glob(f"*/{ENGINE_FILE}")):
+        try:
+            out.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 # --- a warm worker's status pipe ---------------------------------------------------------------
 def status_line(rc: int, folder: Path) -> bytes:
     """What a warm worker writes on its status pipe when a job ends."""

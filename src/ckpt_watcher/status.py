@@ -6,7 +6,6 @@ stale "running") and its heartbeat (a hung daemon shows as stale).
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -14,12 +13,11 @@ from typing import Any
 from ckpt_watcher import ledger as ledger_mod
 from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.jobfolder import (
-    ENGINE_FILE,
     LOG_FILE,
     WARM_FAILING_JOBS,
     JobFolder,
+    engine_files,
     warm_home,
-    warm_root,
 )
 from ckpt_watcher.ledger import LedgerIndex, Subject
 from ckpt_watcher.pins import Pin, held_alone
@@ -248,11 +246,7 @@ def warm_engines(state_dir: Path) -> list[dict[str, Any]]:
     """Each device's warm worker as its `engine.json` says (`warm_worker.py`); a worker whose
     process is gone is shown as released."""
     out = []
-    for path in sorted(warm_root(state_dir).glob(f"*/{ENGINE_FILE}")):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
+    for data in engine_files(state_dir):
         if data.get("state") != "released" and not process_alive(int(data.get("pid") or 0)):
             data["state"] = "released"
         data["since"] = _iso_or_none(data.get("since"))

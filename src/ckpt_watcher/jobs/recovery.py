@@ -14,7 +14,6 @@ left is removed: their temporary folders (scratch.py), and the rest of their pro
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from ckpt_watcher.executors.processes import (
     kill_group,
     reap_remnants,
 )
-from ckpt_watcher.jobfolder import ENGINE_FILE, warm_root
+from ckpt_watcher.jobfolder import engine_files
 from ckpt_watcher.jobs import settle
 from ckpt_watcher.jobs.book import JobBook
 from ckpt_watcher.jobs.filing import Filing
@@ -78,11 +77,10 @@ def _warm_workers_gone_unreleased(state_dir: Path) -> list[int]:
     """The warm workers whose `engine.json` says they held an engine (busy or idle, not
     released) and whose process is gone."""
     pids = []
-    for path in warm_root(state_dir).glob(f"*/{ENGINE_FILE}"):
+    for engine in engine_files(state_dir):
         try:
-            engine = json.loads(path.read_text(encoding="utf-8"))
             pid = int(engine.get("pid") or 0)
-        except (OSError, ValueError, TypeError):
+        except (ValueError, TypeError):
             continue
         if engine.get("state") != "released" and pid > 0 and not process_alive(pid):
             pids.append(pid)
