@@ -353,6 +353,14 @@ def alive(pid: int) -> bool:
     return process_alive(pid)
 
 
+def gone(*pids: int, seconds: float = 10) -> bool:
+    """True once none of `pids` is alive, waiting up to `seconds`."""
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(alive(p) for p in pids)
+
+
 def check_pass_at_k_from_records(line: dict[str, Any], recs: list[dict[str, Any]], n: int) -> None:
     """A sampled line's figures (n samples a document) are the unbiased estimator recomputed
     from the per-sample scores saved in its records."""

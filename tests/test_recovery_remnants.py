@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from ckpt_watcher.jobfolder import ENGINE_FILE, warm_home
@@ -18,7 +17,7 @@ from ckpt_watcher.jobs.recovery import recover
 from ckpt_watcher.proctable import process_start_token
 from ckpt_watcher.state import Job
 
-from .helpers import alive, simulated_daemon
+from .helpers import alive, gone, simulated_daemon
 
 # a worker's stand-in: leads its session, forks a child that keeps running, says its pid
 FORKS = """
@@ -46,13 +45,6 @@ def _killed_leader() -> tuple[int, str, int]:
     return leader.pid, token, child
 
 
-def _gone(pid: int, seconds: float = 10) -> bool:
-    deadline = time.monotonic() + seconds
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not alive(pid)
-
-
 def test_a_start_ends_what_killed_workers_left_in_their_process_groups(tmp_path: Path) -> None:
     daemon = simulated_daemon(tmp_path)
     cfg = daemon.cfg
@@ -73,7 +65,7 @@ def test_a_start_ends_what_killed_workers_left_in_their_process_groups(tmp_path:
             home.mkdir(parents=True)
             (home / ENGINE_FILE).write_text(json.dumps({"pid": pid, "state": state}))
         recover(daemon.book, daemon.executor, daemon.filing, 2000.0)
-        assert _gone(engine) and _gone(idle_engine)
+        assert gone(engine) and gone(idle_engine)
         # a released engine's worker exited by itself: its pid may be another's by now
         assert alive(other)
         requeued = daemon.state.job("j")
@@ -111,6 +103,6 @@ def test_what_a_worker_forks_dies_with_it() -> None:
         assert alive(engine)
         worker.kill()
         worker.wait()
-        assert _gone(engine, 5)
+        assert gone(engine, seconds=5)
     finally:
         subprocess.run(["kill", "-9", str(engine)], capture_output=True)

@@ -17,7 +17,7 @@ import pytest
 from ckpt_watcher.executors.warm import WarmExecutor
 from ckpt_watcher.jobfolder import KILLED_FILE, EvalRequest, JobFolder, JobSpec, warm_home
 
-from .helpers import alive
+from .helpers import alive, gone
 
 # Stands in for `python`: `-m ckpt_watcher.worker --serve HOME SETTINGS` serves jobs, and
 # `-m ckpt_watcher.worker JOB_DIR` runs one. A job's `fake.json` says how long it takes and its
@@ -137,13 +137,6 @@ def _forked(folder: JobFolder) -> tuple[int, int]:
     return int((folder.path / "ran_by").read_text()), int((folder.path / "forked").read_text())
 
 
-def _gone(pids: tuple[int, ...], seconds: float = 10) -> bool:
-    deadline = time.monotonic() + seconds
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not any(alive(p) for p in pids)
-
-
 def test_a_worker_killed_while_a_child_it_forked_holds_its_report_pipe_ends_its_job(
     tmp_path: Path, fake_python: str
 ) -> None:
@@ -158,7 +151,7 @@ def test_a_worker_killed_while_a_child_it_forked_holds_its_report_pipe_ends_its_
         worker, child = _forked(a)
         os.kill(worker, signal.SIGKILL)
         assert _exits(q, 1, timeout=10)["a"] == -signal.SIGKILL
-        assert _gone((worker, child))
+        assert gone(worker, child)
         b = _job(tmp_path, "b")
         hb = ex.start("b", b, {})
         assert _exits(q, 1) == {"b": 0} and hb.pid != worker
@@ -190,7 +183,7 @@ def test_an_adopted_worker_killed_takes_what_it_forked_with_it(
         assert token and ex.adopt("a", WorkerHandle("a", worker, token), a)
         os.kill(worker, signal.SIGKILL)
         assert _exits(q, 1)["a"] == -signal.SIGKILL
-        assert _gone((worker, child))
+        assert gone(worker, child)
     finally:
         ex.close(timeout=5)
 
