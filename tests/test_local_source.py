@@ -95,3 +95,44 @@ def test_missing_root_is_an_error_the_daemon_reports(tmp_path: Path) -> None:
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LocalSource(tmp_path / "nope").scan()
+
+
+def test_verl_steps_are_found_by_their_hugging_face_folder_and_never_through_a_link(
+    tmp_path: Path,
+) -> None:
+    """verl saves step N as `global_step_N/`: its RL trainers with the model's Hugging Face copy
+    in `actor/huggingface/`, its SFT trainer in `huggingface/`. That folder is the checkpoint
+    (what an eval loads); run and step come from `global_step_N` and the folder above it."""
+    ppo = tmp_path / "verl_grpo" / "qwen3-grpo"
+    write_fake_checkpoint(ppo / "global_step_20" / "actor" / "huggingface")
+    (ppo / "global_step_20" / "actor" / "model_world_size_2_rank_0.pt").write_bytes(b"shard")
+    (ppo / "global_step_20" / "data.pt").write_bytes(b"loader")
+    (ppo / "global_step_40" / "actor").mkdir(parents=True)  # its save has just begun
+    (ppo / "global_step_0").mkdir()  # keep-last-k deleted its actor/, leaving its data.pt
+    (ppo / "global_step_0" / "data.pt").write_bytes(b"loader")
+    (ppo / "global_step_0" / "critic" / "huggingface").mkdir(parents=True)
+    (ppo / "global_step_0" / "critic" / "huggingface" / "config.json").write_text("{}")
+    write_fake_checkpoint(tmp_path / "sft" / "qwen3-sft" / "global_step_5" / "huggingface")
+    write_fake_checkpoint(tmp_path / "plain" / "global_step_7")  # a model in the folder itself
+    outside = write_fake_checkpoint(tmp_path.parent / f"{tmp_path.name}-outside" / "hf")
+    (ppo / "global_step_60").mkdir()
+    os.symlink(outside.parent, ppo / "global_step_60" / "actor")  # never followed
+    found = {f.location.removeprefix(str(tmp_path) + "/"): f for f in LocalSource(tmp_path).scan()}
+    step20 = found["verl_grpo/qwen3-grpo/global_step_20/actor/huggingface"]
+    assert step20.ident is not None and step20.path == ppo / "global_step_20/actor/huggingface"
+    assert (step20.ident.run, step20.ident.step, step20.ident.label) == (
+        "qwen3-grpo",
+        20,
+        "global_step_20",
+    )
+    assert step20.ident.run_path == "verl_grpo/qwen3-grpo"
+    step40 = found["verl_grpo/qwen3-grpo/global_step_40/actor/huggingface"]  # waits for it
+    assert step40.ident is not None and step40.ident.step == 40
+    sft = found["sft/qwen3-sft/global_step_5/huggingface"]
+    assert sft.ident is not None and (sft.ident.run, sft.ident.step) == ("qwen3-sft", 5)
+    plain = found["plain/global_step_7"]
+    assert plain.ident is not None and (plain.ident.run, plain.ident.step) == ("plain", 7)
+    linked = found["verl_grpo/qwen3-grpo/global_step_60/actor/huggingface"]
+    assert (linked.ident, linked.path, linked.note) == (None, None, "symlink: not followed")
+    # nothing of global_step_0 (its model is gone; its critic is no checkpoint of the run)
+    assert len(found) == 5, sorted(found)

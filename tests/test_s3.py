@@ -55,6 +55,40 @@ def test_scan_lists_checkpoint_prefixes_without_a_request_per_checkpoint(
     )  # ckpts/, job1/, grpo/, latest/
 
 
+def test_verl_steps_on_s3_are_found_by_their_hugging_face_prefix_with_one_list_each(
+    tmp_path: Path, s3_endpoint: str, bucket: str
+) -> None:
+    """A verl run synced to S3: `global_step_N/actor/huggingface/` is the checkpoint (one more
+    LIST per `global_step_N` prefix, to see what it holds); run and step from the names above."""
+    client = make_client(s3_endpoint)
+    ckpt = write_fake_checkpoint(tmp_path / "hf")
+    upload_dir(client, ckpt, bucket, "verl/exp1/global_step_10/actor/huggingface/")
+    client.put_object(
+        Bucket=bucket, Key="verl/exp1/global_step_10/actor/model_world_size_1_rank_0.pt", Body=b"s"
+    )
+    upload_dir(client, ckpt, bucket, "verl/sft1/global_step_3/huggingface/")
+    upload_dir(client, ckpt, bucket, "verl/plain/global_step_4/")
+    client.put_object(Bucket=bucket, Key="verl/exp1/global_step_5/data.pt", Body=b"d")  # gone
+    calls: list[str] = []
+    client.meta.events.register("before-call.s3.*", lambda model, **_: calls.append(model.name))
+    src = S3Source(f"s3://{bucket}/verl/", client=client, retry=NO_WAIT)
+    found = {f.location.removeprefix(f"s3://{bucket}/verl/"): f.ident for f in src.scan()}
+    assert set(found) == {
+        "exp1/global_step_10/actor/huggingface/",
+        "sft1/global_step_3/huggingface/",
+        "plain/global_step_4/",
+    }
+    ppo = found["exp1/global_step_10/actor/huggingface/"]
+    assert ppo is not None and (ppo.run, ppo.step, ppo.run_path) == ("exp1", 10, "exp1")
+    sft = found["sft1/global_step_3/huggingface/"]
+    assert sft is not None and (sft.run, sft.step) == ("sft1", 3)
+    # verl/, its 3 runs, and each global_step_N once more
+    assert calls == ["ListObjectsV2"] * 8, calls
+    view = src.view(f"s3://{bucket}/verl/exp1/global_step_10/actor/huggingface/")
+    verdict = completeness.check(view, now=0.0, stable_seconds=0, settle_seconds=0)
+    assert verdict.ready, verdict
+
+
 def test_completeness_over_s3_reads_headers_only_and_waits_for_the_last_shard(
     s3_endpoint: str, bucket: str, tmp_path: Path
 ) -> None:

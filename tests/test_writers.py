@@ -29,7 +29,7 @@ from ckpt_watcher.checkpoints.fingerprint import fingerprint
 from ckpt_watcher.devices import cpu_slots
 from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.errors import CheckpointChanged
-from ckpt_watcher.pins import Pins, pin_path
+from ckpt_watcher.pins import PIN_FOLDER, Pins, pin_path
 from ckpt_watcher.s3client import Retry, make_client
 from ckpt_watcher.sources.local import LocalSource
 from ckpt_watcher.sources.s3 import S3Source
@@ -325,6 +325,23 @@ def test_a_queued_pinned_checkpoint_that_a_trainer_deletes_file_by_file_is_not_m
         state.close()
 
 
+def test_a_verl_step_without_a_hugging_face_copy_says_which_setting_makes_one(
+    tmp_path: Path,
+) -> None:
+    """verl writes the model's config and tokenizer into `huggingface/` whatever it is told, and
+    the weights only with `hf_model` in its save_contents: such a step waits, saying so."""
+    hf = write_fake_checkpoint(tmp_path / "exp" / "global_step_5" / "actor" / "huggingface")
+    (hf / "model.safetensors").unlink()
+    verdict = completeness.check(
+        LocalFiles(hf), now=0.0, stable_seconds=0, folder_name="global_step_5"
+    )
+    assert verdict.state == "incomplete", verdict
+    assert "hf_model" in verdict.reason and "save_contents" in verdict.reason, verdict
+    # the pin of a verl step sits beside `global_step_5`, not in the `actor/` its keep-last-k
+    # deletes
+    assert pin_path(str(hf)) == tmp_path / "exp" / PIN_FOLDER / "global_step_5"
+
+
 def test_cpu_slots_share_the_cores_unless_the_environment_sets_threads() -> None:
     two = cpu_slots(2, cores=8)
     assert [d.threads for d in two] == [4, 4]
@@ -390,6 +407,70 @@ def test_hf_trainer_checkpoints_are_each_evaluated_once_on_their_final_bytes(
         )
         wait_for(lambda: status_json(cfg)[1]["pinned"] == [], 30, "pins released", daemon, log)
     _once_each_on_final_bytes(ledgers, "hf", folders, log)
+
+
+def _verl_save(exp: Path, step: int, trained: Path) -> Path:
+    """Step `step` written as verl writes it (fsdp_checkpoint_manager, ray_trainer): the actor's
+    FSDP shards, then config and tokenizer in `actor/huggingface/`, a barrier while rank 0
+    gathers the full weights, the weights, the dataloader's state, the run's step tracker."""
+    actor = exp / f"global_step_{step}" / "actor"
+    actor.mkdir(parents=True)
+    (actor / "model_world_size_1_rank_0.pt").write_bytes(b"fsdp shard " * 100)
+    hf = actor / "huggingface"
+    hf.mkdir()
+    config = json.loads((trained / "config.json").read_text())
+    config["_name_or_path"] = str(hf)  # each step other content, as training makes it
+    (hf / "config.json").write_text(json.dumps(config))
+    for f in trained.iterdir():
+        if f.name != "config.json" and not f.name.endswith(".safetensors"):
+            shutil.copy(f, hf / f.name)
+    time.sleep(1.5)  # the barrier and the gather
+    for f in trained.glob("*.safetensors"):
+        _copy_slowly(f, hf / f.name)
+    (actor.parent / "data.pt").write_bytes(b"loader state")
+    (exp / "latest_checkpointed_iteration.txt").write_text(str(step))
+    return hf
+
+
+def _pinned(log: Path, location: Path) -> bool:
+    for raw in log.read_text().splitlines():
+        line = json.loads(raw) if raw.startswith("{") else {}
+        if line.get("event") == "pin.held" and line.get("location") == str(location):
+            return True
+    return False
+
+
+@pytest.mark.e2e
+def test_a_verl_run_is_evaluated_step_by_step_on_its_hugging_face_copy_despite_keep_last_k(
+    tmp_path: Path, trained_checkpoint: Path, addition_tasks: Path
+) -> None:
+    """verl's layout (`global_step_N/actor/huggingface/`): each step evaluated once, on the bytes
+    verl wrote, filed under the experiment's run and the step, even though verl's keep-last-k
+    (`max_actor_ckpt_to_keep`) deletes the step's `actor/` before its eval has read it."""
+    watch = tmp_path / "ckpts"
+    exp = watch / "qwen3-grpo"  # verl: checkpoints/<project>/<experiment>/global_step_N
+    exp.mkdir(parents=True)
+    cfg = write_config(tmp_path / "w.yaml", base_config(tmp_path, watch, addition_tasks, limit=20))
+    log = tmp_path / "daemon.log"
+    prints = {}
+    with watcher_run(cfg, log) as daemon:
+        for step in (10, 20):
+            hf = _verl_save(exp, step, trained_checkpoint)
+            prints[step] = fingerprint(LocalFiles(hf))
+            wait_for(lambda h=hf: _pinned(log, h), 120, f"step {step} pinned", daemon, log)
+            shutil.rmtree(hf.parent)  # keep-last-k, before (or while) its eval reads it
+        ledgers = tmp_path / "ledgers"
+        wait_for(lambda: len(read_ledger(ledgers, "qwen3-grpo")) == 2, 300, "both", daemon, log)
+        wait_for(lambda: status_json(cfg)[1]["pinned"] == [], 30, "pins released", daemon, log)
+    lines = read_ledger(ledgers, "qwen3-grpo")
+    assert [(ln["step"], ln["status"]) for ln in lines] == [(10, "ok"), (20, "ok")], lines
+    for line in lines:
+        assert line["fingerprint"] == prints[line["step"]], line
+        assert line["label"] == f"global_step_{line['step']}", line
+        assert line["checkpoint"] == str(exp / line["label"] / "actor" / "huggingface"), line
+        assert 0.0 < line["metrics"]["exact_match,none"] <= 1.0, line
+    # the pins (beside the steps' folders, outside what keep-last-k deleted) are released
+    assert not (exp / PIN_FOLDER).exists() or not any((exp / PIN_FOLDER).iterdir())
 
 
 def _copy_slowly(src: Path, dest: Path, pieces: int = 4, pause: float = 0.1) -> None:

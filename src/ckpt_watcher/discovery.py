@@ -41,6 +41,7 @@ from ckpt_watcher.checkpoints import completeness
 from ckpt_watcher.checkpoints.completeness import DEFAULT_SETTLE_SECONDS, Completeness
 from ckpt_watcher.checkpoints.files import MARK_VERSION, LocalFiles, check_unchanged, eval_mark
 from ckpt_watcher.checkpoints.fingerprint import fingerprint
+from ckpt_watcher.checkpoints.naming import checkpoint_folder
 from ckpt_watcher.errors import CheckpointChanged, NamingFixError, WatcherError
 from ckpt_watcher.jobfolder import Stage
 from ckpt_watcher.lane import Lane
@@ -369,7 +370,7 @@ class Discovery:
                 unchanged_since=since,
                 previous_mark=mark,
                 tokenizer_required=self.tokenizer_required,
-                folder_name=location.rstrip("/").rsplit("/", 1)[-1],
+                folder_name=checkpoint_folder(location).rsplit("/", 1)[-1],
             )
             observed = self.clock()
             if not verdict.ready:

@@ -41,7 +41,8 @@ FIELDS: dict[str, str] = {
     "run": "The run's name (`mix` for `.../jobA/mix_step600`).",
     "run_path": "The run's path under its source (`jobA/mix`): the ledger's folder.",
     "step": "The training step (null for a labelled checkpoint such as `_final`).",
-    "label": "The checkpoint's folder name (`mix_step600`, `checkpoint-600`, `mix_final`).",
+    "label": "The checkpoint's folder name (`mix_step600`, `checkpoint-600`, `mix_final`, "
+    "`global_step_600`).",
     "checkpoint": "Where the checkpoint was found (a local path or an `s3://` URI).",
     "fingerprint": "The content fingerprint the result was computed on (`sampled:...` or "
     "`full:...`); a checkpoint rewritten with other weights gets results of its own.",

@@ -2,8 +2,9 @@
 cannot delete what an eval is about to read (or is reading).
 
 When a local checkpoint gets a job, the files an eval reads are hard-linked into
-`<its parent>/.ckpt-watcher-pins/<its name>/`: the same filesystem (a hard link is another name
-for the same data, no byte copied; a symlink would hold nothing), in a folder scans never enter.
+`<its parent>/.ckpt-watcher-pins/<its name>/` (for verl's layout, beside `global_step_N`): the
+same filesystem (a hard link is another name for the same data, no byte copied; a symlink would
+hold nothing), in a folder scans never enter.
 The pinned files must be exactly those the checkpoint was judged ready and fingerprinted with
 (the same write mark); a writer that changed them since is caught here, before any eval reads
 the pin (`CheckpointChanged`: the checkpoint is judged again).
@@ -30,6 +31,7 @@ from pathlib import Path
 import structlog
 
 from ckpt_watcher.checkpoints.files import LocalFiles, check_unchanged, needed_files
+from ckpt_watcher.checkpoints.naming import checkpoint_folder
 from ckpt_watcher.errors import CheckpointChanged
 from ckpt_watcher.state import State
 
@@ -59,7 +61,9 @@ class Pin:
 
 
 def pin_path(location: str) -> Path:
-    folder = Path(location)
+    """Beside the folder the checkpoint is named by: for verl's layout that is `global_step_N`,
+    not the model folder inside the `actor/` that verl's keep-last-k deletes."""
+    folder = Path(checkpoint_folder(location))
     return folder.parent / PIN_FOLDER / folder.name
 
 

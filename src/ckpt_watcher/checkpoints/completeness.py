@@ -34,6 +34,7 @@ from fnmatch import fnmatch
 
 from ckpt_watcher.checkpoints.files import CheckpointFiles, eval_files, eval_mark
 from ckpt_watcher.checkpoints.namefix import plan_fix
+from ckpt_watcher.checkpoints.naming import verl_step_folder
 from ckpt_watcher.checkpoints.safetensors_header import read_header
 from ckpt_watcher.errors import HeaderUnreadable, NamingFixError
 
@@ -141,7 +142,13 @@ def structure(
         evidence = "no writes (no marker)"
         window = max(stable_seconds, settle_seconds)
     else:
-        return Completeness("incomplete", "no weight files yet"), "", window
+        reason = "no weight files yet"
+        if verl_step_folder(folder_name):
+            reason += (
+                " (verl saves a Hugging Face copy only with 'hf_model' in "
+                "actor_rollout_ref.actor.checkpoint.save_contents)"
+            )
+        return Completeness("incomplete", reason), "", window
     cfg = _config_problem(files)
     if cfg:
         state = "invalid" if marker and cfg != _NO_CONFIG else "incomplete"

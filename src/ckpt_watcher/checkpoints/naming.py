@@ -17,6 +17,12 @@ _RUN_STEP = re.compile(rf"^(?P<run>{_RUN_RE})_step(?P<step>\d{{1,12}})$")
 _RUN_FINAL = re.compile(rf"^(?P<run>{_RUN_RE})_final$")
 _PARENT_STEP = re.compile(r"^(?:checkpoint-|global_step_|step_)(?P<step>\d{1,12})$")
 _SAFE_RUN = re.compile(rf"^{_RUN_RE}$")
+_VERL_STEP = re.compile(r"^global_step_\d{1,12}$")
+# verl saves step N as `global_step_{N}/`: its RL trainers put the policy's FSDP shards in
+# `actor/` and, with `hf_model` in `actor_rollout_ref.actor.checkpoint.save_contents`, a Hugging
+# Face copy in `actor/huggingface/` (its SFT trainer: `huggingface/` in the step's folder). That
+# copy is what an eval loads. Its keep-last-k (`max_actor_ckpt_to_keep`) deletes `actor/`.
+VERL_MODEL_FOLDERS = ("actor/huggingface", "huggingface")
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -85,6 +91,36 @@ def parse_checkpoint_dir(path: Path, root: Path | None = None) -> CheckpointId |
             return None
 
     return parse_name(path.name, path.parent.name, trainer_state, between)
+
+
+def verl_step_folder(name: str) -> bool:
+    """True for verl's name of a step's folder, `global_step_{N}`."""
+    return bool(_VERL_STEP.match(name))
+
+
+def model_folder(name: str, holds: Callable[[str], bool]) -> str | None:
+    """Where the model an eval loads is, under a checkpoint folder named `name`: "" (the folder
+    itself), or for verl's `global_step_{N}` layout the Hugging Face folder inside it
+    (`VERL_MODEL_FOLDERS`), decided by what the folder holds (`holds(relative path)`: a file or
+    folder there). None for a `global_step_{N}` with none of these: its save has not begun, or
+    verl's keep-last-k deleted its `actor/` (it leaves the folder, with `data.pt`, for good)."""
+    if not verl_step_folder(name) or holds("config.json"):
+        return ""
+    if holds("actor"):
+        return VERL_MODEL_FOLDERS[0]
+    if holds("huggingface"):
+        return VERL_MODEL_FOLDERS[1]
+    return None
+
+
+def checkpoint_folder(location: str) -> str:
+    """The folder a checkpoint is named by: its location, less verl's model folder inside it."""
+    path = location.rstrip("/")
+    for sub in VERL_MODEL_FOLDERS:
+        head, _, tail = path.rpartition("/" + sub)
+        if not tail and head and verl_step_folder(head.rsplit("/", 1)[-1]):
+            return head
+    return path
 
 
 def final_step(trainer_state: bytes | None) -> int | None:

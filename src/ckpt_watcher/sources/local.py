@@ -19,7 +19,11 @@ import structlog
 from ckpt_watcher.checkpoints.files import LocalFiles
 from ckpt_watcher.checkpoints.fingerprint import Mode
 from ckpt_watcher.checkpoints.namefix import apply_fix
-from ckpt_watcher.checkpoints.naming import looks_like_checkpoint_name, parse_checkpoint_dir
+from ckpt_watcher.checkpoints.naming import (
+    looks_like_checkpoint_name,
+    model_folder,
+    parse_checkpoint_dir,
+)
 from ckpt_watcher.pins import PIN_FOLDER
 from ckpt_watcher.sources.base import UNRECOGNISED, Found
 
@@ -31,11 +35,20 @@ _MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.jso
 # deleted. Per-write "modified" events are ignored: they would rescan on every write() call.
 _WAKE_EVENTS = frozenset({"closed", "created", "moved", "deleted"})
 _PINS = f"/{PIN_FOLDER}"
+# `_classify`'s answer for a step folder with no model in it (naming.model_folder): neither a
+# checkpoint nor a folder to look into
+_NO_MODEL = Found("", None, None, "no model folder")
 
 
 def printable(path: str | Path) -> str:
     """A path as text that is always valid UTF-8 (undecodable bytes shown as \\xNN)."""
     return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _steps(folder: Path, sub: str) -> list[Path]:
+    """Each folder from `folder` down to `folder/sub`, below `folder`."""
+    parts = Path(sub).parts
+    return [folder.joinpath(*parts[: i + 1]) for i in range(len(parts))]
 
 
 def _is_utf8(text: str) -> bool:
@@ -96,6 +109,8 @@ class LocalSource:
                 if not entry.is_dir(follow_symlinks=False) or entry.name == PIN_FOLDER:
                     continue  # files; and the watcher's own pinned copies (pins.py)
                 item = self._classify(child)
+                if item is _NO_MODEL:
+                    continue
                 if item is not None:
                     found.append(item)
                 elif depth + 1 < self.max_depth:
@@ -109,7 +124,8 @@ class LocalSource:
             return False
 
     def _classify(self, folder: Path) -> Found | None:
-        """A Found for checkpoint-like folders (recognised or not); None to descend into it."""
+        """A Found for checkpoint-like folders (recognised or not), `_NO_MODEL` to pass it by;
+        None to descend into it."""
         name = folder.name
         if looks_like_checkpoint_name(name):
             if not _is_utf8(str(folder)):
@@ -122,7 +138,12 @@ class LocalSource:
                     None,
                     "its run (parent folder) name has unsafe characters",
                 )
-            return Found(str(folder), folder, ident)
+            sub = model_folder(name, lambda sub: os.path.lexists(folder / sub))
+            if sub is None:
+                return _NO_MODEL
+            if sub and any(os.path.islink(p) for p in _steps(folder, sub)):
+                return Found(printable(folder / sub), None, None, "symlink: not followed")
+            return Found(str(folder / sub), folder / sub, ident)
         if self._model_like(folder):
             return Found(printable(folder), None, None, UNRECOGNISED)
         return None

@@ -1,9 +1,10 @@
 """An S3 prefix as a checkpoint source (SageMaker writes checkpoints straight to S3).
 
 A poll costs listing pages, not a request per checkpoint: prefixes are walked with a delimiter
-(`ListObjectsV2`, paginated) and a known checkpoint is just a name in a page. Completeness uses
-the same rules as local folders, through `S3Files`: the object listing gives sizes, and ranged
-GETs read only the 8-byte length and the header of each safetensors file. Every request is
+(`ListObjectsV2`, paginated) and a known checkpoint is just a name in a page (verl's
+`global_step_{N}` prefixes are listed once more, to find the model folder inside).
+Completeness uses the same rules as local folders, through `S3Files`: the object listing gives
+sizes, and ranged GETs read only the 8-byte length and the header of each safetensors file. Every request is
 bounded in time (see `s3client`); the daemon calls a source only from that source's own thread.
 """
 
@@ -15,7 +16,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ckpt_watcher.checkpoints.fingerprint import Mode
-from ckpt_watcher.checkpoints.naming import looks_like_checkpoint_name, parse_name
+from ckpt_watcher.checkpoints.naming import (
+    looks_like_checkpoint_name,
+    model_folder,
+    parse_name,
+    verl_step_folder,
+)
 from ckpt_watcher.jobfolder import Stage
 from ckpt_watcher.s3client import (
     DEFAULT_REQUEST_TIMEOUT,
@@ -117,10 +123,24 @@ class S3Source:
                         parts[:-1],
                     )
                     note = "" if ident else "its run (parent prefix) name has unsafe characters"
-                    found.append(Found(f"s3://{self.bucket}/{sub}", None, ident, note))
+                    model = self._model_folder(sub, path.name)
+                    if model is not None:  # None: a step folder with no model in it
+                        found.append(Found(f"s3://{self.bucket}/{sub}{model}", None, ident, note))
                 elif depth + 1 < self.max_depth:
                     stack.append((sub, depth + 1))
         return found
+
+    def _model_folder(self, prefix: str, name: str) -> str | None:
+        """Where under a checkpoint prefix its model is (`naming.model_folder`): a LIST of the
+        prefix for verl's `global_step_{N}` names only (`""` at once for any other name)."""
+        if not verl_step_folder(name):
+            return ""
+        held: set[str] = set()
+        for subs, objects in list_level(self.client, self.retry, self.bucket, prefix):
+            held.update(s[len(prefix) :].rstrip("/") for s in subs)
+            held.update(o["Key"][len(prefix) :] for o in objects)
+        sub = model_folder(name, held.__contains__)
+        return f"{sub}/" if sub else sub
 
     def _get_or_none(self, key: str) -> bytes | None:
         try:
