@@ -136,3 +136,23 @@ def test_verl_steps_are_found_by_their_hugging_face_folder_and_never_through_a_l
     assert (linked.ident, linked.path, linked.note) == (None, None, "symlink: not followed")
     # nothing of global_step_0 (its model is gone; its critic is no checkpoint of the run)
     assert len(found) == 5, sorted(found)
+
+
+def test_openrlhf_hugging_face_copies_are_checkpoints_and_its_deepspeed_states_are_not(
+    tmp_path: Path,
+) -> None:
+    """OpenRLHF with `--ckpt.save_hf` saves step N's model as `<ckpt.path>/global_step{N}_hf`,
+    its DeepSpeed states under `_actor/global_step{N}` (not loadable by an eval)."""
+    ckpt = tmp_path / "checkpoints_ppo"
+    write_fake_checkpoint(ckpt / "global_step30_hf")
+    states = ckpt / "_actor" / "global_step30"
+    states.mkdir(parents=True)
+    (states / "mp_rank_00_model_states.pt").write_bytes(b"ds")
+    (found,) = LocalSource(tmp_path).scan()
+    assert found.location == str(ckpt / "global_step30_hf")
+    assert found.ident is not None
+    assert (found.ident.run, found.ident.step, found.ident.label) == (
+        "checkpoints_ppo",
+        30,
+        "global_step30_hf",
+    )

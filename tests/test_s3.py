@@ -59,7 +59,8 @@ def test_verl_steps_on_s3_are_found_by_their_hugging_face_prefix_with_one_list_e
     tmp_path: Path, s3_endpoint: str, bucket: str
 ) -> None:
     """A verl run synced to S3: `global_step_N/actor/huggingface/` is the checkpoint (one more
-    LIST per `global_step_N` prefix, to see what it holds); run and step from the names above."""
+    LIST per `global_step` prefix, to see what it holds); run and step from the names above.
+    A step whose model is gone, and DeepSpeed's engine states, are passed by."""
     client = make_client(s3_endpoint)
     ckpt = write_fake_checkpoint(tmp_path / "hf")
     upload_dir(client, ckpt, bucket, "verl/exp1/global_step_10/actor/huggingface/")
@@ -69,6 +70,8 @@ def test_verl_steps_on_s3_are_found_by_their_hugging_face_prefix_with_one_list_e
     upload_dir(client, ckpt, bucket, "verl/sft1/global_step_3/huggingface/")
     upload_dir(client, ckpt, bucket, "verl/plain/global_step_4/")
     client.put_object(Bucket=bucket, Key="verl/exp1/global_step_5/data.pt", Body=b"d")  # gone
+    ds = "verl/ds/global_step7/mp_rank_00_model_states.pt"  # DeepSpeed's states: no model
+    client.put_object(Bucket=bucket, Key=ds, Body=b"d")
     calls: list[str] = []
     client.meta.events.register("before-call.s3.*", lambda model, **_: calls.append(model.name))
     src = S3Source(f"s3://{bucket}/verl/", client=client, retry=NO_WAIT)
@@ -82,8 +85,8 @@ def test_verl_steps_on_s3_are_found_by_their_hugging_face_prefix_with_one_list_e
     assert ppo is not None and (ppo.run, ppo.step, ppo.run_path) == ("exp1", 10, "exp1")
     sft = found["sft1/global_step_3/huggingface/"]
     assert sft is not None and (sft.run, sft.step) == ("sft1", 3)
-    # verl/, its 3 runs, and each global_step_N once more
-    assert calls == ["ListObjectsV2"] * 8, calls
+    # verl/, its 4 runs, and each global_step prefix once more
+    assert calls == ["ListObjectsV2"] * 10, calls
     view = src.view(f"s3://{bucket}/verl/exp1/global_step_10/actor/huggingface/")
     verdict = completeness.check(view, now=0.0, stable_seconds=0, settle_seconds=0)
     assert verdict.ready, verdict

@@ -15,7 +15,11 @@ from pathlib import Path
 _RUN_RE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 _RUN_STEP = re.compile(rf"^(?P<run>{_RUN_RE})_step(?P<step>\d{{1,12}})$")
 _RUN_FINAL = re.compile(rf"^(?P<run>{_RUN_RE})_final$")
-_PARENT_STEP = re.compile(r"^(?:checkpoint-|global_step_|step_)(?P<step>\d{1,12})$")
+# the parent folder is the run: HF Trainer, verl, prime-rl/open-instruct, and OpenRLHF's Hugging
+# Face copies (`--ckpt.save_hf`: `<ckpt.path>/global_step{N}_hf`, beside its DeepSpeed states)
+_PARENT_STEP = re.compile(
+    r"^(?:(?:checkpoint-|global_step_|step_)(?P<step>\d{1,12})|global_step(?P<hf>\d{1,12})_hf)$"
+)
 _SAFE_RUN = re.compile(rf"^{_RUN_RE}$")
 _VERL_STEP = re.compile(r"^global_step_\d{1,12}$")
 # verl saves step N as `global_step_{N}/`: its RL trainers put the policy's FSDP shards in
@@ -23,6 +27,9 @@ _VERL_STEP = re.compile(r"^global_step_\d{1,12}$")
 # Face copy in `actor/huggingface/` (its SFT trainer: `huggingface/` in the step's folder). That
 # copy is what an eval loads. Its keep-last-k (`max_actor_ckpt_to_keep`) deletes `actor/`.
 VERL_MODEL_FOLDERS = ("actor/huggingface", "huggingface")
+# DeepSpeed's own tag for step N's engine states (OpenRLHF's `_actor/global_step{N}`): a
+# checkpoint of a run named `global` only where it holds a Hugging Face model
+_DEEPSPEED_TAG = re.compile(r"^global_step\d{1,12}$")
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -62,7 +69,8 @@ def parse_name(
     """Identify a checkpoint by its folder name (and its parent's); None if no pattern fits.
 
     `{run}_step{N}`, `{run}_final` (step from trainer_state.json, read through `trainer_state`,
-    if present), or `checkpoint-{N}` / `global_step_{N}` / `step_{N}` with the parent as run.
+    if present), or `checkpoint-{N}` / `global_step_{N}` / `step_{N}` / `global_step{N}_hf`
+    with the parent as run.
     `between` are the folder names from the source root down to the checkpoint's parent: the
     run path is them plus the run (`{run}_step{N}`), or them alone (`checkpoint-{N}`).
     """
@@ -76,7 +84,8 @@ def parse_name(
     if m := _PARENT_STEP.match(name):
         if not _SAFE_RUN.match(parent):
             return None
-        return CheckpointId(run=parent, step=int(m["step"]), label=name, run_path="/".join(dirs))
+        step = int(m["step"] or m["hf"])
+        return CheckpointId(run=parent, step=step, label=name, run_path="/".join(dirs))
     return None
 
 
@@ -98,14 +107,23 @@ def verl_step_folder(name: str) -> bool:
     return bool(_VERL_STEP.match(name))
 
 
+def contents_decide(name: str) -> bool:
+    """True for the step folders whose contents say where their model is, or whether they hold
+    one (`model_folder`): verl's `global_step_{N}`, DeepSpeed's `global_step{N}`."""
+    return verl_step_folder(name) or bool(_DEEPSPEED_TAG.match(name))
+
+
 def model_folder(name: str, holds: Callable[[str], bool]) -> str | None:
     """Where the model an eval loads is, under a checkpoint folder named `name`: "" (the folder
     itself), or for verl's `global_step_{N}` layout the Hugging Face folder inside it
     (`VERL_MODEL_FOLDERS`), decided by what the folder holds (`holds(relative path)`: a file or
-    folder there). None for a `global_step_{N}` with none of these: its save has not begun, or
-    verl's keep-last-k deleted its `actor/` (it leaves the folder, with `data.pt`, for good)."""
-    if not verl_step_folder(name) or holds("config.json"):
+    folder there). None for a step folder with no model: a `global_step_{N}` whose save has not
+    begun, or whose `actor/` verl's keep-last-k deleted (it leaves the folder, with `data.pt`,
+    for good); DeepSpeed's engine states (`global_step{N}` without `config.json`)."""
+    if not contents_decide(name) or holds("config.json"):
         return ""
+    if not verl_step_folder(name):
+        return None
     if holds("actor"):
         return VERL_MODEL_FOLDERS[0]
     if holds("huggingface"):

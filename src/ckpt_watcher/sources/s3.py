@@ -2,7 +2,8 @@
 
 A poll costs listing pages, not a request per checkpoint: prefixes are walked with a delimiter
 (`ListObjectsV2`, paginated) and a known checkpoint is just a name in a page (verl's
-`global_step_{N}` prefixes are listed once more, to find the model folder inside).
+`global_step_{N}` and DeepSpeed's `global_step{N}` prefixes are listed once more, to find the
+model folder inside, if any).
 Completeness uses the same rules as local folders, through `S3Files`: the object listing gives
 sizes, and ranged GETs read only the 8-byte length and the header of each safetensors file. Every request is
 bounded in time (see `s3client`); the daemon calls a source only from that source's own thread.
@@ -17,10 +18,10 @@ from typing import Any
 
 from ckpt_watcher.checkpoints.fingerprint import Mode
 from ckpt_watcher.checkpoints.naming import (
+    contents_decide,
     looks_like_checkpoint_name,
     model_folder,
     parse_name,
-    verl_step_folder,
 )
 from ckpt_watcher.jobfolder import Stage
 from ckpt_watcher.s3client import (
@@ -132,8 +133,8 @@ class S3Source:
 
     def _model_folder(self, prefix: str, name: str) -> str | None:
         """Where under a checkpoint prefix its model is (`naming.model_folder`): a LIST of the
-        prefix for verl's `global_step_{N}` names only (`""` at once for any other name)."""
-        if not verl_step_folder(name):
+        prefix for `global_step` names only (`""` at once for any other name)."""
+        if not contents_decide(name):
             return ""
         held: set[str] = set()
         for subs, objects in list_level(self.client, self.retry, self.bucket, prefix):
