@@ -71,6 +71,7 @@ class S3Source:
         self.keep_staged = keep_staged
         self.request_timeout = request_timeout
         self.bucket, self.prefix = split_uri(uri)
+        self._models: dict[str, str] = {}  # step prefix -> its model folder, once found
         self._client = client
         # a call gives up after ~4 unanswered requests: a dead endpoint shows within minutes
         self.retry = retry or Retry(max_seconds=4 * request_timeout)
@@ -133,15 +134,20 @@ class S3Source:
 
     def _model_folder(self, prefix: str, name: str) -> str | None:
         """Where under a checkpoint prefix its model is (`naming.model_folder`): a LIST of the
-        prefix for `global_step` names only (`""` at once for any other name)."""
+        prefix for `global_step` names only (`""` at once for any other name), until found."""
         if not contents_decide(name):
             return ""
+        if prefix in self._models:  # a model folder found stays where it is
+            return self._models[prefix]
         held: set[str] = set()
         for subs, objects in list_level(self.client, self.retry, self.bucket, prefix):
             held.update(s[len(prefix) :].rstrip("/") for s in subs)
             held.update(o["Key"][len(prefix) :] for o in objects)
         sub = model_folder(name, held.__contains__)
-        return f"{sub}/" if sub else sub
+        if sub is None:
+            return None  # looked at again next scan: its upload may not have begun
+        self._models[prefix] = f"{sub}/" if sub else ""
+        return self._models[prefix]
 
     def _get_or_none(self, key: str) -> bytes | None:
         try:
