@@ -51,6 +51,12 @@ TOKENIZER_FILES = (
 TRAINER_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth")
 TRAINER_STATE = "trainer_state.json"
 DEFAULT_SETTLE_SECONDS = 0.5
+# A PEFT (LoRA) trainer saves the adapter alone: weights an eval cannot load without the base
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_ONLY = (
+    "a LoRA/PEFT adapter (adapter_config.json, no config.json): the watcher evaluates whole "
+    "models; save the merged model too (peft: merge_and_unload(), then save_pretrained)"
+)
 _HF_TRAINER_FOLDER = re.compile(r"^checkpoint-\d+$")
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.safetensors$")
 _OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.distcp")
@@ -150,6 +156,8 @@ def structure(
             )
         return Completeness("incomplete", reason), "", window
     cfg = _config_problem(files)
+    if cfg == _NO_CONFIG and ADAPTER_CONFIG in names:
+        return Completeness("invalid", ADAPTER_ONLY), "", window
     if cfg:
         state = "invalid" if marker and cfg != _NO_CONFIG else "incomplete"
         if marker and state == "invalid":
