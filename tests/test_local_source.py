@@ -148,11 +148,14 @@ def test_openrlhf_hugging_face_copies_are_checkpoints_and_its_deepspeed_states_a
     states = ckpt / "_actor" / "global_step30"
     states.mkdir(parents=True)
     (states / "mp_rank_00_model_states.pt").write_bytes(b"ds")
-    (found,) = LocalSource(tmp_path).scan()
-    assert found.location == str(ckpt / "global_step30_hf")
-    assert found.ident is not None
-    assert (found.ident.run, found.ident.step, found.ident.label) == (
+    # a DeepSpeed tag folder that does hold a model: of the run above it, not a run `global`
+    write_fake_checkpoint(tmp_path / "ds" / "global_step9")
+    found = {f.location.removeprefix(f"{tmp_path}/"): f.ident for f in LocalSource(tmp_path).scan()}
+    assert set(found) == {"checkpoints_ppo/global_step30_hf", "ds/global_step9"}
+    hf, ds = found["checkpoints_ppo/global_step30_hf"], found["ds/global_step9"]
+    assert hf is not None and (hf.run, hf.step, hf.label) == (
         "checkpoints_ppo",
         30,
         "global_step30_hf",
     )
+    assert ds is not None and (ds.run, ds.step, ds.run_path) == ("ds", 9, "ds")

@@ -15,10 +15,12 @@ from pathlib import Path
 _RUN_RE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 _RUN_STEP = re.compile(rf"^(?P<run>{_RUN_RE})_step(?P<step>\d{{1,12}})$")
 _RUN_FINAL = re.compile(rf"^(?P<run>{_RUN_RE})_final$")
-# the parent folder is the run: HF Trainer, verl, prime-rl/open-instruct, and OpenRLHF's Hugging
-# Face copies (`--ckpt.save_hf`: `<ckpt.path>/global_step{N}_hf`, beside its DeepSpeed states)
+# the parent folder is the run: HF Trainer, verl, prime-rl/open-instruct, DeepSpeed's tags
+# (`global_step{N}`: not a run named `global`) and OpenRLHF's Hugging Face copies
+# (`--ckpt.save_hf`: `<ckpt.path>/global_step{N}_hf`, beside its DeepSpeed states)
 _PARENT_STEP = re.compile(
-    r"^(?:(?:checkpoint-|global_step_|step_)(?P<step>\d{1,12})|global_step(?P<hf>\d{1,12})_hf)$"
+    r"^(?:(?:checkpoint-|global_step_|step_)(?P<step>\d{1,12})"
+    r"|global_step(?P<ds>\d{1,12})(?:_hf)?)$"
 )
 _SAFE_RUN = re.compile(rf"^{_RUN_RE}$")
 _VERL_STEP = re.compile(r"^global_step_\d{1,12}$")
@@ -28,7 +30,7 @@ _VERL_STEP = re.compile(r"^global_step_\d{1,12}$")
 # copy is what an eval loads. Its keep-last-k (`max_actor_ckpt_to_keep`) deletes `actor/`.
 VERL_MODEL_FOLDERS = ("actor/huggingface", "huggingface")
 # DeepSpeed's own tag for step N's engine states (OpenRLHF's `_actor/global_step{N}`): a
-# checkpoint of a run named `global` only where it holds a Hugging Face model
+# checkpoint only where it holds a Hugging Face model
 _DEEPSPEED_TAG = re.compile(r"^global_step\d{1,12}$")
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -69,23 +71,23 @@ def parse_name(
     """Identify a checkpoint by its folder name (and its parent's); None if no pattern fits.
 
     `{run}_step{N}`, `{run}_final` (step from trainer_state.json, read through `trainer_state`,
-    if present), or `checkpoint-{N}` / `global_step_{N}` / `step_{N}` / `global_step{N}_hf`
-    with the parent as run.
+    if present), or `checkpoint-{N}` / `global_step_{N}` / `step_{N}` / `global_step{N}` /
+    `global_step{N}_hf` with the parent as run.
     `between` are the folder names from the source root down to the checkpoint's parent: the
     run path is them plus the run (`{run}_step{N}`), or them alone (`checkpoint-{N}`).
     """
     dirs = [safe_component(d) for d in between]
+    if m := _PARENT_STEP.match(name):  # first: `global_step{N}` would read as a run `global`
+        if not _SAFE_RUN.match(parent):
+            return None
+        step = int(m["step"] or m["ds"])
+        return CheckpointId(run=parent, step=step, label=name, run_path="/".join(dirs))
     if m := _RUN_STEP.match(name):
         run_path = "/".join([*dirs, m["run"]])
         return CheckpointId(m["run"], int(m["step"]), name, run_path=run_path)
     if m := _RUN_FINAL.match(name):
         step = final_step(trainer_state())
         return CheckpointId(m["run"], step, name, final=True, run_path="/".join([*dirs, m["run"]]))
-    if m := _PARENT_STEP.match(name):
-        if not _SAFE_RUN.match(parent):
-            return None
-        step = int(m["step"] or m["hf"])
-        return CheckpointId(run=parent, step=step, label=name, run_path="/".join(dirs))
     return None
 
 

@@ -128,6 +128,9 @@ class LocalSource:
         None to descend into it."""
         name = folder.name
         if looks_like_checkpoint_name(name):
+            sub = model_folder(name, lambda sub: os.path.lexists(folder / sub))
+            if sub is None:
+                return _NO_MODEL
             if not _is_utf8(str(folder)):
                 return Found(printable(folder), None, None, "path is not valid UTF-8")
             ident = parse_checkpoint_dir(folder, self.root)
@@ -138,9 +141,6 @@ class LocalSource:
                     None,
                     "its run (parent folder) name has unsafe characters",
                 )
-            sub = model_folder(name, lambda sub: os.path.lexists(folder / sub))
-            if sub is None:
-                return _NO_MODEL
             if sub and any(os.path.islink(p) for p in _steps(folder, sub)):
                 return Found(printable(folder / sub), None, None, "symlink: not followed")
             return Found(str(folder / sub), folder / sub, ident)
