@@ -80,8 +80,8 @@ def parse_name(
     if m := _PARENT_STEP.match(name):  # first: `global_step{N}` would read as a run `global`
         if not _SAFE_RUN.match(parent):
             return None
-        step = int(m["step"] or m["ds"])
-        return CheckpointId(run=parent, step=step, label=name, run_path="/".join(dirs))
+        n = int(m["step"] or m["ds"])
+        return CheckpointId(run=parent, step=n, label=name, run_path="/".join(dirs))
     if m := _RUN_STEP.match(name):
         run_path = "/".join([*dirs, m["run"]])
         return CheckpointId(m["run"], int(m["step"]), name, run_path=run_path)
