@@ -3,10 +3,10 @@
 A poll costs listing pages, not a request per checkpoint: prefixes are walked with a delimiter
 (`ListObjectsV2`, paginated) and a known checkpoint is just a name in a page (verl's
 `global_step_{N}` and DeepSpeed's `global_step{N}` prefixes are listed once more, to find the
-model folder inside, if any).
-Completeness uses the same rules as local folders, through `S3Files`: the object listing gives
-sizes, and ranged GETs read only the 8-byte length and the header of each safetensors file. Every request is
-bounded in time (see `s3client`); the daemon calls a source only from that source's own thread.
+model folder inside, if any). Completeness uses the same rules as local folders, through
+`S3Files`: the object listing gives sizes, and ranged GETs read only the 8-byte length and the
+header of each safetensors file. Every request is bounded in time (see `s3client`); the daemon
+calls a source only from that source's own thread.
 """
 
 from __future__ import annotations
