@@ -271,16 +271,30 @@ def wandb_history(wandb_dir: Path, run_id: str) -> list[dict[str, Any]]:
     return rows
 
 
-def addition_accuracy(checkpoint: Path) -> float:
-    """The bundled addition task's exact match for `checkpoint`, scored here with greedy
-    decoding (as the task does): a cheap check of a trained model without lm-eval."""
+def addition_accuracy(checkpoint: Path, adapter: Path | None = None) -> float:
+    """The bundled addition task's exact match for `checkpoint` (with a PEFT `adapter` applied,
+    not merged, if given), scored here with greedy decoding (as the task does): a cheap check of
+    a trained model without lm-eval."""
+    from ckpt_watcher.demo.tiny import addition_pairs, answer
+
+    said = addition_answers(checkpoint, adapter)
+    pairs = addition_pairs(100, 1234)
+    return sum(s == answer(a, b) for s, (a, b) in zip(said, pairs, strict=True)) / len(pairs)
+
+
+def addition_answers(checkpoint: Path, adapter: Path | None = None) -> list[str]:
+    """The model's greedy answers to the addition task's 100 test sums, in the task's order."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ckpt_watcher.demo.tiny import addition_pairs, answer
+    from ckpt_watcher.demo.tiny import addition_pairs
 
     tok = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
     pairs = addition_pairs(100, 1234)  # write_task's test pairs
     ids = torch.tensor([tok.encode(f"{a}+{b}=", add_special_tokens=False) for a, b in pairs])
     with torch.no_grad():
@@ -291,8 +305,7 @@ def addition_accuracy(checkpoint: Path) -> float:
             do_sample=False,
             pad_token_id=tok.pad_token_id,
         )
-    said = [tok.decode(row[ids.shape[1] :]).split("\n")[0] for row in out]
-    return sum(s == answer(a, b) for s, (a, b) in zip(said, pairs, strict=True)) / len(pairs)
+    return [tok.decode(row[ids.shape[1] :]).split("\n")[0] for row in out]
 
 
 def running_jobs(state_dir: Path) -> list[Job]:

@@ -342,23 +342,6 @@ def test_a_verl_step_without_a_hugging_face_copy_says_which_setting_makes_one(
     assert pin_path(str(hf)) == tmp_path / "exp" / PIN_FOLDER / "global_step_5"
 
 
-def test_a_lora_adapter_alone_is_said_to_be_one_not_awaited_forever(tmp_path: Path) -> None:
-    """TRL with PEFT saves `checkpoint-N` with the adapter and no config.json: not a checkpoint
-    that is still being written (it waited forever on its config), one the watcher cannot load."""
-    ck = tmp_path / "lora" / "checkpoint-50"
-    ck.mkdir(parents=True)
-    write_safetensors(ck / "adapter_model.safetensors", {"lora_A": 8, "lora_B": 8})
-    (ck / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
-    (ck / "tokenizer.json").write_text("{}")
-    (ck / "trainer_state.json").write_text('{"global_step": 50}')
-    verdict = completeness.check(LocalFiles(ck), now=0.0, stable_seconds=0, folder_name=ck.name)
-    assert verdict.state == "invalid", verdict
-    assert "LoRA" in verdict.reason and "merge_and_unload" in verdict.reason, verdict
-    (ck / "config.json").write_text('{"model_type": "llama"}')  # a merged model saved beside
-    verdict = completeness.check(LocalFiles(ck), now=0.0, stable_seconds=0, folder_name=ck.name)
-    assert verdict.state != "invalid", verdict
-
-
 def test_cpu_slots_share_the_cores_unless_the_environment_sets_threads() -> None:
     two = cpu_slots(2, cores=8)
     assert [d.threads for d in two] == [4, 4]

@@ -38,6 +38,23 @@ from ckpt_watcher.harnesses.entries import (
     VerifiersTask,
 )
 
+ADAPTER_BASE = (
+    "The base model's folder (local) that this source's LoRA/PEFT adapters saved alone "
+    "(`adapter_config.json`, no `config.json`) are merged into to be evaluated. Unset: the "
+    "adapter's `base_model_name_or_path`, when that is a folder here or a model in the local "
+    "Hugging Face cache (never downloaded). An adapter whose base is found neither way is shown "
+    "`invalid` with what to set."
+)
+
+
+def _model_folder(v: Path | None) -> Path | None:
+    if v is None:
+        return None
+    v = v.expanduser()
+    if not (v / "config.json").is_file():
+        raise ValueError(f"{v} holds no config.json: give the base model's folder")
+    return v
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
@@ -59,11 +76,17 @@ class LocalSource(_Model):
     """How a checkpoint's content fingerprint is taken: `sampled` (sizes, safetensors headers and
     16 blocks of 64 KiB per weight file) or `full` (every byte). A result belongs to the
     fingerprint it was computed on; a checkpoint whose fingerprint changes is evaluated again."""
+    adapter_base: Path | None = Field(None, description=ADAPTER_BASE)
 
     @field_validator("path")
     @classmethod
     def _expand(cls, v: Path) -> Path:
         return v.expanduser()
+
+    @field_validator("adapter_base")
+    @classmethod
+    def _base(cls, v: Path | None) -> Path | None:
+        return _model_folder(v)
 
     @property
     def name(self) -> str:
@@ -93,6 +116,12 @@ class S3Source(_Model):
     """How a checkpoint's content fingerprint is taken: `sampled` (sizes, safetensors headers and
     16 blocks of 64 KiB per weight file) or `full` (every byte). A result belongs to the
     fingerprint it was computed on; a checkpoint whose fingerprint changes is evaluated again."""
+    adapter_base: Path | None = Field(None, description=ADAPTER_BASE)
+
+    @field_validator("adapter_base")
+    @classmethod
+    def _base(cls, v: Path | None) -> Path | None:
+        return _model_folder(v)
 
     @field_validator("uri")
     @classmethod

@@ -37,12 +37,18 @@ from typing import Any
 
 import structlog
 
-from ckpt_watcher.checkpoints import completeness
+from ckpt_watcher.checkpoints import adapter, completeness
 from ckpt_watcher.checkpoints.completeness import DEFAULT_SETTLE_SECONDS, Completeness
-from ckpt_watcher.checkpoints.files import MARK_VERSION, LocalFiles, check_unchanged, eval_mark
+from ckpt_watcher.checkpoints.files import (
+    MARK_VERSION,
+    CheckpointFiles,
+    LocalFiles,
+    check_unchanged,
+    eval_mark,
+)
 from ckpt_watcher.checkpoints.fingerprint import fingerprint
 from ckpt_watcher.checkpoints.naming import checkpoint_folder
-from ckpt_watcher.errors import CheckpointChanged, NamingFixError, WatcherError
+from ckpt_watcher.errors import AdapterError, CheckpointChanged, NamingFixError, WatcherError
 from ckpt_watcher.jobfolder import Stage
 from ckpt_watcher.lane import Lane
 from ckpt_watcher.sources.base import Found, Source, diff
@@ -164,6 +170,12 @@ class Discovery:
     def stage_spec(self, source_name: str, location: str) -> Stage | None:
         src = self.source_named(source_name)
         return src.stage_spec(location) if src is not None else None
+
+    def adapter_base(self, source_name: str) -> str | None:
+        """The base model its source's LoRA/PEFT adapters are merged into, if configured."""
+        src = self.source_named(source_name)
+        base = src.adapter_base if src is not None else None
+        return str(base) if base is not None else None
 
     def exists(self, source_name: str, location: str) -> Future[bool] | None:
         """Ask (on the source's lane) whether a checkpoint is still there; None if its source
@@ -350,7 +362,7 @@ class Discovery:
             if mark is None or not mark.startswith(MARK_VERSION):
                 # evaluated before marks and fingerprints were kept, or marked by a version that
                 # marked every file: adopt them (a rewrite since then shows in the fingerprint)
-                fp = None if has_fp else fingerprint(view, source.fingerprint_mode)
+                fp = None if has_fp else _fingerprint(source, location, view)
                 return Remark(now_mark, False, fp)
             return Remark(now_mark, True) if now_mark != mark else None
         except (OSError, WatcherError) as e:  # looked at again next time
@@ -382,12 +394,16 @@ class Discovery:
                 return Judged(failed, observed, fix_failed=True)
             if fixes:  # its own links are part of the folder from now on: a fresh listing
                 view = source.view(location)
+            try:
+                fp = _fingerprint(source, location, view)
+            except AdapterError as e:  # looked at again each scan: the base may appear
+                return Judged(Completeness("invalid", str(e), verdict.write_mark), observed)
             return Judged(
                 verdict,
                 observed,
                 fixes,
                 write_mark=eval_mark(view),
-                fingerprint=fingerprint(view, source.fingerprint_mode),
+                fingerprint=fp,
                 last_write=view.last_write(),
             )
         except (OSError, WatcherError) as e:  # unreadable now (S3 down?): judged next scan
@@ -589,3 +605,13 @@ def _logged(event: str, fn: Callable[[Any], Any], arg: Any) -> Callable[[], None
             log.warning(event, error=f"{type(e).__name__}: {e}")
 
     return call
+
+
+def _fingerprint(source: Source, location: str, view: CheckpointFiles) -> str:
+    """What a result on this checkpoint is of: its files' fingerprint, and for a LoRA/PEFT
+    adapter saved alone its base's too (raises AdapterError when its base is not found)."""
+    fp = fingerprint(view, source.fingerprint_mode)
+    if not adapter.is_adapter(view.files):
+        return fp
+    base = adapter.resolve_base(view, source.adapter_base, location)
+    return adapter.with_base(fp, base, source.fingerprint_mode)

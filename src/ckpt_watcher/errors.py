@@ -31,6 +31,11 @@ class NamingFixError(CheckpointError):
     """The safetensors naming fix could not be applied safely."""
 
 
+class AdapterError(CheckpointError):
+    """A LoRA/PEFT adapter saved alone whose base model is not to be found here, or that
+    cannot be merged into it."""
+
+
 class CheckpointChanged(CheckpointError):
     """The files an eval reads are no longer those the checkpoint was judged ready (and
     fingerprinted) with: it must be judged again before anything reads it."""

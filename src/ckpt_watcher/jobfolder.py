@@ -122,6 +122,7 @@ class EvalRequest:
     compile_cache: str | None = (
         None  # where compiled kernels are kept (evaluators/compile_cache.py)
     )
+    adapter_base: str | None = None  # the source's `adapter_base` (worker/merge.py)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ prefix), with time passed in and nothing slept.
      `stable_seconds`, the only evidence they offer;
    - `config.json` parses, and beside weights transformers loads (safetensors, `pytorch_model`
      bins) a tokenizer is there: an eval loads it from the checkpoint, unless
-     `eval.model_args.tokenizer` names one elsewhere;
+     `eval.model_args.tokenizer` names one elsewhere; a LoRA/PEFT adapter saved alone has
+     `adapter_config.json` instead, of a kind that merges into its base (adapter.py), and
+     needs no tokenizer (its base has one);
    - an HF Trainer folder (`training_args.bin`, or a `checkpoint-N` with optimizer, scheduler
      or RNG states) has `trainer_state.json`, the file the Trainer writes last.
 2. **Has the writer stopped?** (`check`) The files an eval reads (`files.eval_files`) have not
@@ -32,6 +34,7 @@ import re
 from dataclasses import dataclass
 from fnmatch import fnmatch
 
+from ckpt_watcher.checkpoints import adapter
 from ckpt_watcher.checkpoints.files import CheckpointFiles, eval_files, eval_mark
 from ckpt_watcher.checkpoints.namefix import plan_fix
 from ckpt_watcher.checkpoints.naming import verl_step_folder
@@ -51,12 +54,6 @@ TOKENIZER_FILES = (
 TRAINER_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth")
 TRAINER_STATE = "trainer_state.json"
 DEFAULT_SETTLE_SECONDS = 0.5
-# A PEFT (LoRA) trainer saves the adapter alone: weights an eval cannot load without the base
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_ONLY = (
-    "a LoRA/PEFT adapter (adapter_config.json, no config.json): the watcher evaluates whole "
-    "models; save the merged model too (peft: merge_and_unload(), then save_pretrained)"
-)
 _HF_TRAINER_FOLDER = re.compile(r"^checkpoint-\d+$")
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.safetensors$")
 _OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.distcp")
@@ -155,15 +152,21 @@ def structure(
                 "actor_rollout_ref.actor.checkpoint.save_contents)"
             )
         return Completeness("incomplete", reason), "", window
-    cfg = _config_problem(files)
-    if cfg == _NO_CONFIG and ADAPTER_CONFIG in names:
-        return Completeness("invalid", ADAPTER_ONLY), "", window
+    lora = adapter.is_adapter(names)
+    if lora:  # merged into its base to be evaluated, with the base's tokenizer if it has none
+        config = adapter.read_config(files)
+        cfg = config if isinstance(config, str) else adapter.unmergeable(config)
+        if cfg and not isinstance(config, str):
+            return Completeness("invalid", cfg), "", window
+        evidence = f"LoRA/PEFT adapter, {evidence}"
+    else:
+        cfg = _config_problem(files)
     if cfg:
-        state = "invalid" if marker and cfg != _NO_CONFIG else "incomplete"
+        state = "invalid" if marker and not cfg.endswith(_NOT_YET) else "incomplete"
         if marker and state == "invalid":
             cfg = f"marker {marker} present but {cfg}"
         return Completeness(state, cfg), "", window
-    hf_weights = eval_files(names) is not None  # what transformers and vLLM load
+    hf_weights = eval_files(names) is not None and not lora  # what transformers and vLLM load
     if tokenizer_required and hf_weights and not any(n in names for n in TOKENIZER_FILES):
         return (
             Completeness(
@@ -236,7 +239,8 @@ def _shard_series_gap(shards: list[str]) -> str:
     return ""
 
 
-_NO_CONFIG = "config.json not written yet"
+_NOT_YET = "not written yet"
+_NO_CONFIG = f"config.json {_NOT_YET}"
 
 
 def _config_problem(files: CheckpointFiles) -> str:

@@ -27,6 +27,7 @@ NEEDED = frozenset(
         "chat_template.json",
         "preprocessor_config.json",
         "model.safetensors.index.json",
+        "adapter_config.json",  # a LoRA/PEFT adapter saved alone (adapter.py)
     }
 )
 
@@ -149,6 +150,9 @@ def needed_files(files: dict[str, int]) -> list[str]:
     names = {n for n in files if n in NEEDED or n.endswith(".safetensors")}
     if not any(n.endswith(".safetensors") for n in names):
         names |= {
-            n for n in files if n.startswith("pytorch_model") and n.endswith((".bin", ".json"))
+            n
+            for n in files
+            if (n.startswith("pytorch_model") and n.endswith((".bin", ".json")))
+            or n == "adapter_model.bin"
         }
     return sorted(names)

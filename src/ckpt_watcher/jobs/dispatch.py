@@ -226,6 +226,7 @@ class Dispatcher:
             device=device.compute,
             tensor_parallel_size=ev.tensor_parallel_size,
             compile_cache=str(ev.compile_cache_dir or self.cfg.state_dir / "compile-cache"),
+            adapter_base=self.discovery.adapter_base(self.book.source_name(job)),
         )
         stage = self.discovery.stage_spec(self.book.source_name(job), job.location)
         return JobSpec(job.id, device.label, request, stage, write_mark=job.write_mark)

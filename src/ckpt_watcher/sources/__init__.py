@@ -22,7 +22,12 @@ def build_sources(cfg: WatcherConfig) -> list[Source]:
         if isinstance(s, LocalSourceConfig):
             out.append(
                 LocalSource(
-                    s.path, s.poll_seconds, s.max_depth, s.inotify, fingerprint=s.fingerprint
+                    s.path,
+                    s.poll_seconds,
+                    s.max_depth,
+                    s.inotify,
+                    fingerprint=s.fingerprint,
+                    adapter_base=s.adapter_base,
                 )
             )
         else:
@@ -36,6 +41,7 @@ def build_sources(cfg: WatcherConfig) -> list[Source]:
                     cache_max_gb=s.cache_max_gb,
                     request_timeout=s.request_timeout_seconds,
                     fingerprint=s.fingerprint,
+                    adapter_base=s.adapter_base,
                 )
             )
     if cfg.baseline is not None and cfg.baseline.checkpoint is not None:

@@ -37,6 +37,7 @@ class BaselineSource:
         self.poll_seconds = inner.poll_seconds
         self.fingerprint_mode = inner.fingerprint_mode
         self.recheck_per_scan = inner.recheck_per_scan
+        self.adapter_base = inner.adapter_base
 
     def owns(self, location: str) -> bool:
         return location == self.location

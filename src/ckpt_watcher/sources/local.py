@@ -30,7 +30,12 @@ from ckpt_watcher.sources.base import UNRECOGNISED, Found
 log = structlog.get_logger("ckpt_watcher.sources.local")
 
 # Files whose presence makes a folder "model-like" even when its name follows no pattern.
-_MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json")
+_MODEL_FILES = (
+    "config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "adapter_config.json",
+)
 # inotify events that can complete a checkpoint: a file closed after writing, created, moved or
 # deleted. Per-write "modified" events are ignored: they would rescan on every write() call.
 _WAKE_EVENTS = frozenset({"closed", "created", "moved", "deleted"})
@@ -70,9 +75,11 @@ class LocalSource:
         inotify: bool = True,
         scandir: Callable[[Path], Iterable[Any]] = os.scandir,
         fingerprint: Mode = "sampled",
+        adapter_base: Path | None = None,
     ) -> None:
         self.root = root
         self.fingerprint_mode: Mode = fingerprint
+        self.adapter_base = adapter_base
         self.recheck_per_scan: int | None = None  # a stat per file: every evaluated one, every scan
         self.name = f"local:{root}"
         self.poll_seconds = poll_seconds

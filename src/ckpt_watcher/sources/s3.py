@@ -57,9 +57,11 @@ class S3Source:
         cache_max_gb: float = 200.0,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         fingerprint: Mode = "sampled",
+        adapter_base: Path | None = None,
     ) -> None:
         self.uri = uri
         self.fingerprint_mode: Mode = fingerprint
+        self.adapter_base = adapter_base
         # a listing per evaluated checkpoint: this many per scan, in turn (see Discovery)
         self.recheck_per_scan: int | None = RECHECK_PER_SCAN
         self.name = uri
@@ -101,7 +103,7 @@ class S3Source:
             for page_subs, objects in list_level(self.client, self.retry, self.bucket, prefix):
                 subs += page_subs
                 keys.update(o["Key"] for o in objects)
-            if depth > 0 and prefix + "config.json" in keys:
+            if depth > 0 and keys & {prefix + "config.json", prefix + "adapter_config.json"}:
                 found.append(Found(f"s3://{self.bucket}/{prefix}", None, None, UNRECOGNISED))
                 continue  # model files under an unknown name: reported, not walked into
             for sub in subs:

@@ -29,6 +29,7 @@ from urllib.parse import quote
 
 import structlog
 
+from ckpt_watcher.checkpoints.adapter import CONFIG as ADAPTER_CONFIG
 from ckpt_watcher.checkpoints.files import (
     LocalFiles,
     check_unchanged,
@@ -89,14 +90,14 @@ def stage(
     bucket, key = split_uri(location)
     view = S3Files(client, retry, bucket, key)
     names = needed_files(view.files)
-    if "config.json" not in names:
+    if "config.json" not in names and ADAPTER_CONFIG not in names:
         if is_staged(cache_dir, location):  # held when it was due (S3Source.hold); gone since
             log.info("staging.prefix_gone_copy_held", location=location, path=str(dest))
             held = _manifest(dest).get("mark")
             if comparable(write_mark) and comparable(held) and held != write_mark:
                 raise CheckpointChanged(f"{location}: the copy held is of other objects")
             return dest
-        raise StagingError(f"{location}: no config.json under this prefix")
+        raise StagingError(f"{location}: no config.json (nor {ADAPTER_CONFIG}) under this prefix")
     check_unchanged(view, write_mark, location)
     dest.mkdir(parents=True, exist_ok=True)
     # workers of one checkpoint on several devices (a split job, a helper) stage it one at a

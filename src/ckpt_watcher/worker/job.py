@@ -4,6 +4,9 @@ task's outcome as it finishes, so a crash later in the job keeps the tasks alrea
 daemon reads the outcomes and is the only writer of the ledger. The exit code says how the job
 ended (`jobfolder.EXIT_*`); what stopped a whole job goes in the folder's crash file.
 
+A LoRA/PEFT adapter saved alone is merged into its base first (merge.py), and the tasks read
+the merged copy.
+
 A result is of exactly the bytes its fingerprint names: the files read are those the checkpoint
 was judged with (the spec's write mark) before the model loads, and still are when each task
 ends, or nothing more is recorded (`EXIT_CHANGED`: the daemon judges the checkpoint again). A
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +34,7 @@ from ckpt_watcher.jobfolder import (
     Crash,
     JobFolder,
 )
+from ckpt_watcher.worker.merge import merged
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -153,6 +158,32 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
             return _record_crash(folder, e)
         log.info("worker.staged", location=spec.stage.location, path=str(local))
         req = dataclasses.replace(req, checkpoint=str(local))
+    try:  # a LoRA/PEFT adapter saved alone is evaluated as the model it makes
+        made = merged(Path(req.checkpoint), req.adapter_base)
+    except Exception as e:
+        log.exception("worker.merge_failed", checkpoint=req.checkpoint)
+        return _record_crash(folder, e)
+    if made is None:
+        return _run_tasks(folder, spec, req, keeper, servers, unchanged)
+    try:
+        return _run_tasks(
+            folder, spec, dataclasses.replace(req, checkpoint=str(made)), keeper, servers, unchanged
+        )
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+def _run_tasks(
+    folder: JobFolder,
+    spec: JobSpec,
+    req: EvalRequest,
+    keeper: EngineKeeper | None,
+    servers: Servers | None,
+    unchanged: Callable[[], None],
+) -> int:
+    """Every task of the job on `req.checkpoint` (the checkpoint, its staged or merged copy),
+    each outcome written as it ends; `unchanged` raises if what the job was asked about was
+    written since it was judged."""
     index = {t.key: i for i, t in enumerate(req.tasks)}
 
     last_progress = [0.0]

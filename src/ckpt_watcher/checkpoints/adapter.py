@@ -1,0 +1,140 @@
+"""LoRA/PEFT adapters saved alone: what marks one, which base model it belongs to, and an
+identity that covers both.
+
+A trainer with PEFT (HF Trainer, TRL, Axolotl, LLaMA-Factory) saves each `checkpoint-N` as
+`adapter_config.json` and `adapter_model.safetensors` (`.bin` in older peft): no `config.json`,
+no model weights. The watcher evaluates the model it makes: the worker merges the adapter into
+its base (`worker/merge.py`) and every backend and harness reads that merged copy, while the
+ledger files the result under the adapter's run and step.
+
+The base is the source's `adapter_base` when set; else the adapter's own
+`base_model_name_or_path`, when that is a folder here or a model in the local Hugging Face cache
+(never downloaded). The checkpoint's fingerprint covers the adapter's files and the base's
+(`with_base`), so the same adapter over another base is other content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from pathlib import Path
+
+from ckpt_watcher.checkpoints.files import CheckpointFiles, LocalFiles, eval_mark, needed_files
+from ckpt_watcher.checkpoints.fingerprint import Mode, fingerprint
+from ckpt_watcher.errors import AdapterError
+
+CONFIG = "adapter_config.json"
+WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+# peft types whose weights merge into the base's (prompt and prefix tuning add virtual tokens:
+# the model they make is not a set of weights)
+UNMERGEABLE = frozenset({"PROMPT_TUNING", "PREFIX_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING"})
+
+
+def is_adapter(names: dict[str, int] | list[str]) -> bool:
+    """An adapter saved alone: its config, and no weights but the adapter's."""
+    wanted = needed_files(dict.fromkeys(names, 0))
+    weights = [n for n in wanted if n.endswith((".safetensors", ".bin"))]
+    return CONFIG in names and bool(weights) and all(n in WEIGHTS for n in weights)
+
+
+def read_config(files: CheckpointFiles) -> dict | str:
+    """The adapter's config, or what is wrong with it (it may still be being written)."""
+    try:
+        data = json.loads(files.read(CONFIG).decode("utf-8"))
+    except FileNotFoundError:
+        return f"{CONFIG} not written yet"
+    except (OSError, UnicodeDecodeError, ValueError):
+        return f"{CONFIG} does not parse (yet)"
+    if not isinstance(data, dict):
+        return f"{CONFIG} is not a JSON object"
+    return data
+
+
+def unmergeable(config: dict) -> str:
+    """Why this adapter cannot be merged into its base ("" when it can)."""
+    kind = str(config.get("peft_type", ""))
+    if kind.upper() in UNMERGEABLE:
+        return (
+            f"a {kind} adapter adds virtual tokens instead of changing weights: the watcher "
+            "evaluates models it can merge (LoRA and its kin); evaluate it with peft yourself"
+        )
+    return ""
+
+
+def resolve_base(files: CheckpointFiles, override: Path | None, where: str) -> Path:
+    """The base model's folder: `override` (the source's `adapter_base`), else the adapter's
+    `base_model_name_or_path` as a folder here or in the local Hugging Face cache."""
+    if override is not None:
+        if not (override / "config.json").is_file():
+            raise AdapterError(
+                f"{where}: adapter_base {override} holds no config.json: point it at the base "
+                "model's folder"
+            )
+        return override
+    config = read_config(files)
+    name = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not name:
+        raise AdapterError(
+            f"{where}: a LoRA/PEFT adapter that names no base model: set `adapter_base` on its "
+            "source to the base model's folder"
+        )
+    path = Path(str(name)).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    cached = _hub_cache(str(name), config.get("revision") if isinstance(config, dict) else None)
+    if cached is not None:
+        return cached
+    raise AdapterError(
+        f"{where}: a LoRA/PEFT adapter of {name!r}, which is neither a folder here nor in the "
+        "local Hugging Face cache: set `adapter_base` on its source to the base model's folder "
+        "(the watcher merges the adapter into it to evaluate it)"
+    )
+
+
+def _hub_cache(repo_id: str, revision: str | None) -> Path | None:
+    """A model in the local Hugging Face cache (HF_HOME): never downloaded."""
+    if repo_id.startswith(("/", ".", "~")) or repo_id.count("/") > 1:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except Exception:  # not cached, or not a repo id: said by the caller
+        return None
+    return path if (path / "config.json").is_file() else None
+
+
+class _Followed(LocalFiles):
+    """A base model's folder, links followed: the Hugging Face cache's snapshot files are
+    links into its blob store (a trainer's folder is read without them, `LocalFiles`)."""
+
+    @property
+    def files(self) -> dict[str, int]:
+        out = {}
+        for p in self.root.iterdir():
+            try:
+                if p.is_file():
+                    out[p.name] = p.stat().st_size
+            except OSError:
+                continue
+        return out
+
+
+_base_fingerprints: dict[tuple[str, str, str], str] = {}
+_lock = threading.Lock()
+
+
+def with_base(adapter_fingerprint: str, base: Path, mode: Mode) -> str:
+    """The fingerprint of the model the adapter makes: its own and its base's, in one value of
+    the same form (`<mode>:<32 hex digits>`). The base's is taken once per version of its files."""
+    view = _Followed(base)
+    key = (str(base), eval_mark(view), mode)
+    with _lock:
+        base_fp = _base_fingerprints.get(key)
+    if base_fp is None:
+        base_fp = fingerprint(view, mode)
+        with _lock:
+            _base_fingerprints[key] = base_fp
+    both = hashlib.sha256(f"{adapter_fingerprint}+{base_fp}".encode()).hexdigest()[:32]
+    return f"{mode}:{both}"

@@ -1,0 +1,197 @@
+"""LoRA/PEFT adapters saved alone (HF Trainer or TRL with PEFT: `checkpoint-N` holds
+`adapter_config.json` and `adapter_model.safetensors`, no model): judged whole like any
+checkpoint, given an identity that covers their base, and evaluated as the model they make,
+from a folder and from S3, on a warm engine, against lm-eval's own PEFT path."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ckpt_watcher.checkpoints import adapter, completeness
+from ckpt_watcher.checkpoints.files import LocalFiles
+from ckpt_watcher.checkpoints.fingerprint import fingerprint
+from ckpt_watcher.config import LocalSource
+from ckpt_watcher.errors import AdapterError
+
+from .conftest import (
+    base_config,
+    read_ledger,
+    s3_source,
+    upload_dir,
+    write_config,
+    write_safetensors,
+)
+from .helpers import addition_answers, read_records, watcher_once
+
+
+def fake_adapter(folder: Path, base: str | None = None, kind: str = "LORA") -> Path:
+    """An adapter-shaped folder as the HF Trainer with PEFT leaves it (not loadable)."""
+    folder.mkdir(parents=True)
+    write_safetensors(folder / "adapter_model.safetensors", {"lora_A": 8, "lora_B": 8})
+    config = {"peft_type": kind, "r": 8, "base_model_name_or_path": base}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    (folder / "trainer_state.json").write_text('{"global_step": 50}')
+    (folder / "training_args.bin").write_bytes(b"\0" * 8)
+    return folder
+
+
+def judge(folder: Path) -> completeness.Completeness:
+    return completeness.check(
+        LocalFiles(folder), now=0.0, stable_seconds=0, settle_seconds=0, folder_name=folder.name
+    )
+
+
+def test_an_adapter_saved_alone_is_ready_when_whole_and_needs_no_tokenizer(tmp_path: Path) -> None:
+    """It used to wait forever on 'config.json not written yet', then to be refused: an adapter
+    is a checkpoint (its base has the tokenizer)."""
+    ck = fake_adapter(tmp_path / "lora" / "checkpoint-50")
+    verdict = judge(ck)
+    assert verdict.state == "ready" and "LoRA/PEFT adapter" in verdict.reason, verdict
+    assert adapter.is_adapter(LocalFiles(ck).files)
+    # half written: its weights cut short, its config not yet whole, the Trainer's last file
+    # not yet there
+    write_safetensors(ck / "adapter_model.safetensors", {"lora_A": 8, "lora_B": 8}, truncate_by=4)
+    assert judge(ck).state == "incomplete"
+    write_safetensors(ck / "adapter_model.safetensors", {"lora_A": 8, "lora_B": 8})
+    (ck / "adapter_config.json").write_text('{"peft_type": "LO')
+    assert judge(ck).state == "incomplete" and "adapter_config.json" in judge(ck).reason
+    (ck / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (ck / "trainer_state.json").unlink()
+    assert judge(ck).state == "incomplete" and "trainer_state.json" in judge(ck).reason
+    # a merged model saved beside the adapter is a model: judged as one
+    write_safetensors(ck / "model.safetensors", {"w": 8})
+    (ck / "config.json").write_text('{"model_type": "llama"}')
+    (ck / "trainer_state.json").write_text("{}")
+    assert not adapter.is_adapter(LocalFiles(ck).files)
+    assert "no tokenizer" in judge(ck).reason  # a model reads its own tokenizer
+    # prompt tuning makes no weights to merge: said, not tried
+    prompt = fake_adapter(tmp_path / "p" / "checkpoint-5", kind="PROMPT_TUNING")
+    verdict = judge(prompt)
+    assert verdict.state == "invalid" and "virtual tokens" in verdict.reason, verdict
+
+
+def test_an_adapters_base_is_the_configured_one_its_own_folder_or_the_hub_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    write_safetensors(base / "model.safetensors", {"w": 64})
+    here = fake_adapter(tmp_path / "a" / "checkpoint-1", base=str(base))
+    view = LocalFiles(here)
+    assert adapter.resolve_base(view, None, "a") == base
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    assert adapter.resolve_base(view, other, "a") == other  # `adapter_base` wins
+    with pytest.raises(AdapterError, match="holds no config.json"):
+        adapter.resolve_base(view, tmp_path, "a")
+    with pytest.raises(ValueError, match="holds no config.json: give the base model's folder"):
+        LocalSource(path=tmp_path, adapter_base=tmp_path)  # said at start, not at the first eval
+    # a model id: found in the local Hugging Face cache (its files are links into the blobs)
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    snap = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir()
+    snap.mkdir(parents=True)
+    for f in base.iterdir():
+        shutil.copyfile(f, repo / "blobs" / f.name)
+        (snap / f.name).symlink_to(Path("../../blobs") / f.name)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    by_id = fake_adapter(tmp_path / "b" / "checkpoint-1", base="org/tiny")
+    assert adapter.resolve_base(LocalFiles(by_id), None, "b") == snap
+    # not here, not cached: never downloaded; said, with what to set
+    gone = fake_adapter(tmp_path / "c" / "checkpoint-1", base="org/elsewhere")
+    with pytest.raises(AdapterError, match="set `adapter_base` on its source"):
+        adapter.resolve_base(LocalFiles(gone), None, "c")
+    nameless = fake_adapter(tmp_path / "d" / "checkpoint-1")
+    with pytest.raises(AdapterError, match="names no base model"):
+        adapter.resolve_base(LocalFiles(nameless), None, "d")
+
+    # the identity covers the base: the same adapter on another base is other content; the
+    # cache's links are followed (they are the base's files)
+    fp = fingerprint(view)
+    on_base = adapter.with_base(fp, base, "sampled")
+    assert on_base == adapter.with_base(fp, snap, "sampled")  # the same bytes, linked
+    assert on_base.startswith("sampled:") and len(on_base) == len(fp) and on_base != fp
+    write_safetensors(other / "model.safetensors", {"w": 65})
+    assert adapter.with_base(fp, other, "sampled") != on_base
+
+
+def write_adapter(base: Path, out: Path, scale: float, seed: int) -> Path:
+    """A real LoRA adapter of `base` (rank 4 on q, v and down projections) whose B matrices are
+    seeded noise of `scale` (peft starts them at zero, the base unchanged), saved as the HF
+    Trainer does with PEFT: the adapter and the Trainer's files, no tokenizer."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    peft = get_peft_model(model, lora)
+    noise = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=noise) * scale)
+    peft.save_pretrained(out)
+    (out / "training_args.bin").write_bytes(b"\0" * 8)
+    (out / "trainer_state.json").write_text(json.dumps({"global_step": int(out.name[11:])}))
+    return out
+
+
+@pytest.mark.e2e
+def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
+    tmp_path: Path,
+    s3_endpoint: str,
+    bucket: str,
+    addition_tasks: Path,
+    trained_checkpoint: Path,
+) -> None:
+    """A LoRA run saves adapters only: steps 10 and 20 in a folder (their config names the base
+    by its path, as peft writes it), step 30 on S3 naming a model id no host has (its source's
+    `adapter_base` says where the base is). One warm worker: step 20 (the newest) loads cold,
+    10 and 30 are swapped in. Every answer is the adapter's: peft's own forward (the adapter
+    applied, not merged) gives the same, and the base alone does not."""
+    from ckpt_watcher.s3client import make_client
+
+    base = tmp_path / "base"  # the base model, outside every watched folder
+    shutil.copytree(trained_checkpoint, base)
+    watch = tmp_path / "ckpts"
+    local = {
+        s: write_adapter(base, watch / "lora" / f"checkpoint-{s}", scale, s)
+        for s, scale in ((10, 0.05), (20, 0.1))
+    }
+    far = write_adapter(base, tmp_path / "far" / "checkpoint-30", 0.1, 30)
+    config = json.loads((far / "adapter_config.json").read_text())
+    (far / "adapter_config.json").write_text(
+        json.dumps({**config, "base_model_name_or_path": "org/not-on-this-host"})
+    )
+    upload_dir(make_client(s3_endpoint), far, bucket, "sm/lora-s3/checkpoint-30/")
+    raw = base_config(tmp_path, watch, addition_tasks, warm_engine=True)
+    raw["sources"].append(
+        s3_source(f"s3://{bucket}/sm/", tmp_path / "cache", adapter_base=str(base))
+    )
+    cfg = write_config(tmp_path / "w.yaml", raw)
+
+    lines = watcher_once(cfg, tmp_path / "ledgers", "lora")
+    lines += read_ledger(tmp_path / "ledgers", "lora-s3")
+    got = {ln["step"]: ln for ln in lines}
+    run_of = {10: "lora", 20: "lora", 30: "lora-s3"}
+    assert sorted(got) == [10, 20, 30] and all(ln["status"] == "ok" for ln in lines), lines
+    assert [got[s]["engine"] for s in (20, 10, 30)] == ["cold", "warm", "warm"], lines
+    assert got[30]["checkpoint"] == f"s3://{bucket}/sm/lora-s3/checkpoint-30/"
+
+    # every answer is the adapter's (peft's own forward, unmerged), none the base's alone
+    alone = addition_answers(base)
+    for step, folder in ((10, local[10]), (20, local[20]), (30, far)):
+        answers = [
+            r["responses"][0] for r in read_records(tmp_path / "ledgers" / run_of[step], got[step])
+        ]
+        assert answers == addition_answers(base, adapter=folder), step
+        assert answers != alone, step
