@@ -132,6 +132,7 @@ def write_adapter(base: Path, out: Path, scale: float, seed: int) -> Path:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(seed)  # peft draws the A matrices from torch's global generator
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
     peft = get_peft_model(model, lora)
     noise = torch.Generator().manual_seed(seed)
