@@ -5,8 +5,8 @@ removed when the job ends (and with the worker's temporary folder if the worker 
 scratch.py).
 
 The base is found as the daemon found it when it judged the adapter (checkpoints/adapter.py).
-The merge holds the base's weights in memory once (a 7B model in bf16: about 15 GB) and writes a
-copy of them to TMPDIR.
+The merge's peak memory is about 1.6 times the base's size, and it writes a copy of the base's
+size to TMPDIR (bench/adapter_merge.py).
 """
 
 from __future__ import annotations
