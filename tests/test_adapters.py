@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from ckpt_watcher.checkpoints import adapter, completeness
 from ckpt_watcher.checkpoints.files import LocalFiles
@@ -156,9 +157,10 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
 ) -> None:
     """A LoRA run saves adapters only: steps 10 and 20 in a folder (their config names the base
     by its path, as peft writes it), step 30 on S3 naming a model id no host has (its source's
-    `adapter_base` says where the base is). One warm worker: step 20 (the newest) loads cold,
-    10 and 30 are swapped in. Every answer is the adapter's: peft's own forward (the adapter
-    applied, not merged) gives the same, and the base alone does not."""
+    `adapter_base` says where the base is). One warm worker: step 20 loads cold, 10 and 30 are
+    swapped in. Every answer is the adapter's: peft's own forward (the adapter applied, not
+    merged) gives the same, and the base alone does not. Step 40's tensors have names peft
+    does not know: it fails once, saying so, instead of scoring the base as the adapter."""
     from ckpt_watcher.s3client import make_client
 
     base = tmp_path / "base"  # the base model, outside every watched folder
@@ -168,6 +170,15 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
         s: write_adapter(base, watch / "lora" / f"checkpoint-{s}", scale, s)
         for s, scale in ((10, 0.05), (20, 0.1))
     }
+    # step 40's tensors under names peft does not know (as a trainer's own saver may write
+    # them): merged, it would be the base alone, scored as the adapter
+    renamed = write_adapter(base, tmp_path / "renamed" / "checkpoint-40", 0.1, 40)
+    tensors = load_file(renamed / "adapter_model.safetensors")
+    save_file(
+        {k.removeprefix("base_model.model."): v for k, v in tensors.items()},
+        renamed / "adapter_model.safetensors",
+    )
+    shutil.move(renamed, watch / "lora" / "checkpoint-40")
     far = write_adapter(base, tmp_path / "far" / "checkpoint-30", 0.1, 30)
     config = json.loads((far / "adapter_config.json").read_text())
     (far / "adapter_config.json").write_text(
@@ -180,9 +191,13 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
     )
     cfg = write_config(tmp_path / "w.yaml", raw)
 
-    lines = watcher_once(cfg, tmp_path / "ledgers", "lora")
+    lines = watcher_once(cfg, tmp_path / "ledgers", "lora", expect=1)  # 1: step 40 failed
     lines += read_ledger(tmp_path / "ledgers", "lora-s3")
     got = {ln["step"]: ln for ln in lines}
+    bad = got.pop(40)
+    assert bad["status"] == "failed" and bad["attempt"] == 1, bad  # said once, not retried
+    assert "its tensors do not fit" in bad["error"] and "12 of the adapter's" in bad["error"]
+    lines = [ln for ln in lines if ln["step"] != 40]
     run_of = {10: "lora", 20: "lora", 30: "lora-s3"}
     assert sorted(got) == [10, 20, 30] and all(ln["status"] == "ok" for ln in lines), lines
     assert [got[s]["engine"] for s in (20, 10, 30)] == ["cold", "warm", "warm"], lines

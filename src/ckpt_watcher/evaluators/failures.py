@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ckpt_watcher.errors import TaskSetupError
+from ckpt_watcher.errors import AdapterError, TaskSetupError
 
 REQUEUE = "then `watcher requeue`"
 
@@ -59,6 +59,11 @@ CANNOT_HEAL: list[tuple[str, Callable[[BaseException, str], bool], str]] = [
         "task template names a missing field",
         lambda e, t: _is(("UndefinedError",))(e),
         f"fix the task's YAML (doc_to_text / doc_to_target); {REQUEUE}",
+    ),
+    (
+        "adapter that cannot be merged into its base",
+        lambda e, t: isinstance(e, AdapterError),
+        f"as the error says; {REQUEUE}",
     ),
     (
         "weights file truncated or corrupt",

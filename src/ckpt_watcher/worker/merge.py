@@ -14,12 +14,14 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import structlog
 
 from ckpt_watcher.checkpoints import adapter
 from ckpt_watcher.checkpoints.files import NEEDED, LocalFiles
+from ckpt_watcher.errors import AdapterError
 
 log = structlog.get_logger("ckpt_watcher.worker.merge")
 
@@ -64,11 +66,24 @@ def merge(adapter_dir: Path, base: Path, out: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype="auto", low_cpu_mem_usage=True)
-    with torch.no_grad():
-        model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
-    model.save_pretrained(out, safe_serialization=True)
-    del model
+    loaded = AutoModelForCausalLM.from_pretrained(base, dtype="auto", low_cpu_mem_usage=True)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model = PeftModel.from_pretrained(loaded, adapter_dir)
+        # peft only warns when the adapter's tensors are not those its modules expect (keys of
+        # another naming, another model): merged, that would be the base alone, scored as the
+        # adapter
+        missing = [str(w.message) for w in said if "missing adapter keys" in str(w.message)]
+        if missing:
+            raise AdapterError(
+                f"{adapter_dir}: its tensors do not fit {base}: peft found no tensor for "
+                f"{missing[0].count('lora_')} of the adapter's weights (saved under other names "
+                "than peft's, or for another model); re-save it with peft's save_pretrained, or "
+                "set the source's adapter_base to the model it was trained on"
+            )
+        merged = model.merge_and_unload()
+    merged.save_pretrained(out, safe_serialization=True)
+    del merged, model, loaded
     for folder in (base, adapter_dir):  # the adapter's own last: it wins
         for name in _TOKENIZER & set(_files(folder)):
             shutil.copyfile(folder / name, out / name)
