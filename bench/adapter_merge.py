@@ -18,28 +18,21 @@ import sys
 import time
 from pathlib import Path
 
-# Qwen3-0.6B's shape (its config's sizes), bf16 as it is saved
+from common import QWEN3_0_6B
+
 SHAPES = {
-    "qwen3-0.6b": dict(
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=32,
-        tie_word_embeddings=False,
-    ),
+    "qwen3-0.6b": QWEN3_0_6B,
+    "tiny": {
+        **QWEN3_0_6B,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 32,
+        "tie_word_embeddings": False,
+    },
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -22,6 +22,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 BIN = Path(sys.executable).parent
 WATCHER = [sys.executable, "-m", "ckpt_watcher"]
 
+# Qwen3-0.6B's shape (its config's sizes): the real model size the benches build, randomly
+# initialised (no model hub here)
+QWEN3_0_6B: dict = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+
 
 def fake_checkpoint(folder: Path) -> None:
     """A complete checkpoint-shaped folder with one tiny tensor and a tokenizer config (not

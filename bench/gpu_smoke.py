@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from common import sampled_task
+from common import QWEN3_0_6B, sampled_task
 
 from ckpt_watcher.proctable import children
 from ckpt_watcher.proctable import process_alive as alive
@@ -104,18 +104,7 @@ def checkpoints(work: Path, size: str, n: int) -> list[Path]:
         tok, ckpts = build_tokenizer(), []
         for seed in range(n):
             torch.manual_seed(seed)
-            shape = Qwen3Config(
-                vocab_size=151936,
-                hidden_size=1024,
-                intermediate_size=3072,
-                num_hidden_layers=28,
-                num_attention_heads=16,
-                num_key_value_heads=8,
-                head_dim=128,
-                max_position_embeddings=4096,
-                tie_word_embeddings=True,
-            )
-            model = Qwen3ForCausalLM(shape).to(torch.bfloat16)
+            model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_0_6B)).to(torch.bfloat16)
             ckpts.append(folder / f"smoke_step{100 * (seed + 1)}")
             save_checkpoint(model, tok, ckpts[-1], naming_bug=False)
     done.write_text(json.dumps([str(c) for c in ckpts]))
