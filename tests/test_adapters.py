@@ -157,7 +157,7 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
 ) -> None:
     """A LoRA run saves adapters only: steps 10 and 20 in a folder (their config names the base
     by its path, as peft writes it), step 30 on S3 naming a model id no host has (its source's
-    `adapter_base` says where the base is). One warm worker: step 20 loads cold, 10 and 30 are
+    `adapter_base` says where the base is). One warm worker: the first loads cold, the other two are
     swapped in. Every answer is the adapter's: peft's own forward (the adapter applied, not
     merged) gives the same, and the base alone does not. Step 40's tensors have names peft
     does not know: it fails once, saying so, instead of scoring the base as the adapter."""
@@ -200,7 +200,8 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
     lines = [ln for ln in lines if ln["step"] != 40]
     run_of = {10: "lora", 20: "lora", 30: "lora-s3"}
     assert sorted(got) == [10, 20, 30] and all(ln["status"] == "ok" for ln in lines), lines
-    assert [got[s]["engine"] for s in (20, 10, 30)] == ["cold", "warm", "warm"], lines
+    # the first job (of whichever source was scanned first) loads cold; the others swap in
+    assert sorted(ln["engine"] for ln in lines) == ["cold", "warm", "warm"], lines
     assert got[30]["checkpoint"] == f"s3://{bucket}/sm/lora-s3/checkpoint-30/"
 
     # every answer is the adapter's (peft's own forward, unmerged), none the base's alone
