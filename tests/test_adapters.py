@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from ckpt_watcher.checkpoints import adapter, completeness
-from ckpt_watcher.checkpoints.files import LocalFiles
+from ckpt_watcher.checkpoints.files import LocalFiles, needed_files
 from ckpt_watcher.checkpoints.fingerprint import fingerprint
 from ckpt_watcher.config import LocalSource
 from ckpt_watcher.errors import AdapterError
@@ -69,6 +69,9 @@ def test_an_adapter_saved_alone_is_ready_when_whole_and_needs_no_tokenizer(tmp_p
     (ck / "trainer_state.json").write_text("{}")
     assert not adapter.is_adapter(LocalFiles(ck).files)
     assert "no tokenizer" in judge(ck).reason  # a model reads its own tokenizer
+    # ... and its identity is its model's: the adapter's config beside it is not read, so a
+    # checkpoint evaluated before adapters were known keeps its fingerprint
+    assert "adapter_config.json" not in needed_files(LocalFiles(ck).files)
     # prompt tuning makes no weights to merge: said, not tried
     prompt = fake_adapter(tmp_path / "p" / "checkpoint-5", kind="PROMPT_TUNING")
     verdict = judge(prompt)

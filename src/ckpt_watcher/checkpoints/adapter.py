@@ -20,12 +20,19 @@ import json
 import threading
 from pathlib import Path
 
-from ckpt_watcher.checkpoints.files import CheckpointFiles, LocalFiles, eval_mark, needed_files
+from ckpt_watcher.checkpoints.files import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    CheckpointFiles,
+    LocalFiles,
+    eval_mark,
+    needed_files,
+)
 from ckpt_watcher.checkpoints.fingerprint import Mode, fingerprint
 from ckpt_watcher.errors import AdapterError
 
-CONFIG = "adapter_config.json"
-WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+CONFIG = ADAPTER_CONFIG
+WEIGHTS = ADAPTER_WEIGHTS
 # peft types whose weights merge into the base's (prompt and prefix tuning add virtual tokens:
 # the model they make is not a set of weights)
 UNMERGEABLE = frozenset({"PROMPT_TUNING", "PREFIX_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING"})
@@ -33,9 +40,7 @@ UNMERGEABLE = frozenset({"PROMPT_TUNING", "PREFIX_TUNING", "P_TUNING", "MULTITAS
 
 def is_adapter(names: dict[str, int] | list[str]) -> bool:
     """An adapter saved alone: its config, and no weights but the adapter's."""
-    wanted = needed_files(dict.fromkeys(names, 0))
-    weights = [n for n in wanted if n.endswith((".safetensors", ".bin"))]
-    return CONFIG in names and bool(weights) and all(n in WEIGHTS for n in weights)
+    return CONFIG in needed_files(dict.fromkeys(names, 0))
 
 
 def read_config(files: CheckpointFiles) -> dict | str:

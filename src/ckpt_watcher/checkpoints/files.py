@@ -27,9 +27,10 @@ NEEDED = frozenset(
         "chat_template.json",
         "preprocessor_config.json",
         "model.safetensors.index.json",
-        "adapter_config.json",  # a LoRA/PEFT adapter saved alone (adapter.py)
     }
 )
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 # The first line of every write mark: marks kept by a version that marked every file (no such
@@ -155,4 +156,7 @@ def needed_files(files: dict[str, int]) -> list[str]:
             if (n.startswith("pytorch_model") and n.endswith((".bin", ".json")))
             or n == "adapter_model.bin"
         }
+    weights = [n for n in names if n.endswith((".safetensors", ".bin"))]
+    if ADAPTER_CONFIG in files and weights and all(n in ADAPTER_WEIGHTS for n in weights):
+        names.add(ADAPTER_CONFIG)  # an adapter saved alone (adapter.py); beside a model, not read
     return sorted(names)

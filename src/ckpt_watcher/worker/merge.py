@@ -31,7 +31,6 @@ _TOKENIZER = NEEDED - {
     "config.json",
     "generation_config.json",
     "model.safetensors.index.json",
-    adapter.CONFIG,
 }
 
 
