@@ -16,7 +16,6 @@ The base is the source's `adapter_base` when set; else the adapter's own
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from ckpt_watcher.checkpoints.files import (
     LocalFiles,
     eval_mark,
     needed_files,
+    read_json,
 )
 from ckpt_watcher.checkpoints.fingerprint import Mode, fingerprint
 from ckpt_watcher.errors import AdapterError
@@ -45,15 +45,7 @@ def is_adapter(names: dict[str, int] | list[str]) -> bool:
 
 def read_config(files: CheckpointFiles) -> dict | str:
     """The adapter's config, or what is wrong with it (it may still be being written)."""
-    try:
-        data = json.loads(files.read(CONFIG).decode("utf-8"))
-    except FileNotFoundError:
-        return f"{CONFIG} not written yet"
-    except (OSError, UnicodeDecodeError, ValueError):
-        return f"{CONFIG} does not parse (yet)"
-    if not isinstance(data, dict):
-        return f"{CONFIG} is not a JSON object"
-    return data
+    return read_json(files, CONFIG)
 
 
 def unmergeable(config: dict) -> str:
@@ -110,22 +102,6 @@ def _hub_cache(repo_id: str, revision: str | None) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-class _Followed(LocalFiles):
-    """A base model's folder, links followed: the Hugging Face cache's snapshot files are
-    links into its blob store (a trainer's folder is read without them, `LocalFiles`)."""
-
-    @property
-    def files(self) -> dict[str, int]:
-        out = {}
-        for p in self.root.iterdir():
-            try:
-                if p.is_file():
-                    out[p.name] = p.stat().st_size
-            except OSError:
-                continue
-        return out
-
-
 _base_fingerprints: dict[tuple[str, str, str], str] = {}
 _lock = threading.Lock()
 
@@ -133,7 +109,7 @@ _lock = threading.Lock()
 def with_base(adapter_fingerprint: str, base: Path, mode: Mode) -> str:
     """The fingerprint of the model the adapter makes: its own and its base's, in one value of
     the same form (`<mode>:<32 hex digits>`). The base's is taken once per version of its files."""
-    view = _Followed(base)
+    view = LocalFiles(base, follow_links=True)
     key = (str(base), eval_mark(view), mode)
     with _lock:
         base_fp = _base_fingerprints.get(key)

@@ -29,13 +29,18 @@ has not changed, passes both back on the next look, and looks again at `recheck_
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatch
 
 from ckpt_watcher.checkpoints import adapter
-from ckpt_watcher.checkpoints.files import CheckpointFiles, eval_files, eval_mark
+from ckpt_watcher.checkpoints.files import (
+    NOT_YET,
+    CheckpointFiles,
+    eval_files,
+    eval_mark,
+    read_json,
+)
 from ckpt_watcher.checkpoints.namefix import plan_fix
 from ckpt_watcher.checkpoints.naming import verl_step_folder
 from ckpt_watcher.checkpoints.safetensors_header import read_header
@@ -162,7 +167,7 @@ def structure(
     else:
         cfg = _config_problem(files)
     if cfg:
-        state = "invalid" if marker and not cfg.endswith(_NOT_YET) else "incomplete"
+        state = "invalid" if marker and not cfg.endswith(NOT_YET) else "incomplete"
         if marker and state == "invalid":
             cfg = f"marker {marker} present but {cfg}"
         return Completeness(state, cfg), "", window
@@ -239,17 +244,6 @@ def _shard_series_gap(shards: list[str]) -> str:
     return ""
 
 
-_NOT_YET = "not written yet"
-_NO_CONFIG = f"config.json {_NOT_YET}"
-
-
 def _config_problem(files: CheckpointFiles) -> str:
-    try:
-        data = json.loads(files.read("config.json").decode("utf-8"))
-    except FileNotFoundError:
-        return _NO_CONFIG
-    except (OSError, UnicodeDecodeError, ValueError):
-        return "config.json does not parse (yet)"
-    if not isinstance(data, dict):
-        return "config.json is not a JSON object"
-    return ""
+    config = read_json(files, "config.json")
+    return config if isinstance(config, str) else ""

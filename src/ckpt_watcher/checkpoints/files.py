@@ -3,6 +3,7 @@ plan apply to a local folder and to an S3 prefix (the I/O is passed in, the rule
 
 from __future__ import annotations
 
+import json
 import os
 from functools import cached_property
 from pathlib import Path
@@ -63,11 +64,13 @@ class LocalFiles:
     """A checkpoint folder on a local or network filesystem.
 
     A file symlink counts only if it resolves inside the checkpoint folder (the naming fix's own
-    links do); a link leading elsewhere is never read.
+    links do); a link leading elsewhere is never read, unless `follow_links` (a base model in the
+    Hugging Face cache, whose snapshot files are links into its blob store).
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, follow_links: bool = False) -> None:
         self.root = root
+        self.follow_links = follow_links
 
     @cached_property
     def files(self) -> dict[str, int]:
@@ -79,7 +82,11 @@ class LocalFiles:
         inside = self.root.resolve()
         for e in entries:
             try:
-                if e.is_symlink() and Path(e.path).resolve().parent != inside:
+                if (
+                    not self.follow_links
+                    and e.is_symlink()
+                    and Path(e.path).resolve().parent != inside
+                ):
                     continue
                 if e.is_file():
                     out[e.name] = e.stat().st_size
@@ -144,6 +151,23 @@ def check_unchanged(view: CheckpointFiles, mark: str | None, where: str) -> None
     names = eval_files(view.files)
     if comparable(mark) and names is not None and view.write_mark(names) != mark:
         raise CheckpointChanged(f"{where}: its files changed after it was judged ready")
+
+
+def read_json(files: CheckpointFiles, name: str) -> dict | str:
+    """A JSON object file of the checkpoint, or what is wrong with it (it may still be being
+    written)."""
+    try:
+        data = json.loads(files.read(name).decode("utf-8"))
+    except FileNotFoundError:
+        return f"{name} {NOT_YET}"
+    except (OSError, UnicodeDecodeError, ValueError):
+        return f"{name} does not parse (yet)"
+    if not isinstance(data, dict):
+        return f"{name} is not a JSON object"
+    return data
+
+
+NOT_YET = "not written yet"
 
 
 def needed_files(files: dict[str, int]) -> list[str]:

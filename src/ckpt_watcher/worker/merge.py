@@ -84,9 +84,5 @@ def merge(adapter_dir: Path, base: Path, out: Path) -> None:
     merged.save_pretrained(out, safe_serialization=True)
     del merged, model, loaded
     for folder in (base, adapter_dir):  # the adapter's own last: it wins
-        for name in _TOKENIZER & set(_files(folder)):
+        for name in _TOKENIZER & set(LocalFiles(folder, follow_links=True).files):
             shutil.copyfile(folder / name, out / name)
-
-
-def _files(folder: Path) -> list[str]:
-    return [p.name for p in folder.iterdir() if p.is_file()]
