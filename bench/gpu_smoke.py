@@ -22,12 +22,16 @@ Exit 0 when every part run holds, 1 when not. `DEVICE=cpu` runs the parts on the
 float32; `busy` is skipped) to try the script without a GPU; there the engine core runs in the
 worker's process unless VLLM_ENABLE_V1_MULTIPROCESSING=1, as on CUDA.
 
-Usage: bash bench/gpu_smoke.sh [busy] [equality] [resume]   (all three by default)
+  checkpoints  alone: only builds the parts' checkpoints (CKPTS of them, and the one `resume`
+            uses) in WORK, without a GPU: build them here and carry them to a lent machine
+
+Usage: bash bench/gpu_smoke.sh [busy] [equality] [resume] | checkpoints   (all three by default)
        env: BACKEND=vllm|hf  SIZE=tiny|0.6b  CKPTS=3  SAMPLES=64  WORK=/tmp/gpu_smoke  DEVICE=cuda|cpu
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -316,6 +320,9 @@ def evaluate(work: Path, mode: str, ckpts: list[Path], backend: str) -> tuple[li
         f"{mode}: {len(lines)} lines in {seconds:.1f} s, rc {r.returncode}, pinned {sorted(pinned)}"
     )
     for line in lines:
+        if line["status"] != "ok":  # a failed line has no finish time; it breaks the part's claim
+            say(f"  {mode}: step {line['step']} {line['task']} {line['status']}: {line['error']}")
+            continue
         line["_done_s"] = (
             datetime.fromisoformat(line["finished_at"].replace("Z", "+00:00")).timestamp() - began
         )
@@ -364,6 +371,8 @@ def wall_after(lines: list[dict], n: int) -> float | None:
     """Seconds from the start of the run until `n` checkpoints had all their results."""
     done: dict[int, float] = {}
     for x in lines:
+        if "_done_s" not in x:
+            continue
         done[x["step"]] = max(done.get(x["step"], 0.0), x["_done_s"])
     times = sorted(done.values())
     return times[n - 1] if len(times) >= n else None
@@ -383,6 +392,8 @@ def part_equality(work: Path, backend: str, size: str, n: int) -> bool:
     warm, warm_s = evaluate(work, "warm", ckpts, backend)
     found, broken = deviations(cold, warm)
     equal = len(cold) == len(warm) == 2 * n and not broken
+    equal = equal and all(x["status"] == "ok" for x in cold + warm)
+    cold, warm = [x for x in cold if "_done_s" in x], [x for x in warm if "_done_s" in x]
     largest = max(found.items(), key=lambda kv: kv[1]) if found else ("none", 0.0)
     quick = [
         e
@@ -581,10 +592,22 @@ def main() -> None:
     work = Path(os.environ.get("WORK", "/tmp/gpu_smoke"))
     backend, size = os.environ["BACKEND"], os.environ.get("SIZE", "tiny")
     parts = sys.argv[1:] or ["busy", "equality", "resume"]
-    unknown = set(parts) - {"busy", "equality", "resume"}
+    unknown = set(parts) - {"busy", "equality", "resume", "checkpoints"}
     if unknown:
-        sys.exit(f"unknown parts {sorted(unknown)}: busy, equality, resume")
+        sys.exit(f"unknown parts {sorted(unknown)}: busy, equality, resume, checkpoints")
     work.mkdir(parents=True, exist_ok=True)
+    # two runs in one work folder share its part folders and compile cache: the second's `prime`
+    # removes the first's state under its running daemon, and the figures mix
+    lock = open(work / ".lock", "w")  # noqa: SIM115 (held until the process exits)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.exit(f"gpu_smoke: another run holds {work}; wait for it, or set WORK to another folder")
+    if parts == ["checkpoints"]:
+        for n in sorted({int(os.environ.get("CKPTS", "3")), 1}):
+            checkpoints(work, os.environ.get("SIZE", "tiny"), n)
+        say(f"gpu_smoke checkpoints: built in {work} (carry its trained-* folders to the GPU host)")
+        return
     results = {}
     for part in parts:
         began = time.monotonic()
