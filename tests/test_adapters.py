@@ -163,7 +163,8 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
     `adapter_base` says where the base is). One warm worker: the first loads cold, the other two are
     swapped in. Every answer is the adapter's: peft's own forward (the adapter applied, not
     merged) gives the same, and the base alone does not. Step 40's tensors have names peft
-    does not know: it fails once, saying so, instead of scoring the base as the adapter."""
+    does not know: it fails once, saying so, instead of scoring the base as the adapter; step
+    50's have another model's shapes: it fails once too, saying so."""
     from ckpt_watcher.s3client import make_client
 
     base = tmp_path / "base"  # the base model, outside every watched folder
@@ -182,6 +183,14 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
         renamed / "adapter_model.safetensors",
     )
     shutil.move(renamed, watch / "lora" / "checkpoint-40")
+    # step 50's tensors are another model's shapes (an adapter_base that is not its base): loading
+    # it fails, and says so once instead of being retried
+    other = write_adapter(base, tmp_path / "other" / "checkpoint-50", 0.1, 50)
+    tensors = load_file(other / "adapter_model.safetensors")
+    first = next(k for k in tensors if "lora_A" in k)
+    tensors[first] = tensors[first][:, :64].contiguous()
+    save_file(tensors, other / "adapter_model.safetensors")
+    shutil.move(other, watch / "lora" / "checkpoint-50")
     far = write_adapter(base, tmp_path / "far" / "checkpoint-30", 0.1, 30)
     config = json.loads((far / "adapter_config.json").read_text())
     (far / "adapter_config.json").write_text(
@@ -194,13 +203,17 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
     )
     cfg = write_config(tmp_path / "w.yaml", raw)
 
-    lines = watcher_once(cfg, tmp_path / "ledgers", "lora", expect=1)  # 1: step 40 failed
+    lines = watcher_once(cfg, tmp_path / "ledgers", "lora", expect=1)  # 1: steps 40, 50 failed
     lines += read_ledger(tmp_path / "ledgers", "lora-s3")
     got = {ln["step"]: ln for ln in lines}
-    bad = got.pop(40)
-    assert bad["status"] == "failed" and bad["attempt"] == 1, bad  # said once, not retried
-    assert "its tensors do not fit" in bad["error"] and "12 of the adapter's" in bad["error"]
-    lines = [ln for ln in lines if ln["step"] != 40]
+    renamed_line, other_line = got.pop(40), got.pop(50)
+    for bad in (renamed_line, other_line):  # each said once, not retried
+        assert bad["status"] == "failed" and bad["attempt"] == 1, bad
+        assert "its tensors do not fit" in bad["error"], bad
+    assert "12 of the adapter's" in renamed_line["error"]
+    assert "whose shapes differ (size mismatch for" in other_line["error"]
+    assert "adapter_base" in other_line["error"]
+    lines = [ln for ln in lines if ln["step"] not in (40, 50)]
     run_of = {10: "lora", 20: "lora", 30: "lora-s3"}
     assert sorted(got) == [10, 20, 30] and all(ln["status"] == "ok" for ln in lines), lines
     # the first job (of whichever source was scanned first) loads cold; the others swap in

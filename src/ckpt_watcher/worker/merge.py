@@ -68,7 +68,16 @@ def merge(adapter_dir: Path, base: Path, out: Path) -> None:
     loaded = AutoModelForCausalLM.from_pretrained(base, dtype="auto", low_cpu_mem_usage=True)
     with torch.no_grad(), warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        model = PeftModel.from_pretrained(loaded, adapter_dir)
+        try:
+            model = PeftModel.from_pretrained(loaded, adapter_dir)
+        except RuntimeError as e:  # torch's load_state_dict: tensors of another model's shapes
+            if "size mismatch" not in str(e):
+                raise
+            first = next(ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln)
+            raise AdapterError(
+                f"{adapter_dir}: its tensors do not fit {base}, whose shapes differ ({first}); "
+                "set the source's adapter_base to the model the adapter was trained on"
+            ) from None
         # peft only warns when the adapter's tensors are not those its modules expect (keys of
         # another naming, another model): merged, that would be the base alone, scored as the
         # adapter
