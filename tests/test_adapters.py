@@ -164,7 +164,8 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
     swapped in. Every answer is the adapter's: peft's own forward (the adapter applied, not
     merged) gives the same, and the base alone does not. Step 40's tensors have names peft
     does not know: it fails once, saying so, instead of scoring the base as the adapter; step
-    50's have another model's shapes: it fails once too, saying so."""
+    50's have another model's shapes: it fails once too, saying so. Step 60 is a verl run's,
+    its adapter in `actor/lora_adapter/` beside a `huggingface/` folder without weights."""
     from ckpt_watcher.s3client import make_client
 
     base = tmp_path / "base"  # the base model, outside every watched folder
@@ -191,6 +192,19 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
     tensors[first] = tensors[first][:, :64].contiguous()
     save_file(tensors, other / "adapter_model.safetensors")
     shutil.move(other, watch / "lora" / "checkpoint-50")
+    # step 60 of a verl run with LoRA (no `hf_model`): the config and tokenizer in
+    # `actor/huggingface/`, the adapter in `actor/lora_adapter/` (no Trainer files), the base
+    # named by the path verl trained from
+    actor = watch / "grpo" / "global_step_60" / "actor"
+    (actor / "huggingface").mkdir(parents=True)
+    for f in base.iterdir():
+        if f.name == "config.json" or f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, actor / "huggingface" / f.name)
+    (actor / "model_world_size_1_rank_0.pt").write_bytes(b"fsdp shard " * 100)
+    verl = write_adapter(base, tmp_path / "verl" / "checkpoint-60", 0.1, 60)
+    for name in ("trainer_state.json", "training_args.bin"):
+        (verl / name).unlink()
+    verl = shutil.move(verl, actor / "lora_adapter")
     far = write_adapter(base, tmp_path / "far" / "checkpoint-30", 0.1, 30)
     config = json.loads((far / "adapter_config.json").read_text())
     (far / "adapter_config.json").write_text(
@@ -204,7 +218,9 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
     cfg = write_config(tmp_path / "w.yaml", raw)
 
     lines = watcher_once(cfg, tmp_path / "ledgers", "lora", expect=1)  # 1: steps 40, 50 failed
-    lines += read_ledger(tmp_path / "ledgers", "lora-s3")
+    lines += read_ledger(tmp_path / "ledgers", "lora-s3") + read_ledger(
+        tmp_path / "ledgers", "grpo"
+    )
     got = {ln["step"]: ln for ln in lines}
     renamed_line, other_line = got.pop(40), got.pop(50)
     for bad in (renamed_line, other_line):  # each said once, not retried
@@ -214,15 +230,17 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
     assert "whose shapes differ (size mismatch for" in other_line["error"]
     assert "adapter_base" in other_line["error"]
     lines = [ln for ln in lines if ln["step"] not in (40, 50)]
-    run_of = {10: "lora", 20: "lora", 30: "lora-s3"}
-    assert sorted(got) == [10, 20, 30] and all(ln["status"] == "ok" for ln in lines), lines
+    run_of = {10: "lora", 20: "lora", 30: "lora-s3", 60: "grpo"}
+    assert sorted(got) == [10, 20, 30, 60] and all(ln["status"] == "ok" for ln in lines), lines
     # the first job (of whichever source was scanned first) loads cold; the others swap in
-    assert sorted(ln["engine"] for ln in lines) == ["cold", "warm", "warm"], lines
+    assert sorted(ln["engine"] for ln in lines) == ["cold", "warm", "warm", "warm"], lines
     assert got[30]["checkpoint"] == f"s3://{bucket}/sm/lora-s3/checkpoint-30/"
+    assert got[60]["checkpoint"] == str(actor / "lora_adapter")
+    assert got[60]["label"] == "global_step_60"
 
     # every answer is the adapter's (peft's own forward, unmerged), none the base's alone
     alone = addition_answers(base)
-    for step, folder in ((10, local[10]), (20, local[20]), (30, far)):
+    for step, folder in ((10, local[10]), (20, local[20]), (30, far), (60, Path(verl))):
         answers = [
             r["responses"][0] for r in read_records(tmp_path / "ledgers" / run_of[step], got[step])
         ]

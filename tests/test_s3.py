@@ -59,7 +59,8 @@ def test_verl_steps_on_s3_are_found_by_their_hugging_face_prefix_with_one_list_e
     tmp_path: Path, s3_endpoint: str, bucket: str
 ) -> None:
     """A verl run synced to S3: `global_step_N/actor/huggingface/` is the checkpoint (one more
-    LIST per `global_step` prefix, to see what it holds); run and step from the names above.
+    LIST per `global_step` prefix, to see what it holds, and for an `actor/` one of all it
+    holds: the model may be a LoRA adapter beside it); run and step from the names above.
     A step whose model is gone, and DeepSpeed's engine states, are passed by."""
     client = make_client(s3_endpoint)
     ckpt = write_fake_checkpoint(tmp_path / "hf")
@@ -85,8 +86,8 @@ def test_verl_steps_on_s3_are_found_by_their_hugging_face_prefix_with_one_list_e
     assert ppo is not None and (ppo.run, ppo.step, ppo.run_path) == ("exp1", 10, "exp1")
     sft = found["sft1/global_step_3/huggingface/"]
     assert sft is not None and (sft.run, sft.step) == ("sft1", 3)
-    # verl/, its 4 runs, and each global_step prefix once more
-    assert calls == ["ListObjectsV2"] * 10, calls
+    # verl/, its 4 runs, each global_step prefix once more, and the actor/ of one
+    assert calls == ["ListObjectsV2"] * 11, calls
     calls.clear()  # the next scan: the model folders found are not looked for again
     assert {f.location for f in src.scan()} == {f"s3://{bucket}/verl/{k}" for k in found}
     assert len(calls) == 5 + 2, calls  # the levels, and the 2 step prefixes without a model

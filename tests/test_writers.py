@@ -342,6 +342,75 @@ def test_a_verl_step_without_a_hugging_face_copy_says_which_setting_makes_one(
     assert pin_path(str(hf)) == tmp_path / "exp" / PIN_FOLDER / "global_step_5"
 
 
+def test_a_verl_lora_steps_model_is_its_adapter_though_its_config_folder_came_first(
+    s3_endpoint: str, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With LoRA and no `hf_model`, verl saves (fsdp_workers.save_checkpoint) the actor's FSDP
+    shards and `actor/huggingface/` with a config and tokenizer but no weights, then the adapter
+    in `actor/lora_adapter/`: its tensors, then its config. A look in between sees the first,
+    waiting for weights; then the step's model is the adapter: the same checkpoint, ready,
+    never `missed` (a vanished checkpoint not evaluated). In a folder and on S3, in one daemon."""
+    client = make_client(s3_endpoint)
+    base = write_fake_checkpoint(tmp_path / "base")
+    watch, remote = tmp_path / "ckpts", tmp_path / "remote"  # remote: uploaded as written
+
+    def upload(folder: Path) -> None:
+        for f in sorted(folder.rglob("*")):
+            if f.is_file():
+                client.upload_file(str(f), bucket, f"c/{f.relative_to(remote).as_posix()}")
+
+    steps = {  # where the step is written, what publishes a folder, a folder's location
+        "local": (watch, lambda f: None, str),
+        "s3": (remote, upload, lambda p: f"s3://{bucket}/c/{p.relative_to(remote).as_posix()}/"),
+    }
+    s3 = S3Source(f"s3://{bucket}/c/", client=client, retry=Retry(attempts=3, initial=0, maximum=0))
+    s3.poll_seconds = 1000
+    local = LocalSource(watch, poll_seconds=1000, inotify=False)
+    state = State(tmp_path / "state")
+    clock = Clock()
+    discovery = Discovery([local, s3], state, 60, wake=lambda: None, clock=clock, settle_seconds=0)
+    said = Said()
+    monkeypatch.setattr("ckpt_watcher.discovery.log", said)
+    try:
+        first_look(discovery, clock)
+        for root, publish, _ in steps.values():
+            actor = root / "exp" / "global_step_10" / "actor"
+            hf = write_fake_checkpoint(actor / "huggingface")
+            (hf / "model.safetensors").unlink()
+            (actor / "model_world_size_1_rank_0.pt").write_bytes(b"fsdp shard " * 100)
+            publish(actor)
+        discovery.tick(clock.t, force=True, polls=False)
+        look(discovery, clock)
+        for name, (root, publish, where) in steps.items():
+            hf = root / "exp" / "global_step_10" / "actor" / "huggingface"
+            row = state.checkpoint(where(hf))
+            assert row is not None and row.state == "incomplete", (name, row)
+            assert "hf_model" in row.reason, row
+            lora = hf.parent / "lora_adapter"
+            lora.mkdir()
+            write_safetensors(lora / "adapter_model.safetensors", {"lora_A": 8, "lora_B": 8})
+            config = {"peft_type": "LORA", "r": 8, "base_model_name_or_path": str(base)}
+            (lora / "adapter_config.json").write_text(json.dumps(config))
+            publish(lora)
+        for _ in range(3):  # seen, judged, settled
+            discovery.tick(clock.t, force=True, polls=False)
+            look(discovery, clock, 0.5)
+        for name, (root, _, where) in steps.items():
+            hf = root / "exp" / "global_step_10" / "actor" / "huggingface"
+            assert state.checkpoint(where(hf)) is None, name  # forgotten, not missed
+            row = state.checkpoint(where(hf.parent / "lora_adapter"))
+            assert row is not None and row.state == "ready", (name, row)
+            assert (row.run, row.step, row.label) == ("exp", 10, "global_step_10"), row
+            assert "LoRA/PEFT adapter" in (row.reason or ""), row
+        assert state.checkpoint_counts() == {"ready": 2}, state.checkpoint_counts()
+        events = [e["event"] for e in said.events]
+        assert events.count("checkpoint.model_moved") == 2, said.events
+        assert "checkpoint.missed" not in events, said.events
+    finally:
+        discovery.close()
+        state.close()
+
+
 def test_cpu_slots_share_the_cores_unless_the_environment_sets_threads() -> None:
     two = cpu_slots(2, cores=8)
     assert [d.threads for d in two] == [4, 4]

@@ -430,8 +430,12 @@ class Discovery:
         w.snapshot = snapshot
         for f in added:
             self._register(name, f, now)
+        # a step folder whose model is now in another of its folders (verl's LoRA adapter,
+        # saved after the Hugging Face folder's config): the same checkpoint, not a missed one
+        moved_to = {checkpoint_folder(f.location): f.location for f in added if f.ident}
         for f in removed:
-            self._forget(f, now)
+            if not self._moved(f, moved_to.get(checkpoint_folder(f.location))):
+                self._forget(f, now)
         for location, remark in result.remarks.items():
             row = self.state.checkpoint(location)
             if row is not None and row.state in EVALUATED:
@@ -482,6 +486,15 @@ class Discovery:
             reason="just seen",
         )
         log.info("checkpoint.seen", location=f.location, run=ident.run, step=ident.step)
+
+    def _moved(self, f: Found, to: str | None) -> bool:
+        row = self.state.checkpoint(f.location)
+        if to is None or f.ident is None or row is None or row.state not in RECHECK:
+            return False
+        self.state.delete_checkpoint(f.location)
+        self._said_held.pop(f.location, None)
+        log.info("checkpoint.model_moved", location=f.location, to=to, run=row.run, step=row.step)
+        return True
 
     def _forget(self, f: Found, now: float) -> None:
         self._said_held.pop(f.location, None)

@@ -179,12 +179,15 @@ class Retry:
 
 
 def list_level(
-    client: Any, retry: Retry, bucket: str, prefix: str
+    client: Any, retry: Retry, bucket: str, prefix: str, deep: bool = False
 ) -> Iterator[tuple[list[str], list[dict[str, Any]]]]:
-    """Pages of (sub-prefixes, objects) directly under `prefix` (delimiter "/")."""
+    """Pages of (sub-prefixes, objects) directly under `prefix` (delimiter "/"); with `deep`,
+    every object under it (no sub-prefixes)."""
     token: str | None = None
     while True:
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+        if not deep:
+            kwargs["Delimiter"] = "/"
         if token:
             kwargs["ContinuationToken"] = token
         page = retry(partial(client.list_objects_v2, **kwargs), f"s3://{bucket}/{prefix}")

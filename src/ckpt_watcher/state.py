@@ -391,6 +391,14 @@ class State:
                     [*fields.values(), now, location],
                 )
 
+    def delete_checkpoint(self, location: str) -> None:
+        """Forget a checkpoint never judged ready (it has no jobs): its model is elsewhere now."""
+        with self.conn:
+            self.conn.execute(
+                "DELETE FROM checkpoints WHERE location=? AND state IN ('incomplete', 'invalid')",
+                (location,),
+            )
+
     def checkpoints(self, *states: str, source: str | None = None) -> list[CheckpointRow]:
         where, args = _where(states, source=source)
         rows = self.conn.execute(f"SELECT * FROM checkpoints{where} ORDER BY run, step", args)

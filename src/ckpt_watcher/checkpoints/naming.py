@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckpt_watcher.checkpoints.files import ADAPTER_CONFIG
+
 # Run names become folder names under ledger_dir: keep them to characters that are safe there.
 _RUN_RE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 _RUN_STEP = re.compile(rf"^(?P<run>{_RUN_RE})_step(?P<step>\d{{1,12}})$")
@@ -28,7 +30,15 @@ _VERL_STEP = re.compile(r"^global_step_\d{1,12}$")
 # `actor/` and, with `hf_model` in `actor_rollout_ref.actor.checkpoint.save_contents`, a Hugging
 # Face copy in `actor/huggingface/` (its SFT trainer: `huggingface/` in the step's folder). That
 # copy is what an eval loads. Its keep-last-k (`max_actor_ckpt_to_keep`) deletes `actor/`.
-VERL_MODEL_FOLDERS = ("actor/huggingface", "huggingface")
+# With LoRA (`actor_rollout_ref.model.lora_rank` > 0) it saves the adapter alone in
+# `actor/lora_adapter/` after the rest: that is the model where `huggingface/` has no weights.
+VERL_MODEL_FOLDERS = ("actor/huggingface", "huggingface", "actor/lora_adapter")
+_VERL_HF_WEIGHTS = (  # what transformers' save_pretrained writes last: the whole model is there
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 # DeepSpeed's own tag for step N's engine states (OpenRLHF's `_actor/global_step{N}`): a
 # checkpoint only where it holds a Hugging Face model
 _DEEPSPEED_TAG = re.compile(r"^global_step\d{1,12}$")
@@ -119,18 +129,28 @@ def model_folder(name: str, holds: Callable[[str], bool]) -> str | None:
     """Where the model an eval loads is, under a checkpoint folder named `name`: "" (the folder
     itself), or for verl's `global_step_{N}` layout the Hugging Face folder inside it
     (`VERL_MODEL_FOLDERS`), decided by what the folder holds (`holds(relative path)`: a file or
-    folder there). None for a step folder with no model: a `global_step_{N}` whose save has not
-    begun, or whose `actor/` verl's keep-last-k deleted (it leaves the folder, with `data.pt`,
-    for good); DeepSpeed's engine states (`global_step{N}` without `config.json`)."""
+    folder there): `actor/huggingface`, unless it has no weights and a LoRA adapter is saved
+    beside it (`actor/lora_adapter`). None for a step folder with no model: a `global_step_{N}`
+    whose save has not begun, or whose `actor/` verl's keep-last-k deleted (it leaves the
+    folder, with `data.pt`, for good); DeepSpeed's engine states (`global_step{N}` without
+    `config.json`)."""
     if not contents_decide(name) or holds("config.json"):
         return ""
     if not verl_step_folder(name):
         return None
+    hf, sft, lora = VERL_MODEL_FOLDERS
     if holds("actor"):
-        return VERL_MODEL_FOLDERS[0]
+        if holds(f"{lora}/{ADAPTER_CONFIG}") and not verl_hf_weights(holds):
+            return lora
+        return hf
     if holds("huggingface"):
-        return VERL_MODEL_FOLDERS[1]
+        return sft
     return None
+
+
+def verl_hf_weights(holds: Callable[[str], bool]) -> bool:
+    """Whether a verl step's `actor/huggingface/` has the model's weights (`hf_model` saved)."""
+    return any(holds(f"{VERL_MODEL_FOLDERS[0]}/{w}") for w in _VERL_HF_WEIGHTS)
 
 
 def checkpoint_folder(location: str) -> str:

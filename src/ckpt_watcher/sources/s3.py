@@ -18,10 +18,12 @@ from typing import Any
 
 from ckpt_watcher.checkpoints.fingerprint import Mode
 from ckpt_watcher.checkpoints.naming import (
+    VERL_MODEL_FOLDERS,
     contents_decide,
     looks_like_checkpoint_name,
     model_folder,
     parse_name,
+    verl_hf_weights,
 )
 from ckpt_watcher.jobfolder import Stage
 from ckpt_watcher.s3client import (
@@ -145,9 +147,18 @@ class S3Source:
         for subs, objects in list_level(self.client, self.retry, self.bucket, prefix):
             held.update(s[len(prefix) :].rstrip("/") for s in subs)
             held.update(o["Key"][len(prefix) :] for o in objects)
+        if "actor" in held:  # verl's RL layout: which of the actor's folders holds the model
+            for _, objects in list_level(
+                self.client, self.retry, self.bucket, f"{prefix}actor/", deep=True
+            ):
+                for o in objects:
+                    path = PurePosixPath(o["Key"][len(prefix) :])
+                    held.update([str(path), *(str(p) for p in path.parents if str(p) != ".")])
         sub = model_folder(name, held.__contains__)
         if sub is None:
             return None  # looked at again next scan: its upload may not have begun
+        if sub == VERL_MODEL_FOLDERS[0] and not verl_hf_weights(held.__contains__):
+            return f"{sub}/"  # not kept: a LoRA adapter may yet be saved beside it
         self._models[prefix] = f"{sub}/" if sub else ""
         return self._models[prefix]
 
