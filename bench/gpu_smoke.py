@@ -303,30 +303,52 @@ def evaluate(work: Path, mode: str, ckpts: list[Path], backend: str) -> tuple[li
         devices=devices(idle_memory_mib=0),
     )
     began = time.time()
-    r = subprocess.run(
-        [*WATCHER, "once", "-c", str(cfg)], capture_output=True, text=True, timeout=3600
-    )
+    with open(d / "once.log", "wb") as out:
+        proc = subprocess.Popen([*WATCHER, "once", "-c", str(cfg)], stdout=out, stderr=out)
+        said = 0
+        while said < 2 * len(ckpts):  # each result as it lands: a lent machine's time may end
+            done = proc.poll() is not None
+            for line in ledger(d)[said:]:
+                at = finished_s(line, began)
+                say(
+                    f"  {mode}: step {line['step']} {line['task']} {line['status']}"
+                    + (f" at {at:.1f} s" if at is not None else "")
+                    + f" (engine {line['engine']}, {line['engine_seconds']} s)"
+                )
+                said += 1
+            if done or time.time() - began > 3600:
+                break
+            time.sleep(0.5)
+        try:
+            rc = proc.wait(timeout=max(1.0, 3600 - (time.time() - began)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
     seconds = time.time() - began
     lines = ledger(d)
-    if r.returncode != 0:
-        print(r.stderr[-3000:], file=sys.stderr)
+    if rc != 0:
+        print((d / "once.log").read_text(errors="replace")[-3000:], file=sys.stderr)
     pinned = {
         ln.split("CUDA_VISIBLE_DEVICES=")[1].split()[0]
         for p in worker_logs(d)
         for ln in p.read_text(errors="replace").splitlines()
         if "CUDA_VISIBLE_DEVICES=GPU-" in ln
     }
-    say(
-        f"{mode}: {len(lines)} lines in {seconds:.1f} s, rc {r.returncode}, pinned {sorted(pinned)}"
-    )
+    say(f"{mode}: {len(lines)} lines in {seconds:.1f} s, rc {rc}, pinned {sorted(pinned)}")
     for line in lines:
         if line["status"] != "ok":  # a failed line has no finish time; it breaks the part's claim
             say(f"  {mode}: step {line['step']} {line['task']} {line['status']}: {line['error']}")
             continue
-        line["_done_s"] = (
-            datetime.fromisoformat(line["finished_at"].replace("Z", "+00:00")).timestamp() - began
-        )
+        line["_done_s"] = finished_s(line, began)
     return lines, seconds
+
+
+def finished_s(line: dict, began: float) -> float | None:
+    """Seconds from `began` (a wall-clock time) to the ledger line's finish; None if it has none
+    (a failed line)."""
+    if not line.get("finished_at"):
+        return None
+    return datetime.fromisoformat(line["finished_at"].replace("Z", "+00:00")).timestamp() - began
 
 
 def deviations(cold: list[dict], warm: list[dict]) -> tuple[dict[str, float], list[str]]:
@@ -504,6 +526,7 @@ def part_resume(work: Path, backend: str, size: str, samples: int) -> bool:
     ckpt = checkpoints(work, size, 1)[0]
     total = 100 * samples
     reference, _ = sampled_run(work, "resume-reference", ckpt, backend, samples, None)
+    say(f"  resume: the uninterrupted run: {reference.get('status')}, {reference.get('metrics')}")
 
     def kills(d: Path) -> dict[str, Any]:
         """Kill -9, one per attempt, part way: vLLM's model worker (where the engine has one
@@ -550,6 +573,7 @@ def part_resume(work: Path, backend: str, size: str, samples: int) -> bool:
                 f"{'its' if target == 'worker' else 'the engine' + chr(39) + 's'} processes "
                 f"{'gone' if gone else 'STILL THERE'} after {time.monotonic() - killed:.1f} s"
             )
+            say(f"  resume: {seen['kills'][-1]}")  # as it happens: a lent machine's time may end
         return seen
 
     line, seen = sampled_run(work, "resume-killed", ckpt, backend, samples, kills)
