@@ -1,5 +1,6 @@
 """GPU smoke test and figures, for a machine with one NVIDIA GPU (never part of CI). Parts, each
-ending with one figure line (`gpu_smoke <part>: ...`):
+ending with one figure line (`gpu_smoke <part>: ...`; each result and kill is printed as it
+happens before it):
 
   busy      real NVML: the daemon's inventory lists the GPU by UUID; a GPU held by a process not
             ours is never used (no job starts until it lets go; the zombie watch lists it)
