@@ -21,7 +21,6 @@ from pathlib import Path
 
 from ckpt_watcher.checkpoints.files import (
     ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
     CheckpointFiles,
     LocalFiles,
     eval_mark,
@@ -31,8 +30,6 @@ from ckpt_watcher.checkpoints.files import (
 from ckpt_watcher.checkpoints.fingerprint import Mode, fingerprint
 from ckpt_watcher.errors import AdapterError
 
-CONFIG = ADAPTER_CONFIG
-WEIGHTS = ADAPTER_WEIGHTS
 # peft types whose weights merge into the base's (prompt and prefix tuning add virtual tokens:
 # the model they make is not a set of weights)
 UNMERGEABLE = frozenset({"PROMPT_TUNING", "PREFIX_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING"})
@@ -40,12 +37,12 @@ UNMERGEABLE = frozenset({"PROMPT_TUNING", "PREFIX_TUNING", "P_TUNING", "MULTITAS
 
 def is_adapter(names: dict[str, int] | list[str]) -> bool:
     """An adapter saved alone: its config, and no weights but the adapter's."""
-    return CONFIG in needed_files(dict.fromkeys(names, 0))
+    return ADAPTER_CONFIG in needed_files(dict.fromkeys(names, 0))
 
 
 def read_config(files: CheckpointFiles) -> dict | str:
     """The adapter's config, or what is wrong with it (it may still be being written)."""
-    return read_json(files, CONFIG)
+    return read_json(files, ADAPTER_CONFIG)
 
 
 def unmergeable(config: dict) -> str:

@@ -153,6 +153,9 @@ def check_unchanged(view: CheckpointFiles, mark: str | None, where: str) -> None
         raise CheckpointChanged(f"{where}: its files changed after it was judged ready")
 
 
+NOT_YET = "not written yet"  # the end of read_json's answer for a file not there yet
+
+
 def read_json(files: CheckpointFiles, name: str) -> dict | str:
     """A JSON object file of the checkpoint, or what is wrong with it (it may still be being
     written)."""
@@ -165,9 +168,6 @@ def read_json(files: CheckpointFiles, name: str) -> dict | str:
     if not isinstance(data, dict):
         return f"{name} is not a JSON object"
     return data
-
-
-NOT_YET = "not written yet"
 
 
 def needed_files(files: dict[str, int]) -> list[str]:

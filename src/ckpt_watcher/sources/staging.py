@@ -29,8 +29,8 @@ from urllib.parse import quote
 
 import structlog
 
-from ckpt_watcher.checkpoints.adapter import CONFIG as ADAPTER_CONFIG
 from ckpt_watcher.checkpoints.files import (
+    ADAPTER_CONFIG,
     LocalFiles,
     check_unchanged,
     comparable,
