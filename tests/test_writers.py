@@ -411,6 +411,103 @@ def test_a_verl_lora_steps_model_is_its_adapter_though_its_config_folder_came_fi
         state.close()
 
 
+def test_a_verl_lora_step_with_merged_weights_too_is_evaluated_once_on_what_was_judged(
+    s3_endpoint: str, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verl with LoRA and `hf_model` saves the step's model twice: the merged weights in
+    `actor/huggingface/` and the adapter in `actor/lora_adapter/`. A sync to S3 can finish the
+    small adapter before the merged weights (and a local copy can land in any order): the step
+    is judged ready on its adapter, queued, and then its merged weights appear. It is one
+    checkpoint: its job stays, nothing is `missed`, no second checkpoint is judged; in a folder
+    (the model folder moves under a running daemon) and on S3 (a daemon started again decides
+    afresh), in one daemon."""
+    client = make_client(s3_endpoint)
+    base = write_fake_checkpoint(tmp_path / "base")
+    watch, remote = tmp_path / "ckpts", tmp_path / "remote"
+
+    def upload(folder: Path) -> None:
+        for f in sorted(folder.rglob("*")):
+            if f.is_file():
+                client.upload_file(str(f), bucket, f"c/{f.relative_to(remote).as_posix()}")
+
+    steps = {
+        "local": (watch, lambda f: None, str),
+        "s3": (remote, upload, lambda p: f"s3://{bucket}/c/{p.relative_to(remote).as_posix()}/"),
+    }
+    state = State(tmp_path / "state")
+    clock = Clock()
+    said = Said()
+    monkeypatch.setattr("ckpt_watcher.discovery.log", said)
+
+    def daemon() -> Discovery:
+        s3 = S3Source(
+            f"s3://{bucket}/c/", client=client, retry=Retry(attempts=3, initial=0, maximum=0)
+        )
+        s3.poll_seconds = 1000
+        local = LocalSource(watch, poll_seconds=1000, inotify=False)
+        return Discovery([local, s3], state, 60, wake=lambda: None, clock=clock, settle_seconds=0)
+
+    def looks(discovery: Discovery) -> None:
+        for _ in range(3):
+            discovery.tick(clock.t, force=True, polls=False)
+            look(discovery, clock, 0.5)
+
+    discovery = daemon()
+    try:
+        first_look(discovery, clock)
+        for root, publish, _ in steps.values():  # the config, then the adapter, uploaded whole
+            actor = root / "exp" / "global_step_10" / "actor"
+            hf = write_fake_checkpoint(actor / "huggingface")
+            (hf / "model.safetensors").rename(tmp_path / f"{root.name}-merged.safetensors")
+            lora = actor / "lora_adapter"
+            lora.mkdir()
+            write_safetensors(lora / "adapter_model.safetensors", {"lora_A": 8, "lora_B": 8})
+            config = {"peft_type": "LORA", "r": 8, "base_model_name_or_path": str(base)}
+            (lora / "adapter_config.json").write_text(json.dumps(config))
+            publish(actor)
+        looks(discovery)
+        for name, (root, _, where) in steps.items():  # what the planner does with it
+            lora = root / "exp" / "global_step_10" / "actor" / "lora_adapter"
+            row = state.checkpoint(where(lora))
+            assert row is not None and row.state == "ready", (name, row)
+            state.upsert_checkpoint(row.location, row.source, clock.t, state="planned")
+            state.add_job(
+                Job(
+                    f"j{name}",
+                    row.location,
+                    "exp",
+                    10,
+                    row.label,
+                    [{"task": "t"}],
+                    "h",
+                    clock.t,
+                    0.0,
+                )
+            )
+        for root, publish, _ in steps.values():  # the merged weights land
+            hf = root / "exp" / "global_step_10" / "actor" / "huggingface"
+            (tmp_path / f"{root.name}-merged.safetensors").rename(hf / "model.safetensors")
+            publish(hf)
+        looks(discovery)
+        rows = [(r.location, r.state) for r in state.checkpoints()]
+        assert state.checkpoint_counts() == {"planned": 2}, rows
+        kept = [e["location"] for e in said.events if e["event"] == "checkpoint.model_kept"]
+        assert kept == [str(watch / "exp" / "global_step_10" / "actor" / "lora_adapter")], kept
+        discovery.close()
+        discovery = daemon()  # started again: S3's model folders are decided afresh
+        first_look(discovery, clock)
+        looks(discovery)
+        rows = [(r.location, r.state) for r in state.checkpoints()]
+        assert state.checkpoint_counts() == {"planned": 2}, rows
+        assert sorted(j.id for j in state.jobs("queued")) == ["jlocal", "js3"]
+        events = [e["event"] for e in said.events]
+        assert events.count("checkpoint.model_kept") == 3, said.events  # local: once a start
+        assert "checkpoint.missed" not in events, said.events
+    finally:
+        discovery.close()
+        state.close()
+
+
 def test_cpu_slots_share_the_cores_unless_the_environment_sets_threads() -> None:
     two = cpu_slots(2, cores=8)
     assert [d.threads for d in two] == [4, 4]

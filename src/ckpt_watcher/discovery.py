@@ -65,6 +65,8 @@ MISSABLE = ("incomplete", "invalid", "ready", "planned")
 EVALUATED = ("done", "failed")
 # ... and a checkpoint whose jobs wait: rewritten before any of them starts, it is judged again
 LOOKED_AGAIN = (*EVALUATED, "planned")
+# States of a checkpoint judged ready: its step's model is where it was judged, for good
+JUDGED_READY = ("ready", *LOOKED_AGAIN)
 REWRITE_CHECK = "files changed after it was evaluated: checking the content again"
 # the event logged when a checkpoint is judged into each state (completeness.check's verdicts)
 JUDGED_EVENTS = {
@@ -434,7 +436,8 @@ class Discovery:
         # saved after the Hugging Face folder's config): the same checkpoint, not a missed one
         moved_to = {checkpoint_folder(f.location): f.location for f in added if f.ident}
         for f in removed:
-            if not self._moved(f, moved_to.get(checkpoint_folder(f.location))):
+            to = moved_to.get(checkpoint_folder(f.location))
+            if not self._moved(f, to) and not self._kept(f, to):
                 self._forget(f, now)
         for location, remark in result.remarks.items():
             row = self.state.checkpoint(location)
@@ -472,6 +475,15 @@ class Discovery:
             if row.run_path != f.ident.run_path:  # a row from before run paths held its run
                 self.state.upsert_checkpoint(f.location, source, now, run_path=f.ident.run_path)
             return  # known from before a restart: its state stands
+        if row is None and (judged := self._judged_elsewhere(f.location)) is not None:
+            log.info(
+                "checkpoint.model_kept",
+                location=judged.location,
+                also=f.location,
+                run=judged.run,
+                step=judged.step,
+            )
+            return
         ident = f.ident
         self.state.upsert_checkpoint(
             f.location,
@@ -495,6 +507,23 @@ class Discovery:
         self._said_held.pop(f.location, None)
         log.info("checkpoint.model_moved", location=f.location, to=to, run=row.run, step=row.step)
         return True
+
+    def _judged_elsewhere(self, location: str) -> CheckpointRow | None:
+        """The checkpoint of the same step folder judged ready at another of its model folders:
+        verl with LoRA and `hf_model` has two, the adapter and the merged model; on S3 the adapter
+        can be uploaded whole before the merged weights. That step is that checkpoint: seen at
+        its other folder (later, or by a daemon started again), it is not evaluated twice."""
+        folder = checkpoint_folder(location)
+        if folder == location.rstrip("/"):
+            return None
+        others = self.state.checkpoints_in(folder)
+        return next((r for r in others if r.location != location and r.state in JUDGED_READY), None)
+
+    def _kept(self, f: Found, to: str | None) -> bool:
+        """A checkpoint judged ready whose step's model is now found in another folder (see
+        `_judged_elsewhere`): it stays, and its jobs with it; its files are still there."""
+        row = self.state.checkpoint(f.location)
+        return to is not None and row is not None and row.state in JUDGED_READY
 
     def _forget(self, f: Found, now: float) -> None:
         self._said_held.pop(f.location, None)

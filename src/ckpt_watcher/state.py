@@ -399,6 +399,15 @@ class State:
                 (location,),
             )
 
+    def checkpoints_in(self, folder: str) -> list[CheckpointRow]:
+        """The checkpoints located inside `folder` (verl's step folder: its model folders); a range
+        of the primary key, so one index look-up however many checkpoints there are."""
+        rows = self.conn.execute(
+            "SELECT * FROM checkpoints WHERE location > ? AND location < ?",
+            (f"{folder}/", f"{folder}0"),  # '0' is the character after '/'
+        )
+        return [CheckpointRow.from_row(r) for r in rows]
+
     def checkpoints(self, *states: str, source: str | None = None) -> list[CheckpointRow]:
         where, args = _where(states, source=source)
         rows = self.conn.execute(f"SELECT * FROM checkpoints{where} ORDER BY run, step", args)
