@@ -88,9 +88,10 @@ def test_verl_steps_on_s3_are_found_by_their_hugging_face_prefix_with_one_list_e
     assert sft is not None and (sft.run, sft.step) == ("sft1", 3)
     # verl/, its 4 runs, each global_step prefix once more, and the actor/ of one
     assert calls == ["ListObjectsV2"] * 11, calls
-    calls.clear()  # the next scan: the model folders found are not looked for again
+    calls.clear()  # the next scan: the model folders found are not looked for again, only
+    # seen to be still there (one key each: verl's keep-last-k deletes them)
     assert {f.location for f in src.scan()} == {f"s3://{bucket}/verl/{k}" for k in found}
-    assert len(calls) == 5 + 2, calls  # the levels, and the 2 step prefixes without a model
+    assert len(calls) == 5 + 2 + 2, calls  # the levels, 2 prefixes without a model, 2 models
     view = src.view(f"s3://{bucket}/verl/exp1/global_step_10/actor/huggingface/")
     verdict = completeness.check(view, now=0.0, stable_seconds=0, settle_seconds=0)
     assert verdict.ready, verdict

@@ -508,6 +508,48 @@ def test_a_verl_lora_step_with_merged_weights_too_is_evaluated_once_on_what_was_
         state.close()
 
 
+def test_a_verl_step_whose_actor_keep_last_k_deleted_on_s3_is_missed_not_kept(
+    s3_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    """verl's keep-last-k deletes a step's `actor/` and leaves the step's folder with its
+    `data.pt`; a sync with deletions does the same in the bucket. The step's model is gone: a
+    step not yet evaluated is *missed*, as in a folder (its model folder, once found, was kept
+    in memory and the step was listed on as if still there: its job would have failed)."""
+    client = make_client(s3_endpoint)
+    remote = tmp_path / "remote"
+    step = remote / "exp" / "global_step_10"
+    write_fake_checkpoint(step / "actor" / "huggingface")
+    (step / "data.pt").write_bytes(b"dataloader state")
+    for f in sorted(step.rglob("*")):
+        if f.is_file():
+            client.upload_file(str(f), bucket, f"c/{f.relative_to(remote).as_posix()}")
+    s3 = S3Source(f"s3://{bucket}/c/", client=client, retry=Retry(attempts=3, initial=0, maximum=0))
+    s3.poll_seconds = 1000
+    state = State(tmp_path / "state")
+    clock = Clock()
+    discovery = Discovery([s3], state, 60, wake=lambda: None, clock=clock, settle_seconds=0)
+    hf = f"s3://{bucket}/c/exp/global_step_10/actor/huggingface/"
+    try:
+        first_look(discovery, clock)
+        for _ in range(2):
+            discovery.tick(clock.t, force=True, polls=False)
+            look(discovery, clock, 0.5)
+        row = state.checkpoint(hf)
+        assert row is not None and row.state == "ready", row
+        for page in client.get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix="c/exp/global_step_10/actor/"
+        ):
+            for o in page.get("Contents", []):
+                client.delete_object(Bucket=bucket, Key=o["Key"])
+        discovery.tick(clock.t, force=True, polls=False)
+        look(discovery, clock, 0.5)
+        row = state.checkpoint(hf)
+        assert row is not None and row.state == "missed", row
+    finally:
+        discovery.close()
+        state.close()
+
+
 def test_cpu_slots_share_the_cores_unless_the_environment_sets_threads() -> None:
     two = cpu_slots(2, cores=8)
     assert [d.threads for d in two] == [4, 4]

@@ -138,11 +138,15 @@ class S3Source:
 
     def _model_folder(self, prefix: str, name: str) -> str | None:
         """Where under a checkpoint prefix its model is (`naming.model_folder`): a LIST of the
-        prefix for `global_step` names only (`""` at once for any other name), until found."""
+        prefix for `global_step` names only (`""` at once for any other name), until found; then
+        one LIST of a key a scan, to see it is still there."""
         if not contents_decide(name):
             return ""
-        if prefix in self._models:  # a model folder found stays where it is
-            return self._models[prefix]
+        kept = self._models.get(prefix)
+        if kept is not None:  # a model folder found stays where it is, while it is there
+            if not kept or self.exists(f"s3://{self.bucket}/{prefix}{kept}"):
+                return kept
+            del self._models[prefix]  # deleted (verl's keep-last-k takes `actor/`): look again
         held: set[str] = set()
         for subs, objects in list_level(self.client, self.retry, self.bucket, prefix):
             held.update(s[len(prefix) :].rstrip("/") for s in subs)
