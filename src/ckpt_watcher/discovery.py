@@ -65,8 +65,9 @@ MISSABLE = ("incomplete", "invalid", "ready", "planned")
 EVALUATED = ("done", "failed")
 # ... and a checkpoint whose jobs wait: rewritten before any of them starts, it is judged again
 LOOKED_AGAIN = (*EVALUATED, "planned")
-# States of a checkpoint judged ready: its step's model is where it was judged, for good
-JUDGED_READY = ("ready", *LOOKED_AGAIN)
+# States of a checkpoint judged ready: its step's model stays where it was judged (a failed
+# evaluation gives way to the step's other model folder, if it has one)
+JUDGED_READY = ("ready", "planned", "done")
 REWRITE_CHECK = "files changed after it was evaluated: checking the content again"
 # the event logged when a checkpoint is judged into each state (completeness.check's verdicts)
 JUDGED_EVENTS = {
