@@ -16,7 +16,8 @@ from ckpt_watcher.checkpoints import adapter, completeness
 from ckpt_watcher.checkpoints.files import LocalFiles, needed_files
 from ckpt_watcher.checkpoints.fingerprint import fingerprint
 from ckpt_watcher.config import LocalSource
-from ckpt_watcher.errors import AdapterError
+from ckpt_watcher.errors import AdapterError, CheckpointChanged
+from ckpt_watcher.worker import merge
 
 from .conftest import (
     base_config,
@@ -125,6 +126,24 @@ def test_an_adapters_base_is_the_configured_one_its_own_folder_or_the_hub_cache(
     assert on_base.startswith("sampled:") and len(on_base) == len(fp) and on_base != fp
     write_safetensors(other / "model.safetensors", {"w": 65})
     assert adapter.with_base(fp, other, "sampled") != on_base
+
+
+def test_an_adapter_whose_base_changed_after_it_was_judged_is_judged_again_not_merged(
+    tmp_path: Path,
+) -> None:
+    """The job's fingerprint covers the adapter's base as it was when judged: a worker that finds
+    another base there (rewritten in place meanwhile) merges nothing and says the checkpoint
+    changed, so it is judged again under its new identity, instead of filing the other base's
+    numbers under the old one."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    write_safetensors(base / "model.safetensors", {"w": 64})
+    here = fake_adapter(tmp_path / "a" / "checkpoint-1", base=str(base))
+    judged = adapter.with_base(fingerprint(LocalFiles(here)), base, "sampled")
+    write_safetensors(base / "model.safetensors", {"w": 65})
+    with pytest.raises(CheckpointChanged, match="its base model .* is not the one it was judged"):
+        merge.merged(here, None, judged)
 
 
 def write_adapter(base: Path, out: Path, scale: float, seed: int) -> Path:

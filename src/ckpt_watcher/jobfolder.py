@@ -146,6 +146,8 @@ class JobSpec:
     # the write mark of the files the job's fingerprint was taken from: the worker reads those
     # or nothing (checkpoints/files.check_unchanged)
     write_mark: str | None = None
+    # the job's fingerprint: an adapter's merge checks its base is still the one it covers
+    fingerprint: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -165,6 +167,7 @@ class JobSpec:
             request=EvalRequest(**request),
             stage=Stage(**stage) if stage else None,
             write_mark=raw.get("write_mark"),
+            fingerprint=raw.get("fingerprint"),
         )
 
 

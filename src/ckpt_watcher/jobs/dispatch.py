@@ -229,7 +229,14 @@ class Dispatcher:
             adapter_base=self.discovery.adapter_base(self.book.source_name(job)),
         )
         stage = self.discovery.stage_spec(self.book.source_name(job), job.location)
-        return JobSpec(job.id, device.label, request, stage, write_mark=job.write_mark)
+        return JobSpec(
+            job.id,
+            device.label,
+            request,
+            stage,
+            write_mark=job.write_mark,
+            fingerprint=job.fingerprint,
+        )
 
     def _start(self, job: Job, device: Device) -> None:
         attempt = job.attempt + 1

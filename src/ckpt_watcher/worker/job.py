@@ -159,9 +159,10 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
         log.info("worker.staged", location=spec.stage.location, path=str(local))
         req = dataclasses.replace(req, checkpoint=str(local))
     try:  # a LoRA/PEFT adapter saved alone is evaluated as the model it makes
-        made = merged(Path(req.checkpoint), req.adapter_base)
+        made = merged(Path(req.checkpoint), req.adapter_base, spec.fingerprint)
     except Exception as e:
-        log.exception("worker.merge_failed", checkpoint=req.checkpoint)
+        if not isinstance(e, CheckpointChanged):
+            log.exception("worker.merge_failed", checkpoint=req.checkpoint)
         return _record_crash(folder, e)
     if made is None:
         return _run_tasks(folder, spec, req, keeper, servers, unchanged)

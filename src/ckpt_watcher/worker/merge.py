@@ -4,7 +4,9 @@ the worker's temporary folder, which every backend and harness then reads. The m
 removed when the job ends (and with the worker's temporary folder if the worker is killed:
 scratch.py).
 
-The base is found as the daemon found it when it judged the adapter (checkpoints/adapter.py).
+The base is found as the daemon found it when it judged the adapter (checkpoints/adapter.py),
+and must still be the base the job's fingerprint covers (`adapter.with_base`): a base rewritten
+since sends the adapter to be judged again (CheckpointChanged), as its own files would.
 The merge's peak memory is about 1.6 times the base's size, and it writes a copy of the base's
 size to TMPDIR (bench/adapter_merge.py).
 """
@@ -16,12 +18,14 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import cast
 
 import structlog
 
 from ckpt_watcher.checkpoints import adapter
 from ckpt_watcher.checkpoints.files import NEEDED, LocalFiles
-from ckpt_watcher.errors import AdapterError
+from ckpt_watcher.checkpoints.fingerprint import Mode, fingerprint
+from ckpt_watcher.errors import AdapterError, CheckpointChanged
 
 log = structlog.get_logger("ckpt_watcher.worker.merge")
 
@@ -34,13 +38,21 @@ _TOKENIZER = NEEDED - {
 }
 
 
-def merged(checkpoint: Path, adapter_base: str | None) -> Path | None:
-    """The merged copy of `checkpoint` if it is an adapter saved alone (None if it is not)."""
+def merged(checkpoint: Path, adapter_base: str | None, judged: str | None = None) -> Path | None:
+    """The merged copy of `checkpoint` if it is an adapter saved alone (None if it is not).
+    `judged`: the fingerprint it was judged with, which its base must still give."""
     view = LocalFiles(checkpoint)
     if not adapter.is_adapter(view.files):
         return None
     override = Path(adapter_base) if adapter_base is not None else None
     base = adapter.resolve_base(view, override, str(checkpoint))
+    if judged is not None:
+        mode = cast(Mode, judged.partition(":")[0])
+        if adapter.with_base(fingerprint(view, mode), base, mode) != judged:
+            raise CheckpointChanged(
+                f"{checkpoint}: its base model {base} is not the one it was judged with (its "
+                "files changed since): the adapter is judged again"
+            )
     out = Path(tempfile.mkdtemp(prefix="merged-"))
     started = time.monotonic()
     try:
