@@ -141,9 +141,40 @@ def test_an_adapter_whose_base_changed_after_it_was_judged_is_judged_again_not_m
     write_safetensors(base / "model.safetensors", {"w": 64})
     here = fake_adapter(tmp_path / "a" / "checkpoint-1", base=str(base))
     judged = adapter.with_base(fingerprint(LocalFiles(here)), base, "sampled")
-    write_safetensors(base / "model.safetensors", {"w": 65})
-    with pytest.raises(CheckpointChanged, match="its base model .* is not the one it was judged"):
-        merge.merged(here, None, judged)
+    # the daemon's side: judged with the base as it was, then (the worker having said so)
+    # judged again, under the identity of the adapter over the new base
+    from ckpt_watcher.discovery import Discovery
+    from ckpt_watcher.sources.local import LocalSource as Local
+    from ckpt_watcher.state import State
+
+    state = State(tmp_path / "state")
+    source = Local(tmp_path / "a", poll_seconds=1000, inotify=False)
+    now = [1000.0]
+    discovery = Discovery([source], state, 1, wake=lambda: None, clock=lambda: now[0])
+
+    def looks() -> None:
+        for _ in range(3):
+            now[0] += 1.0
+            discovery.tick(now[0], force=True, polls=False)
+            while discovery.scanning():
+                discovery.tick(now[0], polls=False)
+
+    try:
+        looks()
+        row = state.checkpoint(str(here))
+        assert row is not None and row.state == "ready" and row.fingerprint == judged, row
+        write_safetensors(base / "model.safetensors", {"w": 65})
+        with pytest.raises(CheckpointChanged, match="its base model .* is not the one it was"):
+            merge.merged(here, None, judged)
+        discovery.look_again(source.name, str(here), now[0], "its base changed")
+        looks()
+        row = state.checkpoint(str(here))
+        assert row is not None and row.state == "ready", row
+        assert row.fingerprint == adapter.with_base(fingerprint(LocalFiles(here)), base, "sampled")
+        assert row.fingerprint != judged
+    finally:
+        discovery.close()
+        state.close()
 
 
 def write_adapter(base: Path, out: Path, scale: float, seed: int) -> Path:
