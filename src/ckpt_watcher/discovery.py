@@ -437,8 +437,7 @@ class Discovery:
         # saved after the Hugging Face folder's config): the same checkpoint, not a missed one
         moved_to = {checkpoint_folder(f.location): f.location for f in added if f.ident}
         for f in removed:
-            to = moved_to.get(checkpoint_folder(f.location))
-            if not self._moved(f, to) and not self._kept(f, to):
+            if not self._moved(f, moved_to.get(checkpoint_folder(f.location))):
                 self._forget(f, now)
         for location, remark in result.remarks.items():
             row = self.state.checkpoint(location)
@@ -501,9 +500,15 @@ class Discovery:
         log.info("checkpoint.seen", location=f.location, run=ident.run, step=ident.step)
 
     def _moved(self, f: Found, to: str | None) -> bool:
+        """Whether a vanished location is its step's model found `to` another of the step's
+        folders (then it is not forgotten): a row never judged ready moves there (deleted here);
+        one judged ready stays, and its jobs with it (its files are still there; the other folder
+        is not registered: `_judged_elsewhere`)."""
         row = self.state.checkpoint(f.location)
-        if to is None or f.ident is None or row is None or row.state not in RECHECK:
+        if to is None or f.ident is None or row is None:
             return False
+        if row.state not in RECHECK:
+            return row.state in JUDGED_READY
         self.state.delete_checkpoint(f.location)
         self._said_held.pop(f.location, None)
         log.info("checkpoint.model_moved", location=f.location, to=to, run=row.run, step=row.step)
@@ -519,12 +524,6 @@ class Discovery:
             return None
         others = self.state.checkpoints_in(folder)
         return next((r for r in others if r.location != location and r.state in JUDGED_READY), None)
-
-    def _kept(self, f: Found, to: str | None) -> bool:
-        """A checkpoint judged ready whose step's model is now found in another folder (see
-        `_judged_elsewhere`): it stays, and its jobs with it; its files are still there."""
-        row = self.state.checkpoint(f.location)
-        return to is not None and row is not None and row.state in JUDGED_READY
 
     def _forget(self, f: Found, now: float) -> None:
         self._said_held.pop(f.location, None)
