@@ -74,7 +74,9 @@ def test_kill_9_mid_eval_then_restart_loses_and_duplicates_nothing(
     adopted = [ln for ln in lines if ln["job_id"] == job.id]
     assert adopted and {ln["attempt"] for ln in adopted} == {1}
     (attempt,) = (tmp_path / "state" / "jobs" / job.id).iterdir()
-    assert (attempt / "worker.log").read_text().count("worker.started") == 1
+    worker_log = (attempt / "worker.log").read_text()
+    assert worker_log.count("worker.started") == 1
+    assert "starter=None" not in worker_log  # forked from the worker starter, which died too
     assert not alive(worker)
 
 

@@ -670,7 +670,7 @@ def test_a_verl_run_is_evaluated_step_by_step_on_its_hugging_face_copy_despite_k
         ledgers = tmp_path / "ledgers"
         wait_for(lambda: len(read_ledger(ledgers, "qwen3-grpo")) == 2, 300, "both", daemon, log)
         wait_for(lambda: status_json(cfg)[1]["pinned"] == [], 30, "pins released", daemon, log)
-    lines = read_ledger(ledgers, "qwen3-grpo")
+    lines = sorted(read_ledger(ledgers, "qwen3-grpo"), key=lambda ln: ln["step"])
     assert [(ln["step"], ln["status"]) for ln in lines] == [(10, "ok"), (20, "ok")], lines
     for line in lines:
         assert line["fingerprint"] == prints[line["step"]], line

@@ -85,7 +85,9 @@ class Daemon:
         if executor_factory is not None:
             self.executor = executor_factory(self._on_worker_exit)
         else:
-            self.executor, own_inventory = build_executor(cfg, self._on_worker_exit)
+            self.executor, own_inventory = build_executor(
+                cfg, self._on_worker_exit, wake=self.wake.set
+            )
             inventory = inventory or own_inventory
         if inventory is None:
             inventory, inventory_warnings = build_inventory(cfg.devices)
@@ -391,7 +393,12 @@ class Daemon:
             our_pids=self._our_pids(running),
             idle_memory_mib=self.cfg.devices.idle_memory_mib,
         )
-        self.dispatcher.dispatch(now, free, may_start=self.filing.can_start)
+        self.dispatcher.dispatch(now, free, may_start=self._may_start)
+
+    def _may_start(self, now: float) -> bool:
+        """Jobs start once the ledger folder takes lines and the executor is ready (its
+        worker starter's imports: a plain worker would spend that time on them too)."""
+        return self.filing.can_start(now) and self.executor.ready_to_start()
 
     def _on_gpus(self) -> bool:
         """Some of our workers (jobs or helpers) run on a GPU."""

@@ -49,6 +49,12 @@ class Executor(ABC):
         host); the job is then killed and run again."""
         return False
 
+    def ready_to_start(self) -> bool:
+        """False while the executor gets ready to start workers faster (the worker starter's
+        imports, executors/starter.py): the daemon starts no job meanwhile, and the executor
+        wakes it once ready. A job started anyway starts as it would without."""
+        return True
+
     def worker_pids(self) -> set[int]:
         """Processes of this host that the executor keeps besides its jobs' own workers (warm
         workers waiting for a job): their GPU memory is ours."""

@@ -5,6 +5,10 @@ quotes, `;` or `$()` are just bytes. Killing a job kills its whole process group
 processes included). A worker lives on when its daemon dies (its own session), and the next
 daemon adopts it: it is not that daemon's child, so its end is read from the job folder's exit
 file, or seen as the process gone.
+
+Given a state folder, workers are forked from a starter that imported torch, transformers and
+lm-eval once (executors/starter.py): the same process from the job's point of view, without
+the imports' 10 to 30 s each.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
 from ckpt_watcher.executors.processes import kill_group, reap_group, reap_remnants
+from ckpt_watcher.executors.starter import WorkerStarter
 from ckpt_watcher.jobfolder import WORKER_MODULE, JobFolder
 from ckpt_watcher.proctable import process_alive, process_start_token
 
@@ -28,15 +35,33 @@ ADOPTED_EXIT_GRACE_SECONDS = 15.0  # after its exit file, for the process to end
 class LocalExecutor(Executor):
     shares_journals = True
 
-    def __init__(self, on_exit: ExitCallback, python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        on_exit: ExitCallback,
+        python: str = sys.executable,
+        *,
+        preload_in: Path | None = None,
+        wake: Callable[[], None] = lambda: None,
+    ) -> None:
+        """`preload_in`: the state folder, to fork workers from a starter (None: plain
+        processes only); `wake` is called once the starter is ready."""
         self.on_exit = on_exit
         self.python = python
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._adopted: dict[str, int] = {}  # job id -> pid of a worker an earlier daemon started
         self._lock = threading.Lock()
+        self.starter = (
+            WorkerStarter(preload_in, python, self._forked_exit, self._starter_lost, wake)
+            if preload_in is not None
+            else None
+        )
 
     def start(self, job_id: str, folder: JobFolder, env: dict[str, str]) -> WorkerHandle:
         full_env = dict(os.environ) | env
+        if self.starter is not None:
+            pid = self.starter.start(job_id, folder, full_env)
+            if pid is not None:
+                return WorkerHandle(job_id, pid, process_start_token(pid) or "")
         with open(folder.log, "ab") as out:
             proc = subprocess.Popen(
                 [self.python, "-m", WORKER_MODULE, str(folder)],
@@ -58,6 +83,18 @@ class LocalExecutor(Executor):
         with self._lock:
             self._procs.pop(job_id, None)
         self.on_exit(job_id, rc)
+
+    def ready_to_start(self) -> bool:
+        return self.starter is None or self.starter.ready_to_start()
+
+    def _forked_exit(self, job_id: str, pid: int, rc: int) -> None:
+        reap_group(pid)
+        self.on_exit(job_id, rc)
+
+    def _starter_lost(self, workers: dict[int, tuple[str, JobFolder]]) -> None:
+        """The starter died: its workers live on, and are watched as adopted ones."""
+        for pid, (job_id, folder) in workers.items():
+            self.adopt(job_id, WorkerHandle(job_id, pid, process_start_token(pid) or ""), folder)
 
     def adopt(self, job_id: str, handle: WorkerHandle, folder: JobFolder) -> bool:
         with self._lock:
@@ -97,11 +134,21 @@ class LocalExecutor(Executor):
         with self._lock:
             proc = self._procs.get(job_id)
             adopted = self._adopted.get(job_id)
+        forked = self._forked().get(job_id)
         if proc is not None:
             kill_group(proc.pid)
+        elif forked is not None:
+            kill_group(forked)
         elif adopted is not None:
             kill_group(adopted)
 
     def running(self) -> set[str]:
         with self._lock:
-            return set(self._procs) | set(self._adopted)
+            return set(self._procs) | set(self._adopted) | set(self._forked())
+
+    def _forked(self) -> dict[str, int]:
+        return self.starter.workers() if self.starter is not None else {}
+
+    def close(self) -> None:
+        if self.starter is not None:
+            self.starter.close()

@@ -70,6 +70,7 @@ class WarmExecutor(Executor):
         *,
         idle_seconds: float,
         verify_every: int,
+        preload: bool = False,
         python: str = sys.executable,
     ) -> None:
         self.on_exit = on_exit
@@ -77,7 +78,8 @@ class WarmExecutor(Executor):
         self.idle_seconds = idle_seconds
         self.verify_every = verify_every
         self.python = python
-        self.cold = LocalExecutor(on_exit, python)
+        # packed jobs: one-shot workers beside the warm one
+        self.cold = LocalExecutor(on_exit, python, preload_in=state_dir if preload else None)
         self._workers: dict[str, _Warm] = {}  # device label -> its warm worker
         self._retired: list[_Warm] = []  # let go, perhaps still releasing their engine
         self._lock = threading.Lock()
@@ -213,6 +215,7 @@ class WarmExecutor(Executor):
                 except subprocess.TimeoutExpired:
                     pass
             reap_group(w.proc.pid)
+        self.cold.close()
 
 
 def _reports(fd: int, proc: subprocess.Popen[bytes]) -> Iterator[bytes]:

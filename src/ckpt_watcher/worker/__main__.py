@@ -1,8 +1,10 @@
-"""`python -m ckpt_watcher.worker JOB_DIR` | `--serve HOME SETTINGS_JSON` (see the package)."""
+"""`python -m ckpt_watcher.worker JOB_DIR` | `--serve HOME SETTINGS_JSON` |
+`--starter JOBS_ROOT DAEMON_PID` (see the package)."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(
             "usage: python -m ckpt_watcher.worker JOB_DIR\n"
             "       python -m ckpt_watcher.worker --serve HOME SETTINGS_JSON\n"
+            "       python -m ckpt_watcher.worker --starter JOBS_ROOT DAEMON_PID\n"
         )
         return 2
     from ckpt_watcher.jobfolder import JobFolder
@@ -50,9 +53,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    job = None
+    if sys.argv[1:2] == ["--starter"]:  # JOBS_ROOT is there for recovery to tell whose it is
+        from ckpt_watcher.worker.starter import serve as serve_forks
+
+        lifeline.die_with_parent(int(sys.argv[3]))  # not its workers: they outlive a daemon
+        job = serve_forks()  # returns only in a worker forked for a job (starter.py)
+        if job is None:  # the daemon is gone or going: at once (nothing to flush or finalize)
+            os._exit(0)
     lifeline.arm()  # what it forks (vLLM's engine on CUDA) dies with it
     tmp = scratch.enter()  # before anything can create a temporary file (vLLM's sockets)
-    rc = main()
+    rc = main(None if job is None else [job])
     scratch.leave(tmp)  # after a kill, the daemon removes it when it reaps the worker
     heap.thaw()  # a frozen heap at exit makes Triton's bindings report leaks (heap.py)
     sys.exit(rc)

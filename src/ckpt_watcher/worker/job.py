@@ -34,6 +34,7 @@ from ckpt_watcher.jobfolder import (
     Crash,
     JobFolder,
 )
+from ckpt_watcher.worker import starter
 from ckpt_watcher.worker.merge import merged
 
 if TYPE_CHECKING:
@@ -126,6 +127,7 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
         device=spec.device_label,
         CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
         warm=keeper is not None,
+        starter=starter.forked_from,  # None: a plain process
     )
     req = spec.request
     # a local checkpoint (or its pin) is read where the trainer may still write: the files read

@@ -34,6 +34,18 @@ def _in_child() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def die_with_parent(parent: int) -> None:
+    """This process is SIGKILLed when `parent` (its parent, which started it) dies; at once if
+    it is gone already. Only this process: what it forks later is not tied to it."""
+    try:
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def arm() -> None:
     """Children forked from here on die with their parent (Linux; elsewhere nothing changes)."""
     global _prctl

@@ -1,0 +1,203 @@
+"""The daemon's side of the worker starter (worker/starter.py): a process that has imported
+torch, transformers and lm-eval once and forks each job's worker from itself.
+
+It is started when the daemon first has a job to start, and the daemon waits for it (the
+imports a plain worker would do anyway) up to READY_SECONDS; a job started before it is ready
+runs as a plain process (`start` answers None). It serves the daemon's
+environment as it was when it started: were that to change, workers start as plain processes
+again. Each forked worker's exit comes back from the starter; should the starter die, its
+workers live on (each in its own session) and `on_lost` hands them to the caller, which watches
+them as adopted workers. A starter that cannot fork safely (CUDA initialized by an import)
+says so once, and workers start as plain processes from then on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from ckpt_watcher.executors.processes import kill_group
+from ckpt_watcher.jobfolder import WORKER_MODULE, JobFolder, jobs_root
+
+log = structlog.get_logger("ckpt_watcher.executors.starter")
+
+READY_SECONDS = 180.0  # waited for the starter's imports before jobs start without it
+CLOSE_SECONDS = 5.0  # for the starter to end once told (it exits at once)
+ANSWER_SECONDS = 60.0  # for a ready starter to say it forked; it takes milliseconds
+DIED = -1  # the answer to a request the starter died with: it may have forked the worker
+LOG_FILE = "worker-starter.log"  # in the state folder
+
+
+class WorkerStarter:
+    def __init__(
+        self,
+        state_dir: Path,
+        python: str,
+        on_exit: Callable[[str, int, int], None],
+        on_lost: Callable[[dict[int, tuple[str, JobFolder]]], None],
+        on_ready: Callable[[], None] = lambda: None,
+    ) -> None:
+        """`on_exit(job_id, pid, rc)` for each forked worker's end; `on_lost({pid: (job_id,
+        folder)})` for the workers still running when the starter died; `on_ready()` once it
+        is ready, or will never be."""
+        self.state_dir = state_dir
+        self.python = python
+        self.on_exit = on_exit
+        self.on_lost = on_lost
+        self.on_ready = on_ready
+        self._launched_at = 0.0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._env: dict[str, str] = {}
+        self._ready = False
+        self._off = False  # cannot fork safely, or died: plain processes from now on
+        self._asking: deque[tuple[str, JobFolder]] = deque()  # forks asked for, in order
+        self._answers: queue.Queue[int | None] = queue.Queue()
+        self._workers: dict[int, tuple[str, JobFolder]] = {}  # pid -> its job, until it exits
+        self._lock = threading.Lock()  # one request and its answer at a time
+        self._state = threading.Lock()
+
+    def ready_to_start(self) -> bool:
+        """Launch the starter if need be; True once it is ready, or will not be (off, or not
+        ready after READY_SECONDS)."""
+        with self._lock:
+            if self._off or self._ready:
+                return True
+            if self._proc is None:
+                self._launch(dict(os.environ))
+            return self._off or time.monotonic() - self._launched_at > READY_SECONDS
+
+    def start(self, job_id: str, folder: JobFolder, env: dict[str, str]) -> int | None:
+        """Fork `job_id`'s worker with `env` (the whole environment) and return its pid, or
+        None where it must start as a plain process (the starter is starting, off, or serves
+        another environment, or could not fork). Raises OSError where the starter took the
+        job but did not say it forked it: dead, or killed after ANSWER_SECONDS (a worker it
+        forks late would be nobody's); the daemon puts the job back in the queue."""
+        with self._lock:
+            if self._off:
+                return None
+            base = dict(os.environ)
+            if self._proc is None:
+                self._launch(base)
+                return None
+            if not self._ready or self._env != base:
+                return None
+            request = {"job": str(folder), "log": str(folder.log), "env": env}
+            with self._state:
+                self._asking.append((job_id, folder))
+            try:
+                assert self._proc.stdin is not None
+                self._proc.stdin.write((json.dumps(request) + "\n").encode())
+                self._proc.stdin.flush()
+                pid = self._answers.get(timeout=ANSWER_SECONDS)
+            except (OSError, queue.Empty) as e:
+                self._stop(f"it did not answer: {e or 'timed out'}")
+                raise OSError("the worker starter did not answer; it was stopped") from e
+            if pid == DIED:  # a worker it forked for the job may run: this attempt is over
+                raise OSError("the worker starter died while starting the worker")
+            return pid
+
+    def _launch(self, env: dict[str, str]) -> None:
+        argv = ["--starter", str(jobs_root(self.state_dir)), str(os.getpid())]
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.state_dir / LOG_FILE, "ab") as err:
+                self._proc = subprocess.Popen(
+                    [self.python, "-m", WORKER_MODULE, *argv],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    env=env,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+        except OSError as e:
+            self._off = True
+            log.error("starter.not_started", error=str(e), workers="plain processes")
+            return
+        self._env = env
+        self._launched_at = time.monotonic()
+        threading.Thread(target=self._read, args=(self._proc,), daemon=True).start()
+        log.info("starter.started", pid=self._proc.pid)
+
+    def _read(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if "ready" in message:
+                self._on_ready(message)
+            elif "started" in message or "failed" in message:
+                pid = message.get("started")
+                with self._state:  # known before its exit can be read (one stream, in order)
+                    job = self._asking.popleft()
+                    if pid is not None:
+                        self._workers[pid] = job
+                self._answers.put(pid)
+            elif "exited" in message:
+                pid = int(message["exited"])
+                with self._state:
+                    ended = self._workers.pop(pid) if pid in self._workers else None
+                if ended is not None:
+                    self.on_exit(ended[0], pid, int(message["rc"]))
+        proc.wait()
+        with self._state:
+            lost, self._workers = self._workers, {}
+            unanswered = len(self._asking)
+            self._asking.clear()
+        for _ in range(unanswered):
+            self._answers.put(DIED)
+        if not self._off:
+            self._off = True
+            log.warning("starter.ended", rc=proc.returncode, workers_left=len(lost))
+            self.on_ready()  # will never be: jobs start without it
+        if lost:
+            self.on_lost(lost)
+
+    def _on_ready(self, message: dict[str, object]) -> None:
+        if message["ready"]:
+            self._ready = True
+            log.info("starter.ready", preloaded=message.get("preloaded"))
+        else:
+            self._off = True
+            log.warning("starter.unsafe", why=message.get("why"), workers="plain processes")
+        self.on_ready()
+
+    def _stop(self, why: str) -> None:
+        self._off = True
+        log.error("starter.stopped", why=why)
+        if self._proc is not None:
+            kill_group(self._proc.pid)
+
+    def close(self) -> None:
+        """The daemon stops: the starter ends (its running workers do not), and is gone when
+        this returns."""
+        with self._lock:
+            self._off = True
+            if self._proc is None:
+                return
+            try:
+                if self._proc.stdin is not None:
+                    self._proc.stdin.close()
+                self._proc.wait(CLOSE_SECONDS)
+            except (OSError, subprocess.TimeoutExpired):
+                kill_group(self._proc.pid)
+
+    def workers(self) -> dict[str, int]:
+        """The running workers it forked: job id -> pid."""
+        with self._state:
+            return {job_id: pid for pid, (job_id, _) in self._workers.items()}
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None

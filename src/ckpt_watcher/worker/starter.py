@@ -1,0 +1,192 @@
+"""The worker starter: one process per daemon that imports what every worker imports (torch,
+transformers, datasets, lm-eval) once, then forks a worker from itself for each job.
+
+A cold worker spent 11 of its 13 s importing those (a CPU host, docs/benchmarks.md), and a GPU
+host's about 31 s before its engine started; a daemon evaluating every checkpoint of a run paid
+that again for each one. A forked worker starts with them imported and becomes the process
+`python -m ckpt_watcher.worker JOB_DIR` would be: its own session, the job's log as stdout and
+stderr, the job's environment, its share of the cores, and the same path to its exit code.
+
+The daemon's side is `executors/starter.py`. The starter dies with its daemon (its workers do
+not: a next daemon adopts them). The protocol, one JSON object a line:
+- stdin, from the daemon: `{"job": DIR, "log": FILE, "env": {...}}` per job; end of file (the
+  daemon stopped or died) ends the starter, never its workers;
+- fd 1, to the daemon: `{"ready": true}` once the imports are done (or `{"ready": false,
+  "why": ...}` and the starter exits), then `{"started": PID}` or `{"failed": WHY}` for each
+  job, in order, and `{"exited": PID, "rc": RC}` as each worker ends (RC negative: killed by
+  that signal, as `subprocess` says it);
+- fd 2: the starter's own log.
+
+Forking is safe only while nothing has touched CUDA: a driver initialized before a fork is
+unusable in the child, and which GPU a worker sees (CUDA_VISIBLE_DEVICES) is read then. So
+torch's availability checks go through NVML here (PYTORCH_NVML_BASED_CUDA_CHECK), vLLM (which
+probes its platform) is not imported, and after the imports the starter checks that neither
+torch nor the driver was initialized; if either was, it says so and exits, and the daemon
+starts its workers as plain processes. The native thread pools the imports start (OpenBLAS,
+jemalloc) have their own fork handlers, as for any fork after `import numpy`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import json
+import os
+import selectors
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPORTS_FD = 1
+# What a worker imports before its first task, on either backend (vLLM excepted, see above).
+PRELOAD = (
+    "torch",
+    "transformers",
+    "datasets",
+    "lm_eval.evaluator",
+    "lm_eval.models.huggingface",
+    "ckpt_watcher.worker.job",
+    "ckpt_watcher.evaluators.harness",
+)
+CUDA_ERROR_NOT_INITIALIZED = 3
+forked_from: int | None = None  # in a forked worker: the starter's pid (its log says so)
+
+
+def _report(message: dict[str, Any]) -> None:
+    os.write(REPORTS_FD, (json.dumps(message) + "\n").encode())
+
+
+def _note(text: str) -> None:
+    sys.stderr.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} starter: {text}\n")
+    sys.stderr.flush()
+
+
+def preload(modules: tuple[str, ...] = PRELOAD) -> list[str]:
+    """Import what can be imported of `modules`; returns those that were."""
+    done = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # a worker that needs it fails on its own, and says why
+            _note(f"not preloaded: {name}: {type(e).__name__}: {e}")
+        else:
+            done.append(name)
+    return done
+
+
+def fork_hazard(maps: str | None = None, driver: Any = None) -> str | None:
+    """Why forking workers from this process would be unsafe (CUDA was initialized), or None.
+    `maps` and `driver` are this process's memory map and CUDA driver unless given."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "torch initialized CUDA while importing"
+    if maps is None:
+        maps = Path("/proc/self/maps").read_text()
+    if "libcuda.so" not in maps:
+        return None  # the driver was never loaded, so never initialized
+    if driver is None:
+        driver = ctypes.CDLL("libcuda.so.1")  # loaded already: this only finds it
+    count = ctypes.c_int(0)
+    if driver.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED:
+        return "the CUDA driver was initialized while importing"
+    return None
+
+
+def serve() -> str | None:
+    """The starter's life. Returns None when it ends (the daemon closed its stdin); in a forked
+    worker, returns that worker's job folder (the caller then runs the job)."""
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # see the module's docstring
+    began = time.monotonic()
+    loaded = preload()
+    hazard = fork_hazard()
+    if hazard is not None:
+        _note(f"not forking workers: {hazard}")
+        _report({"ready": False, "why": hazard})
+        return None
+    from ckpt_watcher.evaluators import heap
+
+    heap.settle()  # the workers share these pages, and their collections never walk them
+    _note(f"ready in {time.monotonic() - began:.1f} s: {', '.join(loaded)}")
+    _report({"ready": True, "preloaded": loaded})
+
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below
+    selector = selectors.DefaultSelector()
+    selector.register(0, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    pending = b""
+    while True:
+        for key, _ in selector.select():
+            if key.fd == wake_r:
+                while _drain(wake_r):
+                    pass
+                continue
+            data = os.read(0, 1 << 16)
+            if not data:
+                _note("the daemon closed the pipe: ending (running workers go on)")
+                return None
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                try:
+                    pid = os.fork()
+                except OSError as e:
+                    _report({"failed": str(e)})
+                    continue
+                if pid == 0:
+                    selector.close()
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    _become_worker(request)
+                    return str(request["job"])
+                _report({"started": pid})
+        _reap()
+
+
+def _drain(fd: int) -> bool:
+    try:
+        return bool(os.read(fd, 512))
+    except BlockingIOError:
+        return False
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _report({"exited": pid, "rc": os.waitstatus_to_exitcode(status)})
+
+
+def _become_worker(request: dict[str, Any]) -> None:
+    """In the forked child: the process a plain `python -m ckpt_watcher.worker JOB_DIR` would
+    have been, from here on."""
+    global forked_from
+    forked_from = os.getppid()
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setsid()
+    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(null)
+    env = request["env"]
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [sys.argv[0], str(request["job"])]
+    threads = env.get("OMP_NUM_THREADS")
+    torch = sys.modules.get("torch")
+    if threads and threads.isdigit() and torch is not None:
+        torch.set_num_threads(int(threads))  # OpenMP read the starter's environment at import
