@@ -183,8 +183,10 @@ def test_hung_eval_is_killed_at_timeout_retried_then_failed(
 ) -> None:
     watch = tmp_path / "ckpts"
     copy_checkpoint(watch / "h_step1")
-    # 2 s is less than a worker needs to import torch and lm-eval: every attempt "hangs"
+    # 2 s is less than a fresh worker needs to import torch and lm-eval: every attempt "hangs"
+    # (a worker forked from the starter has them imported, and is done within 2 s)
     raw = base_config(tmp_path, watch, addition_tasks, timeout_seconds=2, max_attempts=2)
+    raw["executor"] = {"preload": False}
     cfg = write_config(tmp_path / "w.yaml", raw)
     r = subprocess.run(
         [*WATCHER, "--log-json", "once", "-c", str(cfg)],
