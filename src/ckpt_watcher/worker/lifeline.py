@@ -9,6 +9,9 @@ SIGKILL at its parent's death (PR_SET_PDEATHSIG), and so on down: the hook is in
 signal follows the thread that forked; the worker forks its engines from its main thread, which
 lives as long as it does. Processes started with subprocess (harnesses, model servers) are not
 forked this way; the reaper covers them (harnesses/reaper.py).
+
+`die_with_parent()` is the same for one process: the worker starter (starter.py) dies with its
+daemon, while the workers it forks (the signal is not inherited) outlive it.
 """
 
 from __future__ import annotations
