@@ -461,9 +461,9 @@ def part_equality(work: Path, backend: str, size: str, n: int) -> bool:
 
 def worker_pid(d: Path) -> int | None:
     """The worker process of this daemon's state folder (one device: one worker at a time)."""
-    from ckpt_watcher.executors.processes import find_workers
+    from ckpt_watcher.executors.processes import find_workers, is_starter
 
-    found = find_workers(d / "state")
+    found = [pid for pid in find_workers(d / "state") if not is_starter(pid)]
     return found[0] if found else None
 
 

@@ -72,6 +72,9 @@ def _run(
         tasks_dir,
         [],
         devices={"gpus": [], "cpu_slots": slots},
+        # fresh worker processes: the pinning tells a helper by its command line (`-help-` in
+        # its job folder), which a worker forked from the starter shares with it
+        executor={"kind": "local", "preload": False},
         eval={
             "batch_size": 2,
             "limit": docs,

@@ -13,6 +13,9 @@ import pytest
 
 from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.executors import build_executor
+from ckpt_watcher.executors.processes import is_starter
+from ckpt_watcher.jobfolder import WORKER_NAME
+from ckpt_watcher.proctable import process_name
 from ckpt_watcher.worker.starter import CUDA_ERROR_NOT_INITIALIZED, fork_hazard
 
 from .conftest import HF, base_config, derived_checkpoints, read_ledger, write_config
@@ -107,6 +110,9 @@ def test_a_starter_killed_under_a_running_worker_loses_nothing(
         os.killpg(job.pid, signal.SIGSTOP)  # it stays mid-eval while its starter goes
         starter = int(Path(f"/proc/{job.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         assert b"--starter" in Path(f"/proc/{starter}/cmdline").read_bytes()
+        # both show the starter's command line; their names tell them apart (top, ps -o comm)
+        assert is_starter(starter) and not is_starter(job.pid)
+        assert process_name(job.pid) == WORKER_NAME
         os.kill(starter, signal.SIGKILL)
         assert gone(starter)
         wait_for(lambda: '"event": "starter.ended"' in log.read_text(), 30, "the loss", daemon)

@@ -41,6 +41,8 @@ from ckpt_watcher.journal import JournalRef
 
 # `python -m WORKER_MODULE JOB_DIR` runs one job; recovery recognises our workers by it
 WORKER_MODULE = "ckpt_watcher.worker"
+WORKER_NAME = "watcher-worker"  # every worker process's name (proctable.set_name)
+STARTER_NAME = "watcher-starter"  # the worker starter's: its workers share its command line
 
 EXIT_OK = 0  # every task ok
 EXIT_TASK_FAILED = 3  # some task failed (its outcome says why)

@@ -1,10 +1,15 @@
 """Whether a process of this host is alive, and since when (/proc): a pid with its start time
 names one process for good, where a pid alone may be reused. Both sides of the job folder use it
-(the daemon for its workers, workers for each other's chunk claims)."""
+(the daemon for its workers, workers for each other's chunk claims). And a process's name (what
+`top` and `ps -o comm` show), which tells a worker from the worker starter it was forked from:
+both have the starter's command line."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
+
+PR_SET_NAME = 15
 
 
 def proc_stat(pid: int) -> list[str] | None:
@@ -22,6 +27,22 @@ def process_alive(pid: int) -> bool:
     """True if `pid` is a process that has not exited (a zombie has)."""
     fields = proc_stat(pid) if pid > 0 else None
     return fields is not None and bool(fields) and fields[0] != "Z"
+
+
+def set_name(name: str) -> None:
+    """Name this process (Linux keeps 15 bytes); elsewhere nothing changes."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def process_name(pid: int) -> str | None:
+    """/proc/PID/comm, or None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
 
 
 def process_start_token(pid: int) -> str | None:

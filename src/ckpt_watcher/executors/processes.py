@@ -12,8 +12,8 @@ from pathlib import Path
 import structlog
 
 from ckpt_watcher import scratch
-from ckpt_watcher.jobfolder import WORKER_MODULE, jobs_root
-from ckpt_watcher.proctable import proc_stat, process_alive, process_start_token
+from ckpt_watcher.jobfolder import STARTER_NAME, WORKER_MODULE, jobs_root
+from ckpt_watcher.proctable import proc_stat, process_alive, process_name, process_start_token
 
 log = structlog.get_logger("ckpt_watcher.executors.processes")
 
@@ -51,8 +51,14 @@ def is_our_worker(pid: int, start_token: str | None) -> bool:
     return argv is not None and WORKER_MODULE.encode() in argv
 
 
+def is_starter(pid: int) -> bool:
+    """True if `pid` is a worker starter (whose command line its forked workers share)."""
+    return process_name(pid) == STARTER_NAME
+
+
 def find_workers(state_dir: Path) -> list[int]:
-    """PIDs of worker processes started for this state_dir (by any daemon instance)."""
+    """PIDs of worker processes started for this state_dir (by any daemon instance), and of
+    the worker starters that forked them (`is_starter` tells)."""
     prefix = str(jobs_root(state_dir)).encode()
     found = []
     for pid in _pids():

@@ -12,6 +12,8 @@ import structlog
 
 from ckpt_watcher import scratch
 from ckpt_watcher.evaluators import heap
+from ckpt_watcher.jobfolder import STARTER_NAME, WORKER_NAME
+from ckpt_watcher.proctable import set_name
 from ckpt_watcher.worker import lifeline
 
 
@@ -58,9 +60,11 @@ if __name__ == "__main__":
         from ckpt_watcher.worker.starter import serve as serve_forks
 
         lifeline.die_with_parent(int(sys.argv[3]))  # not its workers: they outlive a daemon
+        set_name(STARTER_NAME)
         job = serve_forks()  # returns only in a worker forked for a job (starter.py)
         if job is None:  # the daemon is gone or going: at once (nothing to flush or finalize)
             os._exit(0)
+    set_name(WORKER_NAME)
     lifeline.arm()  # what it forks (vLLM's engine on CUDA) dies with it
     tmp = scratch.enter()  # before anything can create a temporary file (vLLM's sockets)
     rc = main(None if job is None else [job])
