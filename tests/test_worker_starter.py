@@ -19,7 +19,15 @@ from ckpt_watcher.proctable import process_name
 from ckpt_watcher.worker.starter import CUDA_ERROR_NOT_INITIALIZED, fork_hazard
 
 from .conftest import HF, base_config, derived_checkpoints, read_ledger, write_config
-from .helpers import alive, gone, running_job, wait_for, watcher_once, watcher_run
+from .helpers import (
+    alive,
+    gone,
+    running_job,
+    status_json,
+    wait_for,
+    watcher_once,
+    watcher_run,
+)
 
 E2E = pytest.mark.e2e
 
@@ -60,6 +68,12 @@ def _starters(log: str) -> list[str]:
         for line in log.splitlines()
         if "worker.started" in line and "starter=" in line
     ]
+
+
+def _starter_said(cfg: Path, state: str) -> dict | None:
+    """`watcher status --json`'s worker_starter, once in `state`."""
+    said = (status_json(cfg)[1] or {}).get("worker_starter")
+    return said if said and said["state"] == state else None
 
 
 def _worker_logs(state: Path) -> list[str]:
@@ -108,6 +122,8 @@ def test_a_starter_killed_under_a_running_worker_loses_nothing(
     with watcher_run(cfg, log) as daemon:
         job = wait_for(lambda: running_job(tmp_path / "state"), 90, "an eval to start", daemon, log)
         os.killpg(job.pid, signal.SIGSTOP)  # it stays mid-eval while its starter goes
+        said = wait_for(lambda: _starter_said(cfg, "ready"), 30, "status: ready", daemon, log)
+        assert said["pid"] != job.pid
         starter = int(Path(f"/proc/{job.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         assert b"--starter" in Path(f"/proc/{starter}/cmdline").read_bytes()
         # both show the starter's command line; their names tell them apart (top, ps -o comm)
@@ -116,6 +132,8 @@ def test_a_starter_killed_under_a_running_worker_loses_nothing(
         os.kill(starter, signal.SIGKILL)
         assert gone(starter)
         wait_for(lambda: '"event": "starter.ended"' in log.read_text(), 30, "the loss", daemon)
+        said = wait_for(lambda: _starter_said(cfg, "off"), 30, "status: off", daemon, log)
+        assert said["pid"] == starter and said["why"] == "it ended (exit code -9)"
         assert alive(job.pid)
         os.killpg(job.pid, signal.SIGCONT)
         copy_checkpoint(watch / "k_step2")  # after the loss: a plain process evaluates it

@@ -454,7 +454,10 @@ class Daemon:
             unwritable = self.filing.summary(now)
             self.metrics.ledger_unwritable.set(unwritable["for_s"] if unwritable else 0.0)
             self.state.set_meta(
-                heartbeat=now, stopping=bool(self.stop_requests), ledger_unwritable=unwritable
+                heartbeat=now,
+                stopping=bool(self.stop_requests),
+                ledger_unwritable=unwritable,
+                worker_starter=self.executor.starter_state(),
             )
             self.notifier.status(self._status_line())
             self._last_heartbeat = now

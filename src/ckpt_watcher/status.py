@@ -173,6 +173,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         # set by a live daemon's heartbeat while its ledger folder cannot be written
         unwritable = state.get_meta("ledger_unwritable") if alive else None
         journals = state.get_meta("journals")
+        starter = state.get_meta("worker_starter")
     finally:
         state.close()
     engines = warm_engines(cfg.state_dir)
@@ -213,6 +214,8 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         "journals": journals,
         "behind": behind,  # per run: checkpoints due, and the time they take at today's rate
         "warm_engines": engines,
+        # executors/starter.py: {pid, state: starting|ready|off, since, why}, or None
+        "worker_starter": _starter(starter, now) if alive else None,
         "latest_results": latest_results(cfg),
     }
 
@@ -409,6 +412,9 @@ def render(data: dict[str, Any]) -> str:
             lines.append(
                 f"  {z['device']}: pid {z['pid']} holds {z['used_mib']} MiB at 0% for {z['idle_s']}s"
             )
+    s = data.get("worker_starter")
+    if s is not None:
+        lines.append(_starter_text(s))
     live = [w for w in data["warm_engines"] if w["state"] != "released"]
     lines.append("warm engines:" if live else "warm engines: none")
     for w in live:
@@ -427,6 +433,24 @@ def render(data: dict[str, Any]) -> str:
         )
         lines.append(f"  {_who(r)}  {task_label(r)}  {metrics}")
     return "\n".join(lines)
+
+
+def _starter(meta: dict[str, Any] | None, now: float) -> dict[str, Any] | None:
+    if not meta:
+        return None
+    since = meta.get("since")
+    return {**meta, "for_s": round(now - since, 1) if since else None}
+
+
+def _starter_text(s: dict[str, Any]) -> str:
+    if s["state"] == "starting":
+        return (
+            f"worker starter: importing torch, transformers and lm-eval for {s['for_s']}s "
+            f"(pid {s['pid']}); jobs start once it is ready"
+        )
+    if s["state"] == "ready":
+        return f"worker starter: ready (pid {s['pid']}), workers are forked from it"
+    return f"worker starter: off ({s['why']}); workers start as fresh processes"
 
 
 def _who(item: dict[str, Any]) -> str:

@@ -55,6 +55,11 @@ class Executor(ABC):
         wakes it once ready. A job started anyway starts as it would without."""
         return True
 
+    def starter_state(self) -> dict[str, object] | None:
+        """The worker starter's state for `watcher status` (executors/starter.py), or None
+        where there is none (not started yet, `executor.preload: false`, Ray)."""
+        return None
+
     def worker_pids(self) -> set[int]:
         """Processes of this host that the executor keeps besides its jobs' own workers (warm
         workers waiting for a job): their GPU memory is ours."""

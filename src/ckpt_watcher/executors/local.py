@@ -87,6 +87,9 @@ class LocalExecutor(Executor):
     def ready_to_start(self) -> bool:
         return self.starter is None or self.starter.ready_to_start()
 
+    def starter_state(self) -> dict[str, object] | None:
+        return self.starter.describe() if self.starter is not None else None
+
     def _forked_exit(self, job_id: str, pid: int, rc: int) -> None:
         reap_group(pid)
         self.on_exit(job_id, rc)

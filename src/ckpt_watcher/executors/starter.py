@@ -55,6 +55,8 @@ class WorkerStarter:
         self.on_lost = on_lost
         self.on_ready = on_ready
         self._launched_at = 0.0
+        self._started_at: float | None = None  # wall clock, for status
+        self._why = ""  # why it is off
         self._proc: subprocess.Popen[bytes] | None = None
         self._env: dict[str, str] = {}
         self._ready = False
@@ -120,11 +122,12 @@ class WorkerStarter:
                     close_fds=True,
                 )
         except OSError as e:
-            self._off = True
+            self._off, self._why = True, f"could not start: {e}"
             log.error("starter.not_started", error=str(e), workers="plain processes")
             return
         self._env = env
         self._launched_at = time.monotonic()
+        self._started_at = time.time()
         threading.Thread(target=self._read, args=(self._proc,), daemon=True).start()
         log.info("starter.started", pid=self._proc.pid)
 
@@ -158,7 +161,7 @@ class WorkerStarter:
         for _ in range(unanswered):
             self._answers.put(DIED)
         if not self._off:
-            self._off = True
+            self._off, self._why = True, f"it ended (exit code {proc.returncode})"
             log.warning("starter.ended", rc=proc.returncode, workers_left=len(lost))
             self.on_ready()  # will never be: jobs start without it
         if lost:
@@ -169,12 +172,12 @@ class WorkerStarter:
             self._ready = True
             log.info("starter.ready", preloaded=message.get("preloaded"))
         else:
-            self._off = True
+            self._off, self._why = True, f"unsafe to fork: {message.get('why')}"
             log.warning("starter.unsafe", why=message.get("why"), workers="plain processes")
         self.on_ready()
 
     def _stop(self, why: str) -> None:
-        self._off = True
+        self._off, self._why = True, f"stopped: {why}"
         log.error("starter.stopped", why=why)
         if self._proc is not None:
             kill_group(self._proc.pid)
@@ -192,6 +195,20 @@ class WorkerStarter:
                 self._proc.wait(CLOSE_SECONDS)
             except (OSError, subprocess.TimeoutExpired):
                 kill_group(self._proc.pid)
+
+    def describe(self) -> dict[str, object] | None:
+        """What `watcher status` says of it: None before it is started; else its pid, `state`
+        (starting, ready or off), `since` (when it started, epoch seconds) and, when off,
+        `why`."""
+        if self._proc is None and not self._off:
+            return None
+        state = "off" if self._off else "ready" if self._ready else "starting"
+        return {
+            "pid": self._proc.pid if self._proc is not None else None,
+            "state": state,
+            "since": self._started_at,
+            "why": self._why if self._off else None,
+        }
 
     def workers(self) -> dict[str, int]:
         """The running workers it forked: job id -> pid."""

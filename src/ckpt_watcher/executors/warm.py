@@ -195,6 +195,9 @@ class WarmExecutor(Executor):
             every = [*self._workers.values(), *self._retired]
             return {w.proc.pid for w in every if w.proc.poll() is None}
 
+    def starter_state(self) -> dict[str, object] | None:
+        return self.cold.starter_state()
+
     def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> None:
         """Release every warm engine: close their stdin, give them `timeout`, then kill."""
         with self._lock:
