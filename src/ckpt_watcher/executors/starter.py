@@ -3,12 +3,12 @@ torch, transformers and lm-eval once and forks each job's worker from itself.
 
 It is started when the daemon first has a job to start, and the daemon waits for it (the
 imports a plain worker would do anyway) up to READY_SECONDS; a job started before it is ready
-runs as a plain process (`start` answers None). It serves the daemon's
-environment as it was when it started: were that to change, workers start as plain processes
-again. Each forked worker's exit comes back from the starter; should the starter die, its
-workers live on (each in its own session) and `on_lost` hands them to the caller, which watches
-them as adopted workers. A starter that cannot fork safely (CUDA initialized by an import)
-says so once, and workers start as plain processes from then on.
+runs as a plain process (`start` answers None). It serves the daemon's environment as it was
+when it started: were that to change, workers start as plain processes again. Each forked
+worker's exit comes back from the starter; should the starter die, its workers live on (each in
+its own session) and `on_lost` hands them to the caller, which watches them as adopted workers.
+A starter that cannot fork safely (CUDA initialized by an import) says so once, and workers
+start as plain processes from then on. Its log is `<state_dir>/worker-starter.log`.
 """
 
 from __future__ import annotations
