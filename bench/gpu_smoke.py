@@ -155,10 +155,23 @@ def write_config(d: Path, eval_: dict[str, Any], **over: Any) -> Path:
         "sources": [{"kind": "local", "path": str(d / "watch"), "poll_seconds": 1}],
         "devices": devices(),
         "eval": {"compile_cache_dir": str(d.parent / "compile-cache")} | eval_,
+        # PRELOAD=0: every worker a fresh process (else forked from the worker starter)
+        "executor": {"kind": "local", "preload": os.environ.get("PRELOAD", "1") != "0"},
         **over,
     }
     (d / "w.yaml").write_text(yaml.safe_dump(cfg))
     return d / "w.yaml"
+
+
+def forked(d: Path) -> str:
+    """How many of a part's one-shot workers were forked from the worker starter, of all."""
+    said = [
+        line.split("starter=")[1].split()[0]
+        for log in (d / "state" / "jobs").glob("*/attempt-*/worker.log")
+        for line in log.read_text(errors="replace").splitlines()
+        if "worker.started" in line and "starter=" in line
+    ]
+    return f"{sum(s != 'None' for s in said)} of {len(said)}"
 
 
 def ledger(d: Path) -> list[dict[str, Any]]:
@@ -445,7 +458,8 @@ def part_equality(work: Path, backend: str, size: str, n: int) -> bool:
             ratios.append(f"after {k}: cold {c:.1f} s, warm {w:.1f} s, ratio {w / c:.2f}")
     say(
         f"gpu_smoke equality: {gpu_name()}, backend {backend}, {size} model, {DTYPE}, TP=1, "
-        f"{n} checkpoints x 2 tasks: cold {cold_s:.1f} s, warm {warm_s:.1f} s "
+        f"{n} checkpoints x 2 tasks: cold {cold_s:.1f} s (workers forked from the starter: "
+        f"{forked(work / 'cold')}), warm {warm_s:.1f} s "
         f"({'; '.join(ratios)}); engine ready cold "
         f"{min(cold_engine, default=0):.2f}-{max(cold_engine, default=0):.2f} s, "
         f"torch.compile/engine start per cold engine {compile_times(work / 'cold')} s, warm swap "

