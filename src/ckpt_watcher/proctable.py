@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 PR_SET_NAME = 15
 
@@ -29,12 +30,19 @@ def process_alive(pid: int) -> bool:
     return fields is not None and bool(fields) and fields[0] != "Z"
 
 
+def libc_prctl() -> Any | None:
+    """libc's prctl (Linux), or None where there is none."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
 def set_name(name: str) -> None:
     """Name this process (Linux keeps 15 bytes); elsewhere nothing changes."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    prctl = libc_prctl()
+    if prctl is not None:
+        prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def process_name(pid: int) -> str | None:

@@ -214,7 +214,3 @@ class WorkerStarter:
         """The running workers it forked: job id -> pid."""
         with self._state:
             return {job_id: pid for pid, (job_id, _) in self._workers.items()}
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None

@@ -16,10 +16,11 @@ daemon, while the workers it forks (the signal is not inherited) outlive it.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 from typing import Any
+
+from ckpt_watcher.proctable import libc_prctl
 
 PR_SET_PDEATHSIG = 1
 _parent = 0  # the forking process, for the child to check it is still there
@@ -31,29 +32,29 @@ def _before() -> None:
     _parent = os.getpid()
 
 
-def _in_child() -> None:
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != _parent:  # the parent died before the signal was armed
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def die_with_parent(parent: int) -> None:
-    """This process is SIGKILLed when `parent` (its parent, which started it) dies; at once if
-    it is gone already. Only this process: what it forks later is not tied to it."""
-    try:
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return
+def _tie(prctl: Any, parent: int) -> None:
+    """SIGKILL this process at its parent's death; at once if `parent` is gone already (it
+    died before the signal was armed)."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _in_child() -> None:
+    _tie(_prctl, _parent)
+
+
+def die_with_parent(parent: int) -> None:
+    """This process is SIGKILLed when `parent` (its parent, which started it) dies; at once if
+    it is gone already. Only this process: what it forks later is not tied to it."""
+    prctl = libc_prctl()
+    if prctl is not None:
+        _tie(prctl, parent)
+
+
 def arm() -> None:
     """Children forked from here on die with their parent (Linux; elsewhere nothing changes)."""
     global _prctl
-    try:
-        _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return
-    os.register_at_fork(before=_before, after_in_child=_in_child)
+    _prctl = libc_prctl()
+    if _prctl is not None:
+        os.register_at_fork(before=_before, after_in_child=_in_child)
