@@ -1,10 +1,13 @@
 """Workers forked from the worker starter (executors/starter.py, worker/starter.py): the same
-results as fresh processes, one starter's imports for all of a daemon's workers, and no result
-lost when the starter dies under a running worker."""
+results as fresh processes, one starter's imports for all of a daemon's workers, warm workers
+forked with the daemon's pipes, and no result lost when the starter dies under a running
+worker."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 from collections import Counter
 from pathlib import Path
@@ -76,6 +79,10 @@ def _starter_said(cfg: Path, state: str) -> dict | None:
     return said if said and said["state"] == state else None
 
 
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def _worker_logs(state: Path) -> list[str]:
     return [p.read_text() for p in sorted((state / "jobs").glob("*/attempt-*/worker.log"))]
 
@@ -124,7 +131,7 @@ def test_a_starter_killed_under_a_running_worker_loses_nothing(
         os.killpg(job.pid, signal.SIGSTOP)  # it stays mid-eval while its starter goes
         said = wait_for(lambda: _starter_said(cfg, "ready"), 30, "status: ready", daemon, log)
         assert said["pid"] != job.pid
-        starter = int(Path(f"/proc/{job.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        starter = _parent(job.pid)
         assert b"--starter" in Path(f"/proc/{starter}/cmdline").read_bytes()
         # both show the starter's command line; their names tell them apart (top, ps -o comm)
         assert is_starter(starter) and not is_starter(job.pid)
@@ -156,3 +163,50 @@ def test_a_starter_killed_under_a_running_worker_loses_nothing(
     assert by_job.pop(job.id) == [str(starter)]
     assert list(by_job.values()) == [["None"]]
     assert not alive(job.pid)
+
+
+@E2E
+def test_warm_workers_are_forked_with_the_daemons_pipes_and_outlive_a_killed_starter(
+    tmp_path: Path, addition_tasks: Path, trained_checkpoint: Path
+) -> None:
+    """A warm worker forked from the starter takes its jobs and reports their ends on the
+    daemon's own pipes, passed through the starter: it evaluates the next checkpoints on
+    swapped weights as a plain one does, goes on after the starter is killed -9, and is
+    released and gone when the daemon stops."""
+    watch, staged = tmp_path / "ckpts", tmp_path / "staged"
+    watch.mkdir()
+    ckpts = derived_checkpoints(trained_checkpoint, staged, "w", (30, 60, 90), tie=True)
+    shutil.copytree(ckpts[0], watch / ckpts[0].name)
+    raw = base_config(tmp_path, watch, addition_tasks, warm_engine=True)
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    log, ledgers = tmp_path / "daemon.log", tmp_path / "ledgers"
+
+    def engine() -> dict:
+        (path,) = (tmp_path / "state" / "jobs" / "_warm").glob("*/engine.json")
+        return json.loads(path.read_text())
+
+    def evaluated(n: int, daemon: object) -> list[dict]:
+        return wait_for(
+            lambda: len(done := read_ledger(ledgers, "w")) == n and done, 300, f"{n}", daemon, log
+        )
+
+    with watcher_run(cfg, log) as daemon:
+        evaluated(1, daemon)
+        said = wait_for(lambda: _starter_said(cfg, "ready"), 30, "status: ready", daemon, log)
+        starter, worker = said["pid"], engine()["pid"]
+        assert _parent(worker) == starter and process_name(worker) == WORKER_NAME
+        started = [json.loads(x) for x in log.read_text().splitlines() if "worker_started" in x]
+        assert [(e["pid"], e["forked"]) for e in started] == [(worker, True)]
+        (staged / ckpts[1].name).rename(watch / ckpts[1].name)  # appears at once
+        evaluated(2, daemon)
+        os.kill(starter, signal.SIGKILL)
+        wait_for(lambda: _starter_said(cfg, "off"), 30, "status: off", daemon, log)
+        assert alive(worker)  # its pipes are the daemon's, not the starter's
+        (staged / ckpts[2].name).rename(watch / ckpts[2].name)
+        lines = evaluated(3, daemon)
+        assert engine()["pid"] == worker
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    assert gone(worker) and engine()["state"] == "released"
+    by_step = sorted((ln["step"], ln["status"], ln["attempt"], ln["engine"]) for ln in lines)
+    assert by_step == [(30, "ok", 1, "cold"), (60, "ok", 1, "warm"), (90, "ok", 1, "warm")]

@@ -167,8 +167,9 @@ class ExecutorConfig(_Model):
     address: str = "auto"
     """Ray cluster address, for kind: ray."""
     preload: bool = True
-    """kind: local: fork each worker from a process that imported torch, transformers and lm-eval
-    once (10 to 30 s a worker otherwise). Off: every worker is a fresh process."""
+    """kind: local: fork each worker, warm ones too, from a process that imported torch,
+    transformers and lm-eval once (10 to 30 s a worker otherwise). Off: every worker is a fresh
+    process."""
 
 
 class TaskSpec(_Model):

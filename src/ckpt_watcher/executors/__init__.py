@@ -30,6 +30,7 @@ def build_executor(
             idle_seconds=cfg.eval.warm_idle_seconds,
             verify_every=cfg.eval.warm_verify_every,
             preload=cfg.executor.preload,
+            wake=wake,
         )
         return warm, None
     from ckpt_watcher.executors.local import LocalExecutor

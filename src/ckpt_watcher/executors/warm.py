@@ -7,7 +7,8 @@ dies mid-job reports that job's exit with its own exit code. The daemon stays th
 and ledger writer: to it a warm worker's job looks like any other (same folders, same outcome
 files, kill = kill the process group). Warm workers live in `<state_dir>/jobs/_warm/<device>`,
 so recovery after a crash finds them as strays, and they exit by themselves when the daemon's
-end of their stdin closes.
+end of their stdin closes. With `executor.preload` they are forked from the worker starter
+(executors/starter.py), its imports done, with the same pipes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import structlog
 from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
 from ckpt_watcher.executors.local import LocalExecutor
 from ckpt_watcher.executors.processes import kill_group, reap_group
+from ckpt_watcher.executors.starter import Forked
 from ckpt_watcher.jobfolder import (
     KILLED_FILE,
     LOG_FILE,
@@ -52,7 +54,7 @@ IDLE_MARGIN_SECONDS = 2.0
 
 @dataclass
 class _Warm:
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | Forked
     device: str
     job_id: str | None = None  # the job it runs now
     idle_since: float = field(default_factory=time.monotonic)
@@ -72,14 +74,18 @@ class WarmExecutor(Executor):
         verify_every: int,
         preload: bool = False,
         python: str = sys.executable,
+        wake: Callable[[], None] = lambda: None,
     ) -> None:
+        """`preload`: fork workers from a worker starter, which `wake` says is ready."""
         self.on_exit = on_exit
         self.state_dir = state_dir
         self.idle_seconds = idle_seconds
         self.verify_every = verify_every
         self.python = python
         # packed jobs: one-shot workers beside the warm one
-        self.cold = LocalExecutor(on_exit, python, preload_in=state_dir if preload else None)
+        self.cold = LocalExecutor(
+            on_exit, python, preload_in=state_dir if preload else None, wake=wake
+        )
         self._workers: dict[str, _Warm] = {}  # device label -> its warm worker
         self._retired: list[_Warm] = []  # let go, perhaps still releasing their engine
         self._lock = threading.Lock()
@@ -117,6 +123,25 @@ class WarmExecutor(Executor):
             "idle_seconds": self.idle_seconds,
             "verify_every": self.verify_every,
         }
+        proc: subprocess.Popen[bytes] | Forked | None = None
+        starter = self.cold.starter
+        if starter is not None:
+            proc = starter.serve(home, settings, home / LOG_FILE, dict(os.environ) | env)
+        if isinstance(proc, Forked):
+            read_fd = proc.status_fd
+        else:
+            read_fd, proc = self._popen(home, settings, env)
+        w = _Warm(proc, device)
+        self._workers[device] = w
+        threading.Thread(target=self._watch, args=(w, read_fd), daemon=True).start()
+        forked = isinstance(proc, Forked)
+        log.info("engine.worker_started", device=device, pid=proc.pid, forked=forked)
+        return w
+
+    def _popen(
+        self, home: Path, settings: dict[str, object], env: dict[str, str]
+    ) -> tuple[int, subprocess.Popen[bytes]]:
+        """A warm worker as a plain process: its status pipe's read end, and the process."""
         read_fd, write_fd = os.pipe()
         try:
             with open(home / LOG_FILE, "ab") as out:
@@ -131,11 +156,7 @@ class WarmExecutor(Executor):
                 )
         finally:
             os.close(write_fd)
-        w = _Warm(proc, device)
-        self._workers[device] = w
-        threading.Thread(target=self._watch, args=(w, read_fd), daemon=True).start()
-        log.info("engine.worker_started", device=device, pid=proc.pid)
-        return w
+        return read_fd, proc
 
     def _watch(self, w: _Warm, read_fd: int) -> None:
         """Report each finished job; when the worker exits, its job in flight too."""
@@ -195,6 +216,9 @@ class WarmExecutor(Executor):
             every = [*self._workers.values(), *self._retired]
             return {w.proc.pid for w in every if w.proc.poll() is None}
 
+    def ready_to_start(self) -> bool:
+        return self.cold.ready_to_start()
+
     def starter_state(self) -> dict[str, object] | None:
         return self.cold.starter_state()
 
@@ -221,7 +245,7 @@ class WarmExecutor(Executor):
         self.cold.close()
 
 
-def _reports(fd: int, proc: subprocess.Popen[bytes]) -> Iterator[bytes]:
+def _reports(fd: int, proc: subprocess.Popen[bytes] | Forked) -> Iterator[bytes]:
     """The status lines the worker writes on `fd`, until it has exited and what it wrote is read.
 
     The pipe's end is not the worker's end: a process the worker forked holds the write end too

@@ -55,19 +55,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    job = None
+    forked: list[str] | None = None
     if sys.argv[1:2] == ["--starter"]:  # JOBS_ROOT is there for recovery to tell whose it is
         from ckpt_watcher.worker.starter import serve as serve_forks
 
         lifeline.die_with_parent(int(sys.argv[3]))  # not its workers: they outlive a daemon
         set_name(STARTER_NAME)
-        job = serve_forks()  # returns only in a worker forked for a job (starter.py)
-        if job is None:  # the daemon is gone or going: at once (nothing to flush or finalize)
+        forked = serve_forks()  # returns only in a worker it forked (starter.py): its arguments
+        if forked is None:  # the daemon is gone or going: at once (nothing to flush or finalize)
             os._exit(0)
     set_name(WORKER_NAME)
     lifeline.arm()  # what it forks (vLLM's engine on CUDA) dies with it
     tmp = scratch.enter()  # before anything can create a temporary file (vLLM's sockets)
-    rc = main(None if job is None else [job])
+    rc = main(forked)
     scratch.leave(tmp)  # after a kill, the daemon removes it when it reaps the worker
     heap.thaw()  # a frozen heap at exit makes Triton's bindings report leaks (heap.py)
     sys.exit(rc)

@@ -8,9 +8,13 @@ that again for each one. A forked worker starts with them imported and becomes t
 stderr, the job's environment, its share of the cores, and the same path to its exit code.
 
 The daemon's side is `executors/starter.py`. The starter dies with its daemon (its workers do
-not: a next daemon adopts them). The protocol, one JSON object a line:
-- stdin, from the daemon: `{"job": DIR, "log": FILE, "env": {...}}` per job; end of file (the
-  daemon stopped or died) ends the starter, never its workers;
+not: a next daemon adopts them). The protocol, one JSON object a message or line:
+- fd 0, a Unix socket from the daemon, one message per request: `{"job": DIR, "log": FILE,
+  "env": {...}}` for a job's worker, or `{"serve": HOME, "settings": {...}, "log": FILE, "env":
+  {...}}` for a warm worker (worker/serve.py), with two file descriptors passed along: the
+  read end of its job pipe (its stdin) and the write end of its status pipe, both the
+  daemon's pipes, as a plain warm worker's are. The socket's end (the daemon stopped or died)
+  ends the starter, never its workers;
 - fd 1, to the daemon: `{"ready": true}` once the imports are done (or `{"ready": false,
   "why": ...}` and the starter exits), then `{"started": PID}` or `{"failed": WHY}` for each
   job, in order, and `{"exited": PID, "rc": RC}` as each worker ends (RC negative: killed by
@@ -34,12 +38,16 @@ import json
 import os
 import selectors
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from ckpt_watcher.jobfolder import STATUS_FD_ENV
+
 REPORTS_FD = 1
+REQUEST_BYTES = 1 << 20  # a request's most: its environment, mostly
 # What a worker imports before its first task, on either backend (vLLM excepted, see above).
 PRELOAD = (
     "torch",
@@ -94,9 +102,10 @@ def fork_hazard(maps: str | None = None, driver: Any = None) -> str | None:
     return None
 
 
-def serve() -> str | None:
-    """The starter's life. Returns None when it ends (the daemon closed its stdin); in a forked
-    worker, returns that worker's job folder (the caller then runs the job)."""
+def serve() -> list[str] | None:
+    """The starter's life. Returns None when it ends (the daemon closed its socket); in a forked
+    worker, returns that worker's arguments (`JOB_DIR`, or `--serve HOME SETTINGS_JSON`), which
+    the caller runs as `python -m ckpt_watcher.worker` would."""
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # see the module's docstring
     began = time.monotonic()
     loaded = preload()
@@ -116,35 +125,35 @@ def serve() -> str | None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below
+    requests = socket.socket(fileno=0)  # a SOCK_SEQPACKET: one request a message
     selector = selectors.DefaultSelector()
-    selector.register(0, selectors.EVENT_READ)
+    selector.register(requests, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
-    pending = b""
     while True:
         for key, _ in selector.select():
             if key.fd == wake_r:
                 while _drain(wake_r):
                     pass
                 continue
-            data = os.read(0, 1 << 16)
+            data, fds, _, _ = socket.recv_fds(requests, REQUEST_BYTES, 2)
             if not data:
-                _note("the daemon closed the pipe: ending (running workers go on)")
+                _note("the daemon closed its socket: ending (running workers go on)")
                 return None
-            pending += data
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                request = json.loads(line)
-                try:
-                    pid = os.fork()
-                except OSError as e:
-                    _report({"failed": str(e)})
-                    continue
-                if pid == 0:
-                    selector.close()
-                    os.close(wake_r)
-                    os.close(wake_w)
-                    _become_worker(request)
-                    return str(request["job"])
+            request = json.loads(data)
+            try:
+                pid = os.fork()
+            except OSError as e:
+                _report({"failed": str(e)})
+                pid = -1
+            if pid == 0:
+                selector.close()
+                requests.detach()  # fd 0 is the worker's stdin from here on
+                os.close(wake_r)
+                os.close(wake_w)
+                return _become_worker(request, fds)
+            for fd in fds:  # the worker's, and the daemon's: the starter keeps none
+                os.close(fd)
+            if pid > 0:
                 _report({"started": pid})
         _reap()
 
@@ -167,26 +176,34 @@ def _reap() -> None:
         _report({"exited": pid, "rc": os.waitstatus_to_exitcode(status)})
 
 
-def _become_worker(request: dict[str, Any]) -> None:
-    """In the forked child: the process a plain `python -m ckpt_watcher.worker JOB_DIR` would
-    have been, from here on."""
+def _become_worker(request: dict[str, Any], fds: list[int]) -> list[str]:
+    """In the forked child: the process a plain `python -m ckpt_watcher.worker ARGS` would have
+    been, from here on (a warm worker's stdin and status pipe are the daemon's, passed in
+    `fds`); returns ARGS."""
     global forked_from
     forked_from = os.getppid()
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setsid()
+    env = dict(request["env"])
+    if "serve" in request:
+        jobs, status = fds
+        args = ["--serve", str(request["serve"]), json.dumps(request["settings"])]
+        env[STATUS_FD_ENV] = str(status)
+    else:
+        jobs = os.open(os.devnull, os.O_RDONLY)
+        args = [str(request["job"])]
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
+    os.dup2(jobs, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    os.close(null)
-    env = request["env"]
+    os.close(jobs)
     os.environ.clear()
     os.environ.update(env)
-    sys.argv = [sys.argv[0], str(request["job"])]
+    sys.argv = [sys.argv[0], *args]
     threads = env.get("OMP_NUM_THREADS")
     torch = sys.modules.get("torch")
     if threads and threads.isdigit() and torch is not None:
         torch.set_num_threads(int(threads))  # OpenMP read the starter's environment at import
+    return args
