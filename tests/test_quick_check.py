@@ -2,7 +2,7 @@
 checkpoint with its hidden dimension permuted computes what it computed; the check holds for a
 right swap and leaves the cold load's weights; a swap that leaves one weight out fails it; a
 checkpoint with tensor names it does not know is not permuted (its swaps are checked against a
-fresh load)."""
+fresh load); probes that part at a near tie of two tokens agree, any other parting does not."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from ckpt_watcher.demo.tiny import build_model, build_tokenizer, save_checkpoint
 from ckpt_watcher.evaluators import weights
-from ckpt_watcher.evaluators.keeper import EngineKeeper, engine_reach, quick_check
+from ckpt_watcher.evaluators.keeper import EngineKeeper, compare, engine_reach, quick_check
 from ckpt_watcher.jobfolder import EvalRequest
 
 from .conftest import write_safetensors
@@ -110,3 +110,27 @@ def test_a_checkpoint_with_tensors_it_does_not_know_is_not_permuted(tmp_path: Pa
     assert weights.hidden_axis("model.layers.0.self_attn.q_norm.weight", (8,), 16) is None
     assert weights.hidden_axis("lm_head.weight", (100, 16), 16) == 1
     assert weights.hidden_axis("lm_head.weight", (100, 12), 16) is False  # not this model's
+
+
+def test_probes_agree_through_a_near_tie_and_nothing_else() -> None:
+    """Where a permuted sum breaks a tie of two tokens the other way (seen here: a tiny model's
+    probe 5 went 7 where the fresh load went 6, each at about -0.69), the probes still agree;
+    a confident other token, a logprob gap at the parting, or one before it does not."""
+    fresh = [([4, 5], [-0.2, -0.1]), ([6, 17, 7, 17], [-0.05, -0.3, -0.6931, -0.4])]
+
+    def with_second(tokens: list[int], logprobs: list[float]) -> list:
+        return [fresh[0], (tokens, logprobs)]
+
+    tie = with_second([6, 17, 6, 9], [-0.05, -0.3, -0.69312, -0.9])
+    assert compare(tie, fresh, "float32") is None
+    confident = [fresh[0], ([6, 11, 7, 17], [-0.05, -0.3, -0.6931, -0.4])]  # 11 at -0.3: no tie
+    assert "probe 1: greedy token 1 differs" in str(compare(confident, fresh, "float32"))
+    gap = with_second([6, 17, 6, 9], [-0.05, -0.3, -0.75, -0.9])
+    assert "probe 1: greedy token 2 differs" in str(compare(gap, fresh, "float32"))
+    moved = with_second([6, 17, 6, 9], [-0.05, -0.31, -0.69312, -0.9])
+    assert "token 1's logprob -0.310000" in str(compare(moved, fresh, "float32"))
+    # a 16-bit engine's tolerance is wider: the same gap of 0.005 is a tie there, not in float32
+    wide = with_second([6, 17, 6, 9], [-0.05, -0.3, -0.6981, -0.9])
+    assert compare(wide, fresh, "bfloat16") is None and compare(wide, fresh, "float32")
+    shorter = with_second([6, 17], [-0.05, -0.3])  # ended where the other went on
+    assert "greedy token 2 differs" in str(compare(shorter, fresh, "float32"))
