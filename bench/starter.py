@@ -24,6 +24,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from common import WATCHER, config, distinct_copy, summary, task_folder, timed, trained_checkpoint
 
@@ -33,17 +34,16 @@ def cpu_of_children() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _config(root: Path, watch: Path, tasks_dir: Path, preload: bool, **over: Any) -> Path:
+    """The addition task's config in `root`, workers forked from a starter or not."""
+    executor = {"kind": "local", "preload": preload}
+    return config(root / "w.yaml", root, watch, tasks_dir, ["addition"], executor=executor, **over)
+
+
 def once(root: Path, watch: Path, tasks_dir: Path, preload: bool) -> tuple[float, float]:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    cfg = config(
-        root / "w.yaml",
-        root,
-        watch,
-        tasks_dir,
-        ["addition"],
-        executor={"kind": "local", "preload": preload},
-    )
+    cfg = _config(root, watch, tasks_dir, preload)
     cpu = cpu_of_children()
     wall = timed([*WATCHER, "--log-level", "WARNING", "once", "-c", str(cfg)])
     return wall, cpu_of_children() - cpu
@@ -82,13 +82,11 @@ def warm_latencies(
     args = {"dtype": "float32", "max_model_len": 64}
     if backend == "vllm":
         args["enforce_eager"] = True
-    cfg = config(
-        root / "w.yaml",
+    cfg = _config(
         root,
         watch,
         tasks_dir,
-        ["addition"],
-        executor={"kind": "local", "preload": preload},
+        preload,
         sources=[{"kind": "local", "path": str(watch), "poll_seconds": 0.2}],
         stable_seconds=0,
         settle_seconds=0,

@@ -59,6 +59,12 @@ def process_start_token(pid: int) -> str | None:
     return fields[19] if fields is not None and len(fields) > 19 else None
 
 
+def process_gone(pid: int, start_token: str | None) -> bool:
+    """True once the process `pid` that started at `start_token` has ended: exited (a zombie
+    counts), or its pid now another process's."""
+    return process_start_token(pid) != start_token or not process_alive(pid)
+
+
 def children(pid: int) -> list[int]:
     """The processes whose parent is `pid` (/proc/PID/stat field 4)."""
     found = []

@@ -215,15 +215,13 @@ def compare(warm: Probe, cold: Probe, dtype: str | None) -> str | None:
     if len(warm) != len(cold):
         return f"{len(warm)} probe outputs against {len(cold)}"
     for i, ((wt, wl), (ct, cl)) in enumerate(zip(warm, cold, strict=True)):
-        same = wt == ct
-        at = len(wt) if same else _parting(wt, ct)
+        at = _parting(wt, ct)  # len(wt) where they are the same
         tie = (
-            not same
-            and at < min(len(wt), len(ct))
+            at < min(len(wt), len(ct))
             and near(wl[at], cl[at])
             and max(wl[at], cl[at]) <= TIE_LOGPROB + atol
         )
-        if not same and not tie:
+        if wt != ct and not tie:
             return f"probe {i}: greedy token {at} differs ({wt} against a fresh load's {ct})"
         for j in range(at):
             if not near(wl[j], cl[j]):

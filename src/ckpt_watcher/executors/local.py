@@ -26,7 +26,7 @@ from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
 from ckpt_watcher.executors.processes import kill_group, reap_group, reap_remnants
 from ckpt_watcher.executors.starter import WorkerStarter
 from ckpt_watcher.jobfolder import WORKER_MODULE, JobFolder
-from ckpt_watcher.proctable import process_alive, process_start_token
+from ckpt_watcher.proctable import process_gone, process_start_token
 
 ADOPTED_POLL_SECONDS = 0.5  # how often an adopted worker's exit file and process are looked at
 ADOPTED_EXIT_GRACE_SECONDS = 15.0  # after its exit file, for the process to end by itself
@@ -107,9 +107,7 @@ class LocalExecutor(Executor):
 
     def _watch_adopted(self, handle: WorkerHandle, folder: JobFolder) -> None:
         def gone() -> bool:
-            return process_start_token(handle.pid) != handle.start_token or not process_alive(
-                handle.pid
-            )
+            return process_gone(handle.pid, handle.start_token)
 
         def wait_gone(every: float) -> bool:
             deadline = time.monotonic() + ADOPTED_EXIT_GRACE_SECONDS

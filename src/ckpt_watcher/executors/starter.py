@@ -35,7 +35,7 @@ import structlog
 
 from ckpt_watcher.executors.processes import kill_group
 from ckpt_watcher.jobfolder import WORKER_MODULE, JobFolder, jobs_root
-from ckpt_watcher.proctable import process_alive, process_start_token
+from ckpt_watcher.proctable import process_gone, process_start_token
 
 log = structlog.get_logger("ckpt_watcher.executors.starter")
 
@@ -72,7 +72,7 @@ class Forked:
 
     def poll(self) -> int | None:
         if not self._ended.is_set() and self._orphan:
-            if process_start_token(self.pid) != self._token or not process_alive(self.pid):
+            if process_gone(self.pid, self._token):
                 self._exited(-signal.SIGKILL)
         return self.returncode
 
@@ -161,20 +161,16 @@ class WorkerStarter:
         status_r, status_w = os.pipe()
         warm = Forked(jobs_w, status_r)
         request = {"serve": str(home), "settings": settings, "log": str(log_file), "env": env}
+        pid = None
         try:
             pid = self._fork(request, [jobs_r, status_w], _Fork(warm=warm))
-        except BaseException:
-            warm.stdin.close()
-            os.close(status_r)
-            raise
         finally:
             os.close(jobs_r)  # the worker's ends: the starter had them passed, and closed them
             os.close(status_w)
-        if pid is None:
-            warm.stdin.close()
-            os.close(status_r)
-            return None
-        return warm
+            if pid is None:  # not forked, or it raised: ours go too
+                warm.stdin.close()
+                os.close(status_r)
+        return warm if pid is not None else None
 
     def _fork(self, request: dict[str, Any], fds: list[int], fork: _Fork) -> int | None:
         with self._lock:

@@ -123,19 +123,21 @@ class WarmExecutor(Executor):
             "idle_seconds": self.idle_seconds,
             "verify_every": self.verify_every,
         }
-        proc: subprocess.Popen[bytes] | Forked | None = None
         starter = self.cold.starter
-        if starter is not None:
-            proc = starter.serve(home, settings, home / LOG_FILE, dict(os.environ) | env)
-        if isinstance(proc, Forked):
-            read_fd = proc.status_fd
+        forked = (
+            starter.serve(home, settings, home / LOG_FILE, dict(os.environ) | env)
+            if starter is not None
+            else None
+        )
+        proc: subprocess.Popen[bytes] | Forked
+        if forked is not None:
+            proc, read_fd = forked, forked.status_fd
         else:
             read_fd, proc = self._popen(home, settings, env)
         w = _Warm(proc, device)
         self._workers[device] = w
         threading.Thread(target=self._watch, args=(w, read_fd), daemon=True).start()
-        forked = isinstance(proc, Forked)
-        log.info("engine.worker_started", device=device, pid=proc.pid, forked=forked)
+        log.info("engine.worker_started", device=device, pid=proc.pid, forked=forked is not None)
         return w
 
     def _popen(
