@@ -2,8 +2,9 @@
 GPU default; the tests run eager): vLLM's defaults (its AOT compile cache, keyed by a hash with
 the checkpoint's path in it) vs the watcher's (`eval.compile_cache_dir`,
 evaluators/compile_cache.py: AOT off, one folder per model shape, inductor's cache beside it).
-Each start is a fresh process building `LLM(...)`, timed inside it; each scenario starts with
-empty caches (vLLM's, inductor's, Triton's) of its own.
+Each start is a fresh process building `LLM(...)`, timed inside it, in a temporary folder of its
+own as a worker is (scratch.py; torch files its precompiled C++ headers there unless told
+otherwise); each scenario starts with empty caches (vLLM's, inductor's, Triton's) of its own.
 
 Reports each start and the ratio 2nd/1st per scenario.
 Usage: python bench/compile_cache.py [--work /tmp/bench-compile-cache]
@@ -23,8 +24,10 @@ from common import distinct_copy, trained_checkpoint
 
 START = """
 import json, sys, time
+from ckpt_watcher import scratch
 from ckpt_watcher.evaluators import vllm_internals
 from ckpt_watcher.evaluators.compile_cache import use, with_cache
+scratch.enter()  # a temporary folder of its own, as a worker's (torch files headers there)
 vllm_internals.prepare_cpu_process()
 ckpt, root = sys.argv[1], sys.argv[2] or None
 use(root)  # as a worker does (inductor and Triton caches under root, vLLM's AOT compile off)
@@ -38,7 +41,9 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "cache": args.get("compil
 
 
 def start(ckpt: Path, root: str, caches: Path) -> float:
-    env = dict(os.environ, VLLM_CACHE_ROOT=str(caches / "vllm-home"))
+    tmp = caches / f"tmp-{ckpt.name}"  # the worker's folder is made in it, removed with caches
+    tmp.mkdir()
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(caches / "vllm-home"), TMPDIR=str(tmp))
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "VLLM_USE_AOT_COMPILE"):
         env.pop(var, None)
     if not root:  # vLLM's defaults, with an inductor cache as empty as the watcher's

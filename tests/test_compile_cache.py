@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,12 @@ def test_kernels_built_at_a_cold_start_are_kept_under_the_root(
         "FLASHINFER_WORKSPACE_BASE",
         "VLLM_USE_AOT_COMPILE",
     )
+    # use() moves inductor's precompiled headers (restored after); its import sets
+    # TORCHINDUCTOR_CACHE_DIR when unset, so it comes first
+    from torch._inductor import codecache
+
+    for name in ("_HEADER_DIR", "_HEADER_LOCK_DIR"):
+        monkeypatch.setattr(codecache, name, getattr(codecache, name))
     for name in names:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TRITON_CACHE_DIR", "/mine/triton")
@@ -71,3 +79,48 @@ def test_kernels_built_at_a_cold_start_are_kept_under_the_root(
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")
     assert os.environ["FLASHINFER_WORKSPACE_BASE"] == str(root / "flashinfer")
     assert os.environ["TRITON_CACHE_DIR"] == "/mine/triton"
+    assert codecache._HEADER_DIR == str(root / "inductor" / "precompiled_headers")
+
+
+# A worker's start as far as compiling goes: its own temporary folder (scratch.py), the compile
+# cache, then a CPU kernel compiled by torch inductor (which precompiles its C++ header first)
+COMPILE_IN_A_WORKER = """
+import sys, torch
+from ckpt_watcher import scratch
+from ckpt_watcher.evaluators.compile_cache import use
+scratch.enter()
+use(sys.argv[1])
+power = int(sys.argv[2])
+print(float(torch.compile(lambda x: (x ** power).sum())(torch.arange(4.0))))
+"""
+
+
+@pytest.mark.e2e
+def test_each_workers_kernels_reuse_one_precompiled_header_under_the_root(
+    tmp_path: Path,
+) -> None:
+    """torch files its precompiled C++ header under the temporary folder it finds at import,
+    and each worker has one of its own: every cold start on a CPU built it again (about 5 s
+    of g++). Under the root, the first worker builds it and the next ones use it."""
+    root = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR", "TRITON"))}
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir()
+
+    def worker(power: int) -> float:
+        done = subprocess.run(
+            [sys.executable, "-c", COMPILE_IN_A_WORKER, str(root), str(power)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return float(done.stdout.split()[-1])
+
+    assert worker(2) == 14.0  # 0 + 1 + 4 + 9
+    (header,) = (root / "inductor" / "precompiled_headers").glob("*.gch")
+    built = header.stat().st_mtime_ns
+    assert not list((tmp_path / "tmp").rglob("*.gch")), "built in the worker's own folder"
+    assert worker(3) == 36.0  # another kernel, compiled with the same header
+    assert [p.stat().st_mtime_ns for p in header.parent.glob("*.gch")] == [built]

