@@ -80,6 +80,15 @@ def test_kernels_built_at_a_cold_start_are_kept_under_the_root(
     assert os.environ["FLASHINFER_WORKSPACE_BASE"] == str(root / "flashinfer")
     assert os.environ["TRITON_CACHE_DIR"] == "/mine/triton"
     assert codecache._HEADER_DIR == str(root / "inductor" / "precompiled_headers")
+    # torch's own default, which it writes into the environment where none was set (inherited
+    # from a launcher that imported torch), is not a user's choice; a user's own folder is
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_someone")
+    use(str(root))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/mine/inductor")
+    use(str(root))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/mine/inductor"
+    assert codecache._HEADER_DIR == "/mine/inductor/precompiled_headers"
 
 
 # A worker's start as far as compiling goes: its own temporary folder (scratch.py), the compile
@@ -106,6 +115,8 @@ def test_each_workers_kernels_reuse_one_precompiled_header_under_the_root(
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR", "TRITON"))}
     env["TMPDIR"] = str(tmp_path / "tmp")
     (tmp_path / "tmp").mkdir()
+    # as a launcher that had imported torch leaves it (torch's own default, in its /tmp)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "tmp" / "torchinductor_launcher")
 
     def worker(power: int) -> float:
         done = subprocess.run(
@@ -121,6 +132,6 @@ def test_each_workers_kernels_reuse_one_precompiled_header_under_the_root(
     assert worker(2) == 14.0  # 0 + 1 + 4 + 9
     (header,) = (root / "inductor" / "precompiled_headers").glob("*.gch")
     built = header.stat().st_mtime_ns
-    assert not list((tmp_path / "tmp").rglob("*.gch")), "built in the worker's own folder"
+    assert not list((tmp_path / "tmp").rglob("*.gch")), "built in a temporary folder"
     assert worker(3) == 36.0  # another kernel, compiled with the same header
     assert [p.stat().st_mtime_ns for p in header.parent.glob("*.gch")] == [built]

@@ -147,6 +147,9 @@ def test_swapped_weights_give_a_cold_starts_metrics_on_vllm(
     assert engine["cold_for_good"] == {}, engine
     assert [(e["event"], e["check"]) for e in engine["events"]] == QUICK_OK, engine
     assert engine["state"] == "released"
+    # what the likelihood task compiled (vLLM's rank kernel), its C++ header included, is
+    # under the state folder, not in a worker's temporary folder
+    assert list((state / "compile-cache" / "inductor" / "precompiled_headers").glob("*.gch"))
 
 
 def test_swapped_weights_give_a_cold_starts_metrics_on_hf(

@@ -44,7 +44,9 @@ def use(root: str | None) -> None:
     `root`, and vLLM's compile cache the one `with_cache` names (a user's own settings win);
     before anything compiles."""
     if root:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(root) / "inductor"))
+        inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        if inductor is None or torchs_own_default(inductor):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(root) / "inductor")
         os.environ.setdefault("TRITON_CACHE_DIR", str(Path(root) / "triton"))
         # FlashInfer reads it at import: its JIT cache is `<this>/.cache/flashinfer/<version>/<arch>`
         os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(Path(root) / "flashinfer"))
@@ -53,6 +55,15 @@ def use(root: str | None) -> None:
         # has no attribute 'finalize_loading'"): its other cache takes `cache_dir` as given
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         keep_headers(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
+def torchs_own_default(inductor_cache: str) -> bool:
+    """Whether TORCHINDUCTOR_CACHE_DIR is the value torch itself writes into the environment
+    (`<tmp>/torchinductor_<user>`) the first time it looks for its cache where none was set:
+    every process started after that inherits it, so a watcher launched by a process that
+    had imported torch (a training script, a test runner) would otherwise take it for a
+    user's choice and keep its compiled kernels in the temporary folder."""
+    return Path(inductor_cache).name.startswith("torchinductor_")
 
 
 def keep_headers(inductor_cache: str) -> None:
