@@ -118,8 +118,8 @@ def run_job(
 def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | None) -> int:
     spec = folder.read_spec()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    compile_cache.use(spec.request.compile_cache)  # before anything compiles
-    # The daemon decided the device; we only read it.
+    # The daemon decided the device; we only read it. First in the log: a worker killed while
+    # it imports (a time-out) still leaves this line in its error (the log tail, jobs/settle.py)
     log.info(
         "worker.started",
         pid=os.getpid(),
@@ -129,6 +129,7 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
         warm=keeper is not None,
         starter=starter.forked_from,  # None: a plain process
     )
+    compile_cache.use(spec.request.compile_cache)  # before anything compiles (imports torch)
     req = spec.request
     # a local checkpoint (or its pin) is read where the trainer may still write: the files read
     # must be those judged, before loading and after each task (a staged copy is ours, and
