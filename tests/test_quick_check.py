@@ -123,7 +123,7 @@ def test_probes_agree_through_a_near_tie_and_nothing_else() -> None:
 
     tie = with_second([6, 17, 6, 9], [-0.05, -0.3, -0.69312, -0.9])
     assert compare(tie, fresh, "float32") is None
-    confident = [fresh[0], ([6, 11, 7, 17], [-0.05, -0.3, -0.6931, -0.4])]  # 11 at -0.3: no tie
+    confident = with_second([6, 11, 7, 17], [-0.05, -0.3, -0.6931, -0.4])  # 11 at -0.3: no tie
     assert "probe 1: greedy token 1 differs" in str(compare(confident, fresh, "float32"))
     gap = with_second([6, 17, 6, 9], [-0.05, -0.3, -0.75, -0.9])
     assert "probe 1: greedy token 2 differs" in str(compare(gap, fresh, "float32"))
