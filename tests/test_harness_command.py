@@ -188,7 +188,7 @@ def test_a_worker_killed_9_takes_its_harness_and_all_it_started_along(tmp_path: 
     import sys
     import time
 
-    from ckpt_watcher.harnesses.run import reaped
+    from ckpt_watcher.harnesses.reaper import reaped
 
     harness = "import subprocess, time; p = subprocess.Popen(['sleep', '300']); print(p.pid, flush=True); time.sleep(300)"
     worker = (

@@ -86,7 +86,7 @@ def keep_headers(inductor_cache: str) -> None:
 
 def vllm_cache_dir(root: str, checkpoint: str, args: dict[str, Any]) -> str:
     """The compile cache folder of this checkpoint's model shape with these engine arguments."""
-    from ckpt_watcher.evaluators.keeper import model_signature
+    from ckpt_watcher.evaluators.signature import model_signature
 
     plain = {k: v for k, v in args.items() if k != "compilation_config"}
     shape = model_signature(Path(checkpoint), "vllm", plain)

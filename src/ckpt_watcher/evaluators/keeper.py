@@ -25,7 +25,6 @@ Imported only inside worker processes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -39,27 +38,11 @@ import structlog
 from ckpt_watcher.errors import SwapError
 from ckpt_watcher.evaluators import engine_watch, heap, vllm_internals, weights
 from ckpt_watcher.evaluators.harness import Engine, engine_args, load_model
+from ckpt_watcher.evaluators.signature import model_signature
 from ckpt_watcher.jobfolder import EvalRequest
 
 log = structlog.get_logger("ckpt_watcher.evaluators.keeper")
 
-# config.json fields a trainer rewrites without changing the model's graph
-GRAPH_NEUTRAL_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
-# files beside the weights that decide the tokens and generation (never optimizer/trainer state)
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
 # A few prompts of prose, code and arithmetic; greedy continuation of PROBE_TOKENS tokens each.
 PROBE_TEXTS = (
     "The capital of France is",
@@ -72,26 +55,6 @@ PROBE_TEXTS = (
     "1, 2, 3, 5, 8,",
 )
 PROBE_TOKENS = 8
-
-
-def model_signature(checkpoint: Path, backend: str, args: dict[str, Any]) -> str:
-    """Equal for two checkpoints whose weights can be swapped into one engine."""
-    try:
-        config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise SwapError(f"{checkpoint}/config.json unreadable: {e}") from e
-    graph = {k: v for k, v in config.items() if k not in GRAPH_NEUTRAL_CONFIG_KEYS}
-    files = {}
-    for name in TOKENIZER_FILES:
-        path = checkpoint / name
-        if path.is_file():
-            files[name] = hashlib.sha256(path.read_bytes()).hexdigest()
-    blob = json.dumps(
-        {"backend": backend, "args": args, "config": graph, "files": files},
-        sort_keys=True,
-        default=str,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 # --- probes: greedy tokens and their logprobs ----------------------------------------------

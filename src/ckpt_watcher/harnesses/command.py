@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_watcher.errors import EvalError
-from ckpt_watcher.harnesses.run import Context, Parsed, log_tail
+from ckpt_watcher.harnesses.base import Context, Parsed, log_tail
 
 
 def fill(template: str, ctx: Context) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 
 from ckpt_watcher.errors import EvalError
 from ckpt_watcher.harnesses import interp
-from ckpt_watcher.harnesses.run import Context, Parsed, log_tail
+from ckpt_watcher.harnesses.base import Context, Parsed, log_tail
 
 MODEL_ALIAS = "ckpt-watcher"
 PIN_DIR = Path(__file__).parent / "pin"

@@ -81,5 +81,10 @@ def main(argv: list[str]) -> int:
     return rc if rc >= 0 else 128 - rc
 
 
+def reaped(argv: list[str]) -> list[str]:
+    """`argv` under the reaper: it and all it starts end with the worker (`reaper.py`)."""
+    return [sys.executable, "-m", "ckpt_watcher.harnesses.reaper", *argv]
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -12,14 +12,12 @@ in the watcher's own samples format for `watcher samples`.
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -27,6 +25,10 @@ from ckpt_watcher.errors import CheckpointChanged, EvalError
 from ckpt_watcher.evaluators.failures import classify
 from ckpt_watcher.evaluators.harness import safe_filename, write_samples
 from ckpt_watcher.harnesses import interp, reaper
+from ckpt_watcher.harnesses.base import LOG_NAME, Context, Harness
+from ckpt_watcher.harnesses.command import COMMAND
+from ckpt_watcher.harnesses.olmes import OLMES
+from ckpt_watcher.harnesses.verifiers import VERIFIERS
 from ckpt_watcher.jobfolder import EvalRequest, Progress, TaskOutcome, TaskRun
 from ckpt_watcher.timestamps import utcnow
 
@@ -36,64 +38,16 @@ if TYPE_CHECKING:
 log = structlog.get_logger("ckpt_watcher.harnesses")
 
 POLL_SECONDS = 0.5
-LOG_NAME = "harness.log"
-LOG_TAIL_LINES = 15
 
 
-@dataclass
-class Context:
-    """What a harness's command line and reader need to know."""
-
-    spec: dict[str, Any]
-    checkpoint: str
-    output_dir: Path
-    device: str  # the job's device label (`cpu-0`, `cuda:6`)
-    compute: str  # cpu | cuda
-    seed: int
-    limit: float | None
-    url: str = ""  # the loopback endpoint (served harnesses)
-    model: str = ""
-
-
-@dataclass
-class Parsed:
-    """What a harness's files say."""
-
-    metrics: dict[str, Any]
-    n_samples: int | None
-    records: list[dict[str, Any]] = field(default_factory=list)  # watcher samples format
-    parts: list[dict[str, Any]] | None = None  # OLMES: one per OLMES task
-    error: str | None = None  # set: the result is failed, for this reason
-    results_file: str | None = None
-
-
-class Harness(Protocol):
-    def served(self, spec: dict[str, Any]) -> bool: ...
-    def argv(self, ctx: Context) -> list[str]: ...
-    def environ(self, ctx: Context, env: dict[str, str]) -> dict[str, str]: ...
-    def read(self, ctx: Context, returncode: int) -> Parsed: ...
-    def total(self, spec: dict[str, Any]) -> int | None: ...
+HARNESSES: dict[str, Harness] = {"command": COMMAND, "verifiers": VERIFIERS, "olmes": OLMES}
 
 
 def harness(kind: str) -> Harness:
-    if kind == "command":
-        from ckpt_watcher.harnesses import command
-
-        return command.COMMAND
-    if kind == "verifiers":
-        from ckpt_watcher.harnesses import verifiers
-
-        return verifiers.VERIFIERS
-    if kind == "olmes":
-        from ckpt_watcher.harnesses import olmes
-
-        return olmes.OLMES
-    raise EvalError(f"harness {kind!r} is not one this worker runs")
-
-
-def reaped(argv: list[str]) -> list[str]:
-    """`argv` under the reaper: it and all it starts end with the worker (`reaper.py`)."""
-    return [sys.executable, "-m", "ckpt_watcher.harnesses.reaper", *argv]
+    try:
+        return HARNESSES[kind]
+    except KeyError:
+        raise EvalError(f"harness {kind!r} is not one this worker runs") from None
 
 
 def run_entry(
@@ -210,7 +164,7 @@ def _run(
     with open(logfile, "ab") as sink:
         try:
             proc = subprocess.Popen(
-                reaped(argv),
+                reaper.reaped(argv),
                 cwd=ctx.output_dir,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -241,12 +195,3 @@ def _run(
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-
-
-def log_tail(ctx: Context) -> str:
-    """The end of the harness's log, for an error that must say what it printed."""
-    try:
-        lines = (ctx.output_dir / LOG_NAME).read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return "\n".join(lines[-LOG_TAIL_LINES:])

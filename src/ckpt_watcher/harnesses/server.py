@@ -5,7 +5,7 @@ across jobs.
 `Servers.start()` answers the server an entry needs. Within a job, entries that ask for the same
 server (the same chat template) share it. In a warm worker (`Servers(keeper)`) the server
 outlives the job: when the next job's checkpoint has the same *signature* as the one it serves
-(`keeper.model_signature`: the config apart from graph-neutral fields, the tokenizer and
+(`signature.model_signature`: the config apart from graph-neutral fields, the tokenizer and
 generation files, the server's arguments), its weights are swapped into the running server
 through vLLM's development endpoint `/collective_rpc` (`SwapExtension.ckpt_watcher_swap`, the
 reload the in-process warm engine uses) instead of a restart. Swaps are checked as the keeper
@@ -34,7 +34,7 @@ import structlog
 from ckpt_watcher.errors import EvalError, SwapError
 from ckpt_watcher.evaluators import compile_cache
 from ckpt_watcher.evaluators.harness import VLLM_ONLY_ARGS
-from ckpt_watcher.harnesses.run import reaped
+from ckpt_watcher.harnesses.reaper import reaped
 from ckpt_watcher.jobfolder import EvalRequest
 
 if TYPE_CHECKING:
@@ -309,7 +309,7 @@ class Servers:
     def _signature_of(self, req: EvalRequest, shape: list[str]) -> str | None:
         if self.keeper is None:
             return None
-        from ckpt_watcher.evaluators.keeper import model_signature
+        from ckpt_watcher.evaluators.signature import model_signature
 
         try:
             return model_signature(Path(req.checkpoint), BACKEND, {"argv": shape})

@@ -25,7 +25,7 @@ from typing import Any
 from ckpt_watcher.errors import EvalError
 from ckpt_watcher.evaluators.passk import is_binary, pass_at_k
 from ckpt_watcher.harnesses import interp
-from ckpt_watcher.harnesses.run import Context, Parsed, log_tail
+from ckpt_watcher.harnesses.base import Context, Parsed, log_tail
 
 RUN_NAME = "run"
 CONFIG_NAME = "vf-eval.json"  # see _config_file
