@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import WATCHER, read_ledger, write_config, write_fake_checkpoint
+from .standins import olmes_run_eval as standin
 
 OLMES_SCRIPT = """#!/bin/sh
 # as OLMES's own: the first python on PATH runs oe_eval
@@ -51,7 +52,9 @@ def nvml_file(tmp: Path) -> Path:
     return path
 
 
-def config(tmp: Path, watch: Path, olmes: Path, **entry_over: object) -> Path:
+def config(
+    tmp: Path, watch: Path, olmes: Path, eval_over: dict | None = None, **entry_over: object
+) -> Path:
     entry = {
         "harness": "olmes",
         "name": "tulu_dev",
@@ -69,16 +72,20 @@ def config(tmp: Path, watch: Path, olmes: Path, **entry_over: object) -> Path:
             "settle_seconds": 0,
             "sources": [{"kind": "local", "path": str(watch), "poll_seconds": 1}],
             "devices": {"gpus": "all", "cpu_slots": 0},
-            "eval": {"tasks": [entry], "max_attempts": 1},
+            "eval": {"tasks": [entry], "max_attempts": 1} | (eval_over or {}),
         },
     )
 
 
-def expected(ckpt: Path, task: str, n: int) -> float:
+def expected(ckpt: Path, spec: str, n: int) -> float:
+    """The stand-in's score for task spec `spec` (its variant) on `ckpt`, over `n` instances."""
     seed = zlib.crc32((ckpt / "config.json").read_bytes())
-    return sum((seed + zlib.crc32(f"{task}:{d}".encode())) % 3 != 0 for d in range(n)) / n
+    (config,) = standin.resolve([spec])
+    variant = standin.variant_key(config)
+    return sum((seed + zlib.crc32(f"{variant}:{d}".encode())) % 3 != 0 for d in range(n)) / n
 
 
+@pytest.mark.e2e
 def test_a_suite_is_one_line_per_olmes_task_on_exactly_the_chosen_gpu(
     tmp_path: Path, olmes_venv: Path
 ) -> None:
@@ -131,7 +138,7 @@ def test_a_suite_is_one_line_per_olmes_task_on_exactly_the_chosen_gpu(
         timeout=120,
     )
     assert s.returncode == 0, s.stderr
-    assert "sums::tiny-0" in s.stdout
+    assert "sums-0" in s.stdout
     # done means done: a second pass runs nothing
     again = subprocess.run(
         [*WATCHER, "once", "-c", str(cfg)], capture_output=True, text=True, timeout=300, env=env
@@ -151,6 +158,7 @@ def test_a_suite_is_one_line_per_olmes_task_on_exactly_the_chosen_gpu(
     )
 
 
+@pytest.mark.e2e
 def test_a_misspelt_olmes_task_stops_the_start_with_exit_2(
     tmp_path: Path, olmes_venv: Path
 ) -> None:
@@ -178,6 +186,7 @@ def test_a_misspelt_olmes_task_stops_the_start_with_exit_2(
     assert "ok    harness tulu_dev (olmes): olmes 0.1.0 in " in doctor.stdout, doctor.stdout
 
 
+@pytest.mark.e2e
 def test_one_olmes_task_is_one_line_under_the_entrys_name(tmp_path: Path, olmes_venv: Path) -> None:
     watch = tmp_path / "ckpts"
     a = write_fake_checkpoint(watch / "run1" / "step_100")
@@ -191,6 +200,89 @@ def test_one_olmes_task_is_one_line_under_the_entrys_name(tmp_path: Path, olmes_
     assert ln["task"] == "tulu_dev" and ln["metrics"]["primary_score"] == expected(
         a, "sums::tiny", 4
     )
+
+
+VARIANTS = [
+    "gsm8k::tulu",
+    "gsm8k::olmes",
+    json.dumps({"task_name": "gsm8k", "num_shots": 2}),
+    json.dumps({"task_name": "gsm8k", "num_shots": 4}),
+]
+
+
+@pytest.mark.e2e
+def test_variants_of_one_task_each_file_their_own_numbers_and_samples(
+    tmp_path: Path, olmes_venv: Path
+) -> None:
+    """Four variants of one base task: OLMES names their files by index and base task
+    (`task-002-gsm8k-...`), the last two share an alias too. Each line carries its own
+    variant's numbers, samples and file, and the entry is done after one pass."""
+    watch = tmp_path / "ckpts"
+    a = write_fake_checkpoint(watch / "run1" / "step_100")
+    # eval.limit as a fraction: half of each task's instances, in OLMES as in lm-eval
+    cfg = config(tmp_path, watch, olmes_venv, {"limit": 0.5}, task=VARIANTS, limit=None)
+    env = dict(__import__("os").environ, CKPT_WATCHER_FAKE_NVML=str(nvml_file(tmp_path)))
+    r = subprocess.run(
+        [*WATCHER, "once", "-c", str(cfg)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = {ln["task"]: ln for ln in read_ledger(tmp_path / "ledgers", "run1")}
+    names = ["gsm8k::tulu", "gsm8k::olmes", "gsm8k@2", "gsm8k@3"]
+    assert sorted(lines) == sorted(f"tulu_dev/{n}" for n in names)
+    run_dir = tmp_path / "ledgers" / "run1"
+    scores = set()
+    for i, (name, spec) in enumerate(zip(names, VARIANTS, strict=True)):
+        ln = lines[f"tulu_dev/{name}"]
+        n = standin.DOCS // 2
+        assert ln["status"] == "ok" and ln["n_samples"] == n, ln
+        assert ln["metrics"]["primary_score"] == expected(a, spec, n), (name, ln["metrics"])
+        assert Path(ln["results_file"]).name == f"task-{i:03d}-gsm8k-metrics.json"
+        scores.add(ln["metrics"]["primary_score"])
+        shown = subprocess.run(
+            [*WATCHER, "samples", "run1", "-c", str(cfg), "--task", ln["task"], "--step", "100"]
+            + ["--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert shown.returncode == 0, shown.stderr
+        records = [json.loads(x) for x in shown.stdout.splitlines() if x.strip()]
+        variant = standin.variant_key(standin.resolve([spec])[0])
+        assert len(records) == n
+        # the responses of this variant's own predictions file
+        assert all(x.startswith(variant) for r in records for x in r["responses"]), records
+        assert (run_dir / ln["results_file"]).exists()
+    assert len(scores) > 1  # the variants' numbers differ: a mix-up would show
+    again = subprocess.run(
+        [*WATCHER, "once", "-c", str(cfg)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert len(read_ledger(tmp_path / "ledgers", "run1")) == 4  # the entry is done
+
+
+@pytest.mark.parametrize(
+    ("entry_limit", "eval_limit", "instances"),
+    [(None, 1.0, 1), (None, 2.7, 2), (None, 0.25, 3), (1, None, 1), (3, 0.5, 3), (None, None, 10)],
+)
+def test_the_limit_reaches_olmes_as_lm_eval_reads_it(
+    tmp_path: Path,
+    olmes_venv: Path,
+    entry_limit: int | None,
+    eval_limit: float | None,
+    instances: int,
+) -> None:
+    """What OLMES resolves (its own --dry-run) from the watcher's command line: a count stays
+    a count (OLMES reads `--limit 1` as 1.0, the whole task), a fraction a fraction."""
+    from ckpt_watcher.harnesses import interp
+    from ckpt_watcher.harnesses.olmes import olmes_argv, olmes_environ
+
+    spec = {"venv": str(olmes_venv), "task": ["sums::tiny"], "limit": entry_limit}
+    argv = olmes_argv(spec, "ckpt", tmp_path, eval_limit) + ["--dry-run"]
+    env = olmes_environ(spec, interp.environment(spec))
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    (task,) = json.loads(r.stdout)
+    assert standin.limited(standin.DOCS, task.get("limit")) == instances, task
 
 
 def test_the_pin_keeps_the_jobs_gpu_through_writes_deletes_and_a_cleared_environment() -> None:

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from ckpt_watcher.harnesses import interp
-from ckpt_watcher.harnesses.entries import VerifiersTask
 from ckpt_watcher.harnesses.base import Context
+from ckpt_watcher.harnesses.entries import VerifiersTask
 from ckpt_watcher.harnesses.verifiers import VerifiersHarness
 
 from .conftest import VLLM_EVAL, WATCHER, derived_checkpoints, read_ledger, write_config

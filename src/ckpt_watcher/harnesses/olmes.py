@@ -47,12 +47,25 @@ def olmes_argv(spec: dict[str, Any], checkpoint: str, out: Path, limit: float | 
         "--output-dir",
         str(out),
     ]
-    n = spec.get("limit") or (int(limit) if limit is not None and limit >= 1 else None)
-    if n:
-        argv += ["--limit", str(int(n))]
-    if spec.get("task_args"):
-        argv += ["--task-args", json.dumps(spec["task_args"], sort_keys=True)]
+    task_args = dict(spec.get("task_args") or {})
+    n = olmes_limit(spec, limit)
+    if n is not None:
+        # in --task-args, where a count stays a JSON integer: `--limit` is parsed as a float,
+        # and OLMES reads 1.0 as the whole of each task, not one instance
+        task_args["limit"] = n
+    if task_args:
+        argv += ["--task-args", json.dumps(task_args, sort_keys=True)]
     return argv
+
+
+def olmes_limit(spec: dict[str, Any], limit: float | None) -> int | float | None:
+    """The instances of each task OLMES is asked for: the entry's own `limit`, else
+    `eval.limit` as lm-eval reads it (below 1 a fraction of each task, else a count)."""
+    if spec.get("limit"):
+        return int(spec["limit"])
+    if limit is None:
+        return None
+    return limit if limit < 1 else int(limit)
 
 
 def olmes_environ(spec: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
@@ -120,16 +133,19 @@ class OlmesHarness:
         tasks = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
         if not tasks:
             raise EvalError(f"{path} names no task")
-        parts = [_part(out, t, i, ctx) for i, t in enumerate(tasks)]
+        parts = [_part(out, t, name) for t, name in zip(tasks, _names(tasks), strict=True)]
         if len(parts) == 1:  # one OLMES task: the entry's own line
             (p,) = parts
-            return Parsed(p["metrics"], p["n_samples"], p.pop("records"), results_file=str(path))
+            return Parsed(
+                p["metrics"], p["n_samples"], p.pop("records"), results_file=p["results_file"]
+            )
         for p in parts:
             _write_records(p, ctx)
         return Parsed({}, None, parts=parts, results_file=str(path))
 
 
 def _alias(task: dict[str, Any]) -> str:
+    """What OLMES itself calls the task in its summary: its alias, else its task name."""
     config = task.get("task_config") or {}
     return str(
         (config.get("metadata") or {}).get("alias")
@@ -138,24 +154,52 @@ def _alias(task: dict[str, Any]) -> str:
     )
 
 
-def _part(out: Path, task: dict[str, Any], i: int, ctx: Context) -> dict[str, Any]:
+def _names(tasks: list[dict[str, Any]]) -> list[str]:
+    """Each task's part name: its alias; tasks that share one (two JSON configs of one task) are
+    told apart by their task index (`gsm8k@2`), so each is a line of its own and the entry
+    counts as done once all are in."""
+    aliases = [_alias(t) for t in tasks]
+    names = [
+        f"{a}@{t['task_idx']}" if aliases.count(a) > 1 and t.get("task_idx") is not None else a
+        for a, t in zip(aliases, tasks, strict=True)
+    ]
+    twins = sorted({n for n in names if names.count(n) > 1})
+    if twins:
+        raise EvalError(f"olmes wrote several results named {', '.join(twins)}, no index apart")
+    return names
+
+
+def task_file(out: Path, task: dict[str, Any], name: str) -> Path | None:
+    """A task's own file in OLMES's output folder (`oe_eval.utils.task_file_name`: its index
+    and its base task name, `task-001-gsm8k-metrics.json`); None for an aggregate of several
+    tasks (`task_idx` null), which has none."""
+    idx = task.get("task_idx")
+    if idx is None:
+        return None
+    base = task.get("task_name") or (task.get("task_config") or {}).get("task_name")
+    return out / f"task-{int(idx):03d}-{base}-{name}"
+
+
+def _part(out: Path, task: dict[str, Any], name: str) -> dict[str, Any]:
     """One OLMES task: its metrics (all of them, `primary_score` among them), instances and
-    per-instance records."""
+    per-instance records, from the files of its own index."""
     metrics = dict(task.get("metrics") or {})
     if "primary_score" not in metrics:
         raise EvalError(f"olmes task {_alias(task)!r} has no primary_score in {METRICS_ALL}")
-    name = (task.get("task_config") or {}).get("task_name") or task.get("task_name") or _alias(task)
-    predictions = sorted(out.glob(f"task-*-{name}-predictions.jsonl"))
-    metric_files = sorted(out.glob(f"task-*-{name}-metrics.json"))
+    predictions = task_file(out, task, "predictions.jsonl")
+    metric_file = task_file(out, task, "metrics.json")
     records = []
-    for line in predictions[0].read_text(encoding="utf-8").splitlines() if predictions else []:
+    lines = []
+    if predictions is not None and predictions.exists():
+        lines = predictions.read_text(encoding="utf-8").splitlines()
+    for line in lines:
         if not line.strip():
             continue
         row = json.loads(line)
         outputs = row.get("model_output") or []
         records.append(
             {
-                "task": _alias(task),
+                "task": name,
                 "doc_id": row.get("doc_id"),
                 "prompt": row.get("native_id"),
                 "target": row.get("label"),
@@ -165,10 +209,10 @@ def _part(out: Path, task: dict[str, Any], i: int, ctx: Context) -> dict[str, An
             }
         )
     return {
-        "task": _alias(task),
+        "task": name,
         "metrics": metrics,
         "n_samples": task.get("num_instances"),
-        "results_file": str(metric_files[0]) if metric_files else None,
+        "results_file": str(metric_file) if metric_file and metric_file.exists() else None,
         "records": records,
     }
 
