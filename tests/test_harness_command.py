@@ -8,7 +8,9 @@ per-sample file, so each ledger line's number says which checkpoint it was compu
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import time
 import venv
 from pathlib import Path
 
@@ -92,6 +94,7 @@ def test_a_placeholder_outside_the_list_is_refused_naming_those_it_has(tmp_path:
         parse_config(raw)
 
 
+@pytest.mark.e2e
 def test_each_checkpoint_is_evaluated_by_the_command_in_its_own_venv(
     tmp_path: Path, harness_venv: Path
 ) -> None:
@@ -148,24 +151,52 @@ def test_each_checkpoint_is_evaluated_by_the_command_in_its_own_venv(
     assert len(read_ledger(tmp_path / "ledgers", "run1")) == 2
 
 
-def test_a_command_that_fails_or_writes_no_metric_ends_failed_saying_why(
+@pytest.mark.e2e
+def test_a_result_is_only_what_the_command_wrote_in_this_run(
     tmp_path: Path, harness_venv: Path
 ) -> None:
+    """A relative results file is read where the command ran (its output folder), never from
+    the daemon's working folder; a results file older than the command's start is not its
+    result; a metric the file lacks fails the entry, saying which."""
     watch = tmp_path / "ckpts"
-    write_fake_checkpoint(watch / "run1" / "step_100")
-    raw = config(tmp_path, watch, harness_venv)
-    raw["eval"]["tasks"][0]["results"]["metrics"] = {"gone": "scores.nope"}
-    raw["eval"]["max_attempts"] = 1
-    cfg = write_config(tmp_path / "w.yaml", raw)
+    ckpt = write_fake_checkpoint(watch / "run1" / "step_100")
+    base = config(tmp_path, watch, harness_venv)
+    entry = base["eval"]["tasks"][0]
+    stale = {"scores": {"size": -1, "f1": -1.0}, "results": [{"acc": -1}]}
+    # where the daemon runs: an old results file at the relative path the entry names
+    cwd = tmp_path / "daemon-cwd"
+    (cwd / "o").mkdir(parents=True)
+    (cwd / "o" / "results.json").write_text(json.dumps(stale))
+    (cwd / "o" / "samples.jsonl").write_text(json.dumps({"prompt": "old"}) + "\n")
+    # an absolute results file left from an earlier run, which this run's command never writes
+    old = tmp_path / "old-results.json"
+    old.write_text(json.dumps(stale))
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    relative = entry | {
+        "name": "rel",
+        "results": entry["results"] | {"file": "o/results.json"},
+        "samples": "o/samples.jsonl",
+    }
+    lingering = entry | {"name": "lingering", "results": entry["results"] | {"file": str(old)}}
+    gone = entry | {"name": "gone", "results": entry["results"] | {"metrics": {"x": "scores.nope"}}}
+    base["eval"]["tasks"] = [relative, lingering, gone]
+    base["eval"]["max_attempts"] = 1
+    cfg = write_config(tmp_path / "w.yaml", base)
     r = subprocess.run(
-        [*WATCHER, "once", "-c", str(cfg)], capture_output=True, text=True, timeout=300
+        [*WATCHER, "once", "-c", str(cfg)], capture_output=True, text=True, timeout=300, cwd=cwd
     )
-    assert r.returncode == 1
-    (ln,) = read_ledger(tmp_path / "ledgers", "run1")
-    assert ln["status"] == "failed"
-    assert "has no gone (scores.nope)" in ln["error"]
+    assert r.returncode == 1, r.stderr[-2000:]
+    lines = {ln["task"]: ln for ln in read_ledger(tmp_path / "ledgers", "run1")}
+    assert lines["rel"]["status"] == "ok", lines["rel"]
+    assert lines["rel"]["metrics"]["size"] == sum(Path(ckpt, "config.json").read_bytes()) % 997
+    assert lines["rel"]["n_samples"] == 3
+    assert lines["lingering"]["status"] == "failed"
+    assert "was last written before the command started" in lines["lingering"]["error"]
+    assert lines["gone"]["status"] == "failed"
+    assert "has no x (scores.nope)" in lines["gone"]["error"]
 
 
+@pytest.mark.e2e
 def test_a_harness_interpreter_that_does_not_exist_stops_the_start_with_exit_2(
     tmp_path: Path,
 ) -> None:

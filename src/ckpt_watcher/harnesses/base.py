@@ -26,6 +26,7 @@ class Context:
     limit: float | None
     url: str = ""  # the loopback endpoint (served harnesses)
     model: str = ""
+    started: float = 0.0  # when the harness's process started (time.time())
 
 
 @dataclass

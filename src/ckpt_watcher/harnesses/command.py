@@ -9,6 +9,7 @@ per-sample JSON-lines file, where it names one, is kept for `watcher samples`.
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,32 @@ def dotted(data: Any, path: str) -> Any:
     return node
 
 
+# a file's time as the filesystem keeps it may trail the clock by its time granularity
+MTIME_SLACK_SECONDS = 2.0
+
+
+def written(name: str, ctx: Context, what: str) -> Path:
+    """The file the command wrote under `name`: a relative name is in the folder it ran in
+    (its output folder), and a file older than its start is left from something else."""
+    path = Path(name)
+    if not path.is_absolute():
+        path = ctx.output_dir / path
+    try:
+        mtime = path.stat().st_mtime
+    except FileNotFoundError:
+        raise EvalError(
+            f"{ctx.spec['argv'][0]} exited 0 but wrote no {what} {path} (a relative path is "
+            "read in the folder the command runs in, {output_dir})"
+        ) from None
+    if mtime < ctx.started - MTIME_SLACK_SECONDS:
+        raise EvalError(
+            f"{what} {path} was last written before the command started (at "
+            f"{datetime.fromtimestamp(mtime, UTC):%Y-%m-%d %H:%M:%S} UTC): it is not this "
+            "checkpoint's; write it under {output_dir}, or remove it before each run"
+        )
+    return path
+
+
 class CommandHarness:
     def served(self, spec: dict[str, Any]) -> bool:
         return bool(spec.get("serve"))
@@ -62,13 +89,9 @@ class CommandHarness:
                 f"{ctx.spec['argv'][0]} exited with status {returncode}; its output ends:\n"
                 + log_tail(ctx)
             )
-        path = Path(fill(ctx.spec["results"]["file"], ctx))
+        path = written(fill(ctx.spec["results"]["file"], ctx), ctx, "results file")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise EvalError(
-                f"{ctx.spec['argv'][0]} exited 0 but wrote no results file {path}"
-            ) from None
         except ValueError as e:
             raise EvalError(f"results file {path} is not JSON: {e}") from None
         metrics: dict[str, Any] = {}
@@ -99,9 +122,7 @@ def _records(ctx: Context) -> list[dict[str, Any]]:
     """The command's per-sample file, as the watcher's sample records (its own fields kept)."""
     if not ctx.spec.get("samples"):
         return []
-    path = Path(fill(ctx.spec["samples"], ctx))
-    if not path.exists():
-        raise EvalError(f"samples file {path} was not written")
+    path = written(fill(ctx.spec["samples"], ctx), ctx, "samples file")
     records = []
     for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
         if not line.strip():

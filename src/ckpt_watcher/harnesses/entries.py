@@ -151,7 +151,8 @@ class CommandTask(_Entry):
     results: CommandResults
     """Where the command leaves its metrics."""
     samples: str | None = None
-    """An optional per-sample JSON-lines file (placeholders allowed), kept for `watcher samples`."""
+    """An optional per-sample JSON-lines file (placeholders allowed; a relative path is in the
+    folder the command runs in), kept for `watcher samples`."""
     version: str = ""
     """Your harness's version, part of the settings hash: change it to re-evaluate."""
 
@@ -179,7 +180,9 @@ class CommandResults(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     file: str = Field(min_length=1)
-    """The results file (JSON), placeholders allowed: `{output_dir}/results.json`."""
+    """The results file (JSON), placeholders allowed: `{output_dir}/results.json`. A relative
+    path is read in the folder the command runs in (`{output_dir}`); a file last written before
+    the command started is refused (it is not this checkpoint's)."""
     metrics: dict[str, str] = Field(min_length=1)
     """Metric name -> dotted path in that file (`scores.f1`, `results.0.acc`)."""
 

@@ -159,6 +159,7 @@ def _run(
     """The harness's process to its end; its exit status."""
     argv = h.argv(ctx)
     env = h.environ(ctx, interp.environment(ctx.spec))
+    ctx.started = time.time()
     logfile = ctx.output_dir / LOG_NAME
     log.info("harness.started", argv=argv, output_dir=str(ctx.output_dir), device=ctx.device)
     with open(logfile, "ab") as sink:
