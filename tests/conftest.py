@@ -145,19 +145,33 @@ def shared_once(
     return folder, json.loads(done.read_text())
 
 
-@pytest.fixture(scope="session")
-def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real tiny Llama trained for 300 steps (about 15 s, once per run), saved with the naming
-    bug. It has 2 attention heads of size 64, a shape vLLM's CPU attention serves (the demo's
-    has 16 of 8). Read-only: `copy_checkpoint` gives a copy of your own."""
+def _trained(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """One real tiny Llama run of 300 steps (about 15 s, once per test run), saved every 100
+    steps with the naming bug. It has 2 attention heads of size 64, a shape vLLM's CPU
+    attention serves (the demo's has 16 of 8)."""
     from ckpt_watcher.demo.tiny import VLLM_HEADS
     from ckpt_watcher.demo.train import train
 
-    def build(out: Path) -> str:
-        (path,) = train(out, run="fixture", steps=300, save_every=300, heads=VLLM_HEADS)
-        return str(path)
+    def build(out: Path) -> list[str]:
+        return [
+            str(p) for p in train(out, run="fixture", steps=300, save_every=100, heads=VLLM_HEADS)
+        ]
 
-    return Path(shared_once(tmp_path_factory, "trained", build)[1])
+    return [Path(p) for p in shared_once(tmp_path_factory, "trained", build)[1]]
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run's last checkpoint (step 300). Read-only: `copy_checkpoint` gives a copy of your
+    own."""
+    return _trained(tmp_path_factory)[-1]
+
+
+@pytest.fixture(scope="session")
+def early_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same run at step 100: other greedy answers than step 300's (0 of the first four
+    sums right against 1). Read-only."""
+    return _trained(tmp_path_factory)[0]
 
 
 def derived_checkpoints(

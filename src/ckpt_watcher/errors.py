@@ -78,5 +78,10 @@ class StagingError(WatcherError):
     """A checkpoint could not be staged safely (bad key, or a file that does not verify)."""
 
 
+class ServerLost(EvalError):
+    """The model server of a served harness died, or stopped making progress, mid-run: the
+    attempt fails, and the next one starts a new server and resumes from the journal."""
+
+
 class SwapError(EvalError):
     """A checkpoint's weights could not be swapped into a warm engine; the job loads cold."""

@@ -12,13 +12,20 @@ front of it; the harness is given the proxy's URL. For each completion request t
 - journals the answer, keyed by the checkpoint's fingerprint and settings (the task's journal
   folder), the request body and its occurrence index; after a kill or a yield the harness's
   rerun is answered from the journal up to where it stopped (`resumed`), so its metrics are
-  those of an uninterrupted run.
+  those of an uninterrupted run;
+- forwards only what a harness needs (`ROUTES`: completions, chat completions, the model list,
+  tokenize, health): never the server's development routes, which swap weights.
+
+While the harness runs, `check()` watches the server: one that died, or that made no progress
+(no answer, no token counted in its /metrics) for `stall_seconds` while requests wait, is
+killed and the entry fails with `ServerLost`, which heals: the next attempt starts a new
+server and resumes from the journal, as a dead engine under lm-eval does. A harness that saw
+the server fail (the proxy answered it 502) never files its result either.
 """
 
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import os
 import socket
@@ -32,14 +39,24 @@ from typing import Any
 
 import structlog
 
-from ckpt_watcher.harnesses.server import HOST, MODEL_NAME, Servers
+from ckpt_watcher.errors import ServerLost
+from ckpt_watcher.harnesses.server import MODEL_NAME, Servers, request
 from ckpt_watcher.journal import JournalRef
 
 log = structlog.get_logger("ckpt_watcher.harnesses.endpoint")
 
+HOST = "127.0.0.1"
 JOURNAL_PREFIX = "endpoint-"
 FSYNC_EVERY_SECONDS = 1.0
 COMPLETIONS = ("/v1/chat/completions", "/v1/completions")
+# what the proxy forwards: a harness's routes, never the server's others (/collective_rpc)
+ROUTES = frozenset(
+    {("POST", p) for p in (*COMPLETIONS, "/tokenize")} | {("GET", "/v1/models"), ("GET", "/health")}
+)
+STALL_SECONDS = 600.0  # a served entry's default `stall_seconds`
+METRICS_TIMEOUT_SECONDS = 5.0
+# vLLM's counters of tokens it has computed: any change is progress
+TOKEN_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 
 
 class EndpointJournal:
@@ -99,21 +116,35 @@ class EndpointJournal:
 
 
 class Endpoint:
-    """A served checkpoint behind the journaling, clamping proxy."""
+    """A served checkpoint behind the journaling, clamping proxy, watched while it serves."""
 
     def __init__(
-        self, upstream_port: int, journal: EndpointJournal, seed: int, max_len: int | None
+        self,
+        servers: Servers,
+        journal: EndpointJournal,
+        seed: int,
+        max_len: int | None,
+        stall_seconds: float = STALL_SECONDS,
+        upstream_timeout: float | None = None,
     ):
-        self.upstream_port = upstream_port
+        self.servers = servers
+        self.socket = servers.socket
         self.journal = journal
         self.seed = seed
         self.max_len = max_len
+        self.stall_seconds = stall_seconds
+        # a backstop only: a request may rightly take long; a stalled server is found by check()
+        self.upstream_timeout = upstream_timeout
         self.model = MODEL_NAME
         self.engine = "cold"  # how the server came to serve the checkpoint (Servers.start)
         self.ready_seconds = 0.0
         self.resumed = 0
         self.computed = 0
         self.clamped = 0
+        self.upstream_errors: list[str] = []  # requests the server could not be reached for
+        self._in_flight = 0
+        self._progress_at = time.monotonic()
+        self._tokens: float | None = None
         self._seen: dict[str, int] = {}
         self._lock = threading.Lock()
         self.url = ""
@@ -131,14 +162,79 @@ class Endpoint:
     def upstream(
         self, method: str, path: str, body: bytes | None, headers: dict[str, str]
     ) -> tuple[int, str, bytes]:
-        conn = http.client.HTTPConnection(HOST, self.upstream_port, timeout=None)
+        with self._lock:
+            self._in_flight += 1
         try:
-            conn.request(method, path, body=body, headers=headers)
-            r = conn.getresponse()
-            return r.status, r.getheader("Content-Type") or "application/json", r.read()
+            answer = request(self.socket, method, path, body, headers, self.upstream_timeout)
+        except OSError as e:
+            with self._lock:
+                self.upstream_errors.append(f"{method} {path}: {e}")
+            raise
         finally:
-            conn.close()
+            with self._lock:
+                self._in_flight -= 1
+                self._progress_at = time.monotonic()
+        return answer
 
+    # --- the server's health, while the harness runs -------------------------------------------
+    def check(self) -> None:
+        """Raise ServerLost when the server died, or made no progress for `stall_seconds`
+        while requests waited (then it is killed first). Called about once a second."""
+        died = self.servers.died()
+        if died is not None:
+            raise ServerLost(
+                f"{died} while serving {self.answered()} answers in; the attempt is retried on "
+                "a new server, resuming from the journal"
+            )
+        now = time.monotonic()
+        with self._lock:
+            waiting, since = self._in_flight, self._progress_at
+        if not waiting:
+            return
+        tokens = self._token_count() if now - since >= min(10.0, self.stall_seconds / 3) else None
+        if tokens is not None and tokens != self._tokens:
+            self._tokens = tokens
+            with self._lock:
+                self._progress_at = now
+            return
+        if now - since >= self.stall_seconds:
+            self.servers.kill()
+            raise ServerLost(
+                f"the model server made no progress for {now - since:.0f} s with {waiting} "
+                f"request(s) waiting (stall_seconds {self.stall_seconds:g}): killed; the attempt "
+                "is retried on a new server, resuming from the journal"
+            )
+
+    def _token_count(self) -> float | None:
+        """The server's prompt and generated tokens so far (its /metrics); None when it does
+        not answer in time."""
+        try:
+            status, _, raw = request(
+                self.socket, "GET", "/metrics", None, {}, METRICS_TIMEOUT_SECONDS
+            )
+        except OSError:
+            return None
+        if status != 200:
+            return None
+        total = 0.0
+        for line in raw.decode(errors="replace").splitlines():
+            if line.startswith(TOKEN_COUNTERS):
+                with suppress(ValueError, IndexError):
+                    total += float(line.rsplit(None, 1)[1])
+        return total
+
+    def ended(self) -> None:
+        """After the harness's end: raise ServerLost where it saw the server fail (its answers
+        then hold errors of ours, not the model's)."""
+        self.check()
+        if self.upstream_errors:
+            raise ServerLost(
+                f"the model server could not be reached for {len(self.upstream_errors)} "
+                f"request(s) (the first: {self.upstream_errors[0]}); the attempt is retried, "
+                "resuming from the journal"
+            )
+
+    # --- requests ------------------------------------------------------------------------------
     def clamp(self, path: str, body: dict[str, Any]) -> str | None:
         """Lower the request's max_tokens to what the context leaves after its prompt; an
         error message where the prompt alone fills the context."""
@@ -176,7 +272,14 @@ class Endpoint:
     def handle(
         self, method: str, path: str, raw: bytes, headers: dict[str, str]
     ) -> tuple[int, str, bytes]:
-        if method != "POST" or path.split("?")[0] not in COMPLETIONS:
+        route = path.split("?")[0]
+        if (method, route) not in ROUTES:
+            return _error(
+                404,
+                f"{method} {route} is not served here; the watcher's endpoint serves "
+                + ", ".join(f"{m} {p}" for m, p in sorted(ROUTES)),
+            )
+        if method != "POST" or route not in COMPLETIONS:
             return self.upstream(method, path, raw or None, headers)
         try:
             body = json.loads(raw or b"{}")
@@ -192,8 +295,7 @@ class Endpoint:
         self.seeded(key, occurrence, body)
         problem = self.clamp(path, body)
         if problem is not None:
-            error = {"error": {"message": problem, "type": "BadRequestError", "code": 400}}
-            return 400, "application/json", json.dumps(error).encode()
+            return _error(400, problem)
         status, ctype, out = self.upstream(
             method, path, json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
@@ -216,15 +318,14 @@ class Endpoint:
                 try:
                     status, ctype, out = endpoint.handle(self.command, self.path, raw, headers)
                 except OSError as e:  # the server died or refused: the harness sees a 502
-                    status, ctype = 502, "application/json"
-                    out = json.dumps({"error": {"message": f"model server: {e}"}}).encode()
+                    status, ctype, out = _error(502, f"model server: {e}")
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(out)))
                 self.end_headers()
                 self.wfile.write(out)
 
-            do_GET = do_POST = do_DELETE = _serve
+            do_GET = do_POST = do_PUT = do_DELETE = _serve
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
@@ -240,18 +341,34 @@ class Endpoint:
             self._server.server_close()
 
 
+def _error(status: int, message: str) -> tuple[int, str, bytes]:
+    error = {"error": {"message": message, "type": "BadRequestError", "code": status}}
+    return status, "application/json", json.dumps(error).encode()
+
+
 @contextmanager
 def serve(
-    servers: Servers, spec: dict[str, Any], out: Path, ref: JournalRef | None
+    servers: Servers,
+    spec: dict[str, Any],
+    out: Path,
+    ref: JournalRef | None,
+    upstream_timeout: float | None = None,
 ) -> Iterator[Endpoint]:
     """The checkpoint served on the job's device (`servers`) behind a proxy of this entry's
     own (its journal, its counts), until the block ends."""
-    port, kind, seconds = servers.start(spec, out)
+    _, kind, seconds = servers.start(spec, out)
     req = servers.req
     assert req is not None
     journal = EndpointJournal(ref)
     max_len = req.model_args.get("max_model_len")
-    endpoint = Endpoint(port, journal, req.seed, max_len if isinstance(max_len, int) else None)
+    endpoint = Endpoint(
+        servers,
+        journal,
+        req.seed,
+        max_len if isinstance(max_len, int) else None,
+        float(spec.get("stall_seconds") or STALL_SECONDS),
+        upstream_timeout,
+    )
     endpoint.engine, endpoint.ready_seconds = kind, seconds
     try:
         endpoint.start_proxy()

@@ -23,7 +23,7 @@ HARNESSES = ("lm-eval", "olmes", "verifiers", "command")
 # the distribution each harness's version is read from, in its own interpreter
 DISTRIBUTIONS = {"olmes": "ai2-olmes", "verifiers": "verifiers"}
 # settings that say where and how long a harness runs, never what it scores
-UNSCORED_KEYS = frozenset({"venv", "python", "env", "timeout_seconds"})
+UNSCORED_KEYS = frozenset({"venv", "python", "env", "timeout_seconds", "stall_seconds"})
 PLACEHOLDERS = ("checkpoint", "device", "output_dir", "url", "model")
 
 
@@ -137,6 +137,9 @@ class VerifiersTask(_Entry):
     """Requests in flight at once (`--max-concurrent`); default: vf-eval's."""
     extra_args: list[str] = Field(default_factory=list)
     """More `vf-eval` arguments, as given (after the watcher's `@ file`, so they win)."""
+    stall_seconds: float = Field(600.0, gt=0)
+    """A model server that computes no token and answers nothing for this long while requests
+    wait is taken as hung: it is killed and the attempt retried, resuming from the journal."""
 
 
 class CommandTask(_Entry):
@@ -148,6 +151,10 @@ class CommandTask(_Entry):
     and `{model}` are replaced inside their own argument, never re-split."""
     serve: bool = False
     """Serve the checkpoint on loopback (vLLM's OpenAI server) for `{url}` and `{model}`."""
+    stall_seconds: float = Field(600.0, gt=0)
+    """With `serve`: a model server that computes no token and answers nothing for this long
+    while requests wait is taken as hung: it is killed and the attempt retried, resuming from
+    the journal."""
     results: CommandResults
     """Where the command leaves its metrics."""
     samples: str | None = None

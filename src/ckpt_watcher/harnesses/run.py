@@ -3,9 +3,10 @@
 The harness runs as a subprocess in its own interpreter (`interp.py`), in a folder of its own
 beside lm-eval's result files, with the worker's device variables (so it sees exactly the job's
 device), killed with the worker (PDEATHSIG) and at the entry's time-out. Where it talks to a
-model over HTTP (verifiers; a command with `serve: true`), the worker serves the checkpoint on
-loopback first (`endpoint.py`). Its scores come from the files it writes, never its exit status
-alone; they become one `TaskOutcome` (OLMES: one part per OLMES task), with per-sample records
+model over HTTP (verifiers; a command with `serve: true`), the worker serves the checkpoint
+first (`server.py`, behind the entry's loopback proxy, `endpoint.py`); a server that dies or
+hangs meanwhile ends the attempt with `ServerLost`, which is retried and resumes from the
+journal. Its scores come from the files it writes, never its exit status alone; they become one `TaskOutcome` (OLMES: one part per OLMES task), with per-sample records
 in the watcher's own samples format for `watcher samples`.
 """
 
@@ -21,12 +22,13 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from ckpt_watcher.errors import CheckpointChanged, EvalError
+from ckpt_watcher.errors import CheckpointChanged, EvalError, ServerLost
 from ckpt_watcher.evaluators.failures import classify
 from ckpt_watcher.evaluators.harness import safe_filename, write_samples
 from ckpt_watcher.harnesses import interp, reaper
 from ckpt_watcher.harnesses.base import LOG_NAME, Context, Harness
 from ckpt_watcher.harnesses.command import COMMAND
+from ckpt_watcher.harnesses.endpoint import serve
 from ckpt_watcher.harnesses.olmes import OLMES
 from ckpt_watcher.harnesses.verifiers import VERIFIERS
 from ckpt_watcher.jobfolder import EvalRequest, Progress, TaskOutcome, TaskRun
@@ -87,19 +89,22 @@ def run_entry(
         req.limit,
     )
     began = time.time()
+    limit = spec.get("timeout_seconds") or timeout
     with ExitStack() as stack:
         endpoint = None
         try:
             if h.served(spec):
-                from ckpt_watcher.harnesses.endpoint import serve
-
-                endpoint = stack.enter_context(serve(servers, spec, out, t.journal))
+                endpoint = stack.enter_context(serve(servers, spec, out, t.journal, limit))
                 ctx.url, ctx.model = endpoint.url, endpoint.model
                 outcome.engine = endpoint.engine
                 outcome.engine_seconds = round(endpoint.ready_seconds, 3)
 
-            def report() -> None:
-                if on_progress is None or endpoint is None:
+            def watch() -> None:
+                """Once a second while the harness runs: the server's health, the progress."""
+                if endpoint is None:
+                    return
+                endpoint.check()
+                if on_progress is None:
                     return
                 total = h.total(spec) or 0
                 done = endpoint.answered()
@@ -115,12 +120,16 @@ def run_entry(
                     )
                 )
 
-            rc = _run(h, ctx, unchanged, report, spec.get("timeout_seconds") or timeout)
+            rc = _run(h, ctx, unchanged, watch, limit)
             unchanged()
+            if endpoint is not None:
+                endpoint.ended()
             parsed = h.read(ctx, rc)
         except Exception as e:
             if isinstance(e, CheckpointChanged):
                 raise
+            if isinstance(e, ServerLost):
+                servers.stop()  # what is left of it; the next attempt starts a new one
             failure = classify(e)
             log.warning("harness.failed", task=t.task, harness=t.harness, error=failure.error)
             outcome.error, outcome.heals = failure.error, failure.heals
@@ -153,10 +162,11 @@ def _run(
     h: Harness,
     ctx: Context,
     unchanged: Callable[[], None],
-    report: Callable[[], None],
+    watch: Callable[[], None],
     timeout: float | None,
 ) -> int:
-    """The harness's process to its end; its exit status."""
+    """The harness's process to its end; its exit status. `unchanged` and `watch` are called
+    about once a second while it runs: either raising ends it."""
     argv = h.argv(ctx)
     env = h.environ(ctx, interp.environment(ctx.spec))
     ctx.started = time.time()
@@ -184,7 +194,7 @@ def _run(
                     pass
                 if time.monotonic() - last >= 1.0:
                     unchanged()
-                    report()
+                    watch()
                     last = time.monotonic()
                 if deadline is not None and time.monotonic() > deadline:
                     raise EvalError(f"{argv[0]} ran past its {timeout:g}s time-out")

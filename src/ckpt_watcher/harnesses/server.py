@@ -14,6 +14,13 @@ never swapped here, through the same route (`ckpt_watcher_swap_permuted`, `_scra
 `_digest`); where it does not apply or fails, the first swap against a freshly started server,
 which then serves the job; and every `verify_every`-th swap so. A mismatch sends the signature
 cold for good; any error in a swap restarts the server: the job loses nothing.
+
+The server listens on a Unix socket in a folder of its own that only the worker's user can
+enter (`--uds`), never on a TCP port: vLLM binds it before its engine starts, so the readiness
+wait asks exactly our process (no other listener can take the path), and its development
+routes (`/collective_rpc`, which swaps weights) are out of reach of other local users. The
+harness never sees it either: it talks to the entry's proxy (`endpoint.py`), which forwards only
+the routes a harness needs.
 """
 
 from __future__ import annotations
@@ -21,10 +28,14 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +53,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("ckpt_watcher.harnesses.server")
 
-HOST = "127.0.0.1"
 MODEL_NAME = "checkpoint"
 READY_TIMEOUT_SECONDS = 900.0
 STOP_GRACE_SECONDS = 30.0
@@ -56,18 +66,45 @@ _SERVER_ARGS = tuple(
     )
 )
 _CHECKPOINT = "<checkpoint>"
+_SOCKET = "<socket>"
+MAX_SOCKET_PATH = 107  # a Unix socket's path, in bytes (sun_path less its NUL)
+SOCKET_NAME = "vllm.sock"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP to a server listening on a Unix socket (the model server's `--uds`)."""
+
+    def __init__(self, path: str, timeout: float | None = None) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def socket_folder() -> Path:
+    """A new folder only this user can enter (mkdtemp: 0700) for a server's socket: in the
+    worker's own temporary folder (scratch.py), else in /tmp where that path is too long."""
+    for where in (None, "/tmp"):
+        folder = Path(tempfile.mkdtemp(prefix="srv-", dir=where))
+        if len(os.fsencode(folder / SOCKET_NAME)) <= MAX_SOCKET_PATH:
+            return folder
+        folder.rmdir()
+    raise EvalError("no folder short enough for the model server's Unix socket")
 
 
 def server_argv(
-    req: EvalRequest, spec: dict[str, Any], port: int, swappable: bool = False
+    req: EvalRequest, spec: dict[str, Any], sock: str = _SOCKET, swappable: bool = False
 ) -> list[str]:
-    """vLLM's OpenAI server for the checkpoint: loopback, TP=1, seeded, the eval's model args;
+    """vLLM's OpenAI server for the checkpoint: on the Unix socket `sock`, TP=1, seeded, the
+    eval's model args (a `false` one as vLLM's `--no-` flag, which overrides its default);
     `swappable`: with the worker extension that swaps weights in."""
     argv = [
         sys.executable,
@@ -77,10 +114,8 @@ def server_argv(
         req.checkpoint,
         "--served-model-name",
         MODEL_NAME,
-        "--host",
-        HOST,
-        "--port",
-        str(port),
+        "--uds",
+        sock,
         "--tensor-parallel-size",
         "1",
         "--seed",
@@ -89,10 +124,13 @@ def server_argv(
     ]
     for key in _SERVER_ARGS:
         value = req.model_args.get(key)
-        if value is None or value is False:
+        if value is None:
             continue
-        flag = "--" + key.replace("_", "-")
-        argv += [flag] if value is True else [flag, str(value)]
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            argv += [f"--{flag}", str(value)]
     if spec.get("chat_template"):
         argv += ["--chat-template", str(spec["chat_template"])]
     engine = {k: req.model_args[k] for k in _SERVER_ARGS if k in req.model_args}
@@ -113,22 +151,26 @@ def _server_env(req: EvalRequest, swappable: bool) -> dict[str, str]:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if env.get("CUDA_VISIBLE_DEVICES") == "":
             env["CUDA_VISIBLE_DEVICES"] = "-1"
-    if swappable:  # /collective_rpc and /reset_prefix_cache, on loopback only
+    if swappable:  # /collective_rpc and /reset_prefix_cache, on its private socket only
         env["VLLM_SERVER_DEV_MODE"] = "1"
     return env
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], port: int, logfile: Path, timeout: float) -> None:
+def _wait_ready(proc: subprocess.Popen[bytes], sock: str, logfile: Path, timeout: float) -> None:
+    """Until our server answers /health on its own socket; fails at once if it exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-15:])
             raise EvalError(f"the model server exited with status {proc.returncode}:\n{tail}")
-        with suppress(OSError):
-            conn = http.client.HTTPConnection(HOST, port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
+        with suppress(OSError, http.client.HTTPException):
+            conn = UnixHTTPConnection(sock, timeout=2)
+            try:
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            finally:
+                conn.close()
         time.sleep(0.5)
     raise EvalError(f"the model server did not answer within {timeout:g}s (see {logfile})")
 
@@ -140,46 +182,71 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     try:
         proc.wait(timeout=STOP_GRACE_SECONDS)
     except subprocess.TimeoutExpired:
+        _kill(proc)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """The server and all it started, at once (the reaper leads their process group): a hung
+    server (stopped, deadlocked) may never act on SIGTERM."""
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with suppress(ProcessLookupError):
         proc.kill()
-        proc.wait()
+    proc.wait()
 
 
-def _post(port: int, path: str, body: dict[str, Any], timeout: float) -> Any:
-    """POST `body` to the server; its JSON answer (None for an empty one)."""
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+def request(
+    sock: str,
+    method: str,
+    path: str,
+    body: bytes | None,
+    headers: dict[str, str],
+    timeout: float | None,
+) -> tuple[int, str, bytes]:
+    """One HTTP request to the server on `sock`: its status, content type and body."""
+    conn = UnixHTTPConnection(sock, timeout=timeout)
     try:
-        conn.request(
-            "POST",
-            path,
-            body=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
+        conn.request(method, path, body=body, headers=headers)
         r = conn.getresponse()
-        raw = r.read()
+        return r.status, r.getheader("Content-Type") or "application/json", r.read()
+    except http.client.HTTPException as e:  # cut off mid-answer: as a lost connection
+        raise ConnectionError(f"{type(e).__name__}: {e}") from e
     finally:
         conn.close()
-    if r.status != 200:
-        raise SwapError(f"POST {path}: HTTP {r.status}: {raw[:300].decode(errors='replace')}")
+
+
+def _post(sock: str, path: str, body: dict[str, Any], timeout: float) -> Any:
+    """POST `body` to the server; its JSON answer (None for an empty one)."""
+    status, _, raw = request(
+        sock,
+        "POST",
+        path,
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+        timeout,
+    )
+    if status != 200:
+        raise SwapError(f"POST {path}: HTTP {status}: {raw[:300].decode(errors='replace')}")
     return json.loads(raw) if raw.strip() else None
 
 
-def swap(port: int, checkpoint: str) -> None:
+def swap(sock: str, checkpoint: str) -> None:
     """`checkpoint`'s weights into the running server, then its prefix cache dropped (the old
     weights' KV blocks)."""
     rpc = {"method": "ckpt_watcher_swap", "args": [checkpoint]}
-    _post(port, "/collective_rpc", rpc, SWAP_TIMEOUT_SECONDS)
-    _post(port, "/reset_prefix_cache", {}, 60)
+    _post(sock, "/collective_rpc", rpc, SWAP_TIMEOUT_SECONDS)
+    _post(sock, "/reset_prefix_cache", {}, 60)
 
 
-def _eager_ranks(port: int, on: bool) -> None:
+def _eager_ranks(sock: str, on: bool) -> None:
     """The sampled tokens' ranks uncompiled while probing, as in process
     (`vllm_internals.probe`); a server without the extension (not swappable) compiles them."""
     rpc = {"method": "ckpt_watcher_eager_ranks", "args": ["1" if on else ""]}
     with suppress(SwapError):
-        _post(port, "/collective_rpc", rpc, 60)
+        _post(sock, "/collective_rpc", rpc, 60)
 
 
-def probe(port: int) -> Probe:
+def probe(sock: str) -> Probe:
     """Greedy tokens and their logprobs for each probe text, from the server (as
     `keeper.probe` asks an in-process engine)."""
     from ckpt_watcher.evaluators.keeper import PROBE_TEXTS, PROBE_TOKENS
@@ -187,7 +254,7 @@ def probe(port: int) -> Probe:
     prompts = []
     for text in PROBE_TEXTS:
         tok = _post(
-            port,
+            sock,
             "/tokenize",
             {"model": MODEL_NAME, "prompt": text, "add_special_tokens": False},
             60,
@@ -195,10 +262,10 @@ def probe(port: int) -> Probe:
         room = max(1, int(tok.get("max_model_len") or 1 << 30) - PROBE_TOKENS)
         if tok["tokens"]:
             prompts.append(tok["tokens"][:room])
-    _eager_ranks(port, True)
+    _eager_ranks(sock, True)
     try:
         out = _post(
-            port,
+            sock,
             "/v1/completions",
             {
                 "model": MODEL_NAME,
@@ -212,7 +279,7 @@ def probe(port: int) -> Probe:
             SWAP_TIMEOUT_SECONDS,
         )
     finally:
-        _eager_ranks(port, False)
+        _eager_ranks(sock, False)
     result = []
     for choice in sorted(out["choices"], key=lambda c: c["index"]):
         lp = choice["logprobs"]
@@ -227,10 +294,18 @@ class Servers:
     each next checkpoint's weights swapped in where its signature allows. `keeper` keeps the
     swap counts, the signatures gone cold for good and the events (`engine.json`)."""
 
-    def __init__(self, keeper: EngineKeeper | None = None) -> None:
+    def __init__(
+        self,
+        keeper: EngineKeeper | None = None,
+        argv_of: Callable[[EvalRequest, dict[str, Any], str, bool], list[str]] | None = None,
+    ) -> None:
+        """`argv_of(req, spec, socket, swappable)`: the server's command line (default
+        `server_argv`; tests start a stand-in)."""
         self.keeper = keeper
+        self.argv_of = argv_of or server_argv
         self.req: EvalRequest | None = None
-        self.port = 0
+        self.socket = ""  # the running server's Unix socket
+        self._folder: Path | None = None  # the socket's own folder
         self._proc: subprocess.Popen[bytes] | None = None
         self._shape: list[str] = []  # its argv, the checkpoint's path left out
         self._signature: str | None = None
@@ -245,29 +320,46 @@ class Servers:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self, spec: dict[str, Any], out: Path) -> tuple[int, str, float]:
-        """The server this entry needs: its port, how it came to serve this checkpoint
+    def died(self) -> str | None:
+        """What happened to a server that was started and has ended without being stopped
+        (killed, out of memory, crashed); None while it runs or after `stop`."""
+        if self._proc is None or self._proc.poll() is None:
+            return None
+        rc = self._proc.returncode
+        signum = -rc if rc < 0 else rc - 128 if rc > 128 else 0  # the reaper passes it on
+        how = f"was killed by signal {signum}" if signum else f"exited with status {rc}"
+        return f"the model server (pid {self._proc.pid}, under its reaper) {how}"
+
+    def kill(self) -> None:
+        """End a server that stopped answering, at once, with all it started."""
+        if self._proc is not None:
+            _kill(self._proc)
+        self.stop()
+
+    def start(self, spec: dict[str, Any], out: Path) -> tuple[str, str, float]:
+        """The server this entry needs: its socket, how it came to serve this checkpoint
         ("cold": started, "warm": swapped in or already serving it) and the seconds that took
         (0 when the job's server was up already)."""
         req = self.req
         assert req is not None, "Servers.job(req) first"
         swappable = self.keeper is not None
         shape = [
-            _CHECKPOINT if a == req.checkpoint else a for a in server_argv(req, spec, 0, swappable)
+            _CHECKPOINT if a == req.checkpoint else a
+            for a in self.argv_of(req, spec, _SOCKET, swappable)
         ]
         same = self.alive() and shape == self._shape
         if same and self._this_job:
-            return self.port, "warm", 0.0
+            return self.socket, "warm", 0.0
         began = time.monotonic()
         signature = self._signature_of(req, shape)
         if same and self._swappable(signature):
             kind = self._swap(req, signature, out, began)
             if kind is not None:
-                return self.port, kind, time.monotonic() - began
+                return self.socket, kind, time.monotonic() - began
         self.stop()
         self._cold(req, out, shape, signature)
         self._quick_check(req, out, shape, signature)
-        return self.port, "cold", time.monotonic() - began
+        return self.socket, "cold", time.monotonic() - began
 
     def _quick_check(
         self, req: EvalRequest, out: Path, shape: list[str], signature: str | None
@@ -288,21 +380,21 @@ class Servers:
     def _reach(self, checkpoint: str, hidden: int) -> Reach:
         from ckpt_watcher.evaluators.keeper import Reach
 
-        port = self.port
+        sock = self.socket
 
         def rpc(method: str, *args: str) -> Any:
-            answer = _post(port, "/collective_rpc", {"method": method, "args": list(args)}, 600)
+            answer = _post(sock, "/collective_rpc", {"method": method, "args": list(args)}, 600)
             return answer["results"][0] if answer else None
 
         def swap_permuted() -> None:
             rpc("ckpt_watcher_swap_permuted", checkpoint, str(hidden))
-            _post(port, "/reset_prefix_cache", {}, 60)
+            _post(sock, "/reset_prefix_cache", {}, 60)
 
         return Reach(
-            probe=lambda: probe(port),
+            probe=lambda: probe(sock),
             digest=lambda: rpc("ckpt_watcher_digest"),
             scramble=lambda: rpc("ckpt_watcher_scramble"),
-            swap=lambda: swap(port, checkpoint),
+            swap=lambda: swap(sock, checkpoint),
             swap_permuted=swap_permuted,
         )
 
@@ -333,10 +425,10 @@ class Servers:
         assert keeper is not None and signature is not None  # _swappable said so
         n = keeper.swaps.get(signature, 0)
         try:
-            swap(self.port, req.checkpoint)
+            swap(self.socket, req.checkpoint)
             keeper.swaps[signature] = n + 1
             self._this_job = True
-            warm = probe(self.port) if keeper.fresh_check_due(signature, n) else None
+            warm = probe(self.socket) if keeper.fresh_check_due(signature, n) else None
         except Exception as e:  # any error in a swap: a fresh server, nothing lost
             keeper.event("server.swap_failed", error=f"{type(e).__name__}: {e}")
             return None
@@ -350,7 +442,7 @@ class Servers:
         self._cold(req, out, shape, signature)
         loaded = time.monotonic()
         seconds = {"swap_s": round(swapped - began, 3), "load_s": round(loaded - swapped, 3)}
-        keeper.judge("server", req, signature, warm, probe(self.port), seconds)
+        keeper.judge("server", req, signature, warm, probe(self.socket), seconds)
         return "cold"
 
     def _cold(
@@ -362,9 +454,10 @@ class Servers:
     ) -> None:
         """Start a server for `req`'s checkpoint with the arguments `shape` names."""
         swappable = self.keeper is not None
-        self.port = free_port()
-        argv = [req.checkpoint if a == _CHECKPOINT else a for a in shape]
-        argv[argv.index("--port") + 1] = str(self.port)
+        self._folder = socket_folder()
+        self.socket = str(self._folder / SOCKET_NAME)
+        fill = {_CHECKPOINT: req.checkpoint, _SOCKET: self.socket}
+        argv = [fill.get(a, a) for a in shape]
         logfile = out / "server.log"
         with open(logfile, "ab") as sink:
             self._proc = subprocess.Popen(
@@ -375,7 +468,7 @@ class Servers:
                 stderr=subprocess.STDOUT,
             )
         try:
-            _wait_ready(self._proc, self.port, logfile, READY_TIMEOUT_SECONDS)
+            _wait_ready(self._proc, self.socket, logfile, READY_TIMEOUT_SECONDS)
         except BaseException:
             self.stop()
             raise
@@ -385,4 +478,8 @@ class Servers:
         if self._proc is not None:
             _stop(self._proc)
             self._proc = None
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+        self.socket = ""
         self._signature, self._shape, self._this_job = None, [], False
