@@ -149,3 +149,27 @@ def test_a_journal_replays_sampled_answers_in_the_order_they_were_given(tmp_path
         other = complete(endpoint, temperature=0.7, prompt="7+8=")[1]["choices"][0]["text"]
         assert endpoint.resumed == 0
     assert other not in again
+
+
+@pytest.mark.vllm
+def test_every_model_arg_reaches_the_server_as_vllm_reads_it(tmp_path: Path) -> None:
+    """The server's command line, read by vLLM's own parser: a `false` overrides vLLM's
+    default (enable_prefix_caching is on by default; `false` was left off the command line)."""
+    pytest.importorskip("vllm")
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+    except ImportError:  # vLLM 0.32 moved it
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+
+    from ckpt_watcher.harnesses.server import server_argv
+
+    req = request(tmp_path)
+    req.model_args |= {"enable_prefix_caching": False, "enforce_eager": True, "dtype": "float32"}
+    argv = server_argv(req, {}, str(tmp_path / "s.sock"))
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
+    assert args.enable_prefix_caching is False
+    assert args.enforce_eager is True
+    assert (args.dtype, args.max_model_len, args.seed) == ("float32", 64, 42)
+    assert args.uds == str(tmp_path / "s.sock") and args.tensor_parallel_size == 1

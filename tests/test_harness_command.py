@@ -94,6 +94,27 @@ def test_a_placeholder_outside_the_list_is_refused_naming_those_it_has(tmp_path:
         parse_config(raw)
 
 
+def test_eval_limit_reaches_a_command_through_its_placeholder_or_is_refused(
+    tmp_path: Path,
+) -> None:
+    """eval.limit is part of every result's identity: a command must be given it."""
+    from ckpt_watcher.harnesses.base import Context
+    from ckpt_watcher.harnesses.command import fill
+
+    raw = config(tmp_path, tmp_path, tmp_path)
+    raw["eval"]["limit"] = 20
+    with pytest.raises(Exception, match=r"eval.limit is set, but command entry 'my_eval' is never"):
+        parse_config(raw)
+    raw["eval"]["tasks"][0]["argv"] += ["--limit", "{limit}"]
+    parse_config(raw)
+    del raw["eval"]["limit"]
+    with pytest.raises(Exception, match=r"uses \{limit\}, but eval.limit is not set"):
+        parse_config(raw)
+    for limit, text in ((20.0, "20"), (0.25, "0.25")):
+        ctx = Context({}, "ckpt", tmp_path, "cpu-0", "cpu", 1, limit)
+        assert fill("--limit={limit}", ctx) == f"--limit={text}"
+
+
 @pytest.mark.e2e
 def test_each_checkpoint_is_evaluated_by_the_command_in_its_own_venv(
     tmp_path: Path, harness_venv: Path

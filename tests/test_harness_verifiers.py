@@ -163,6 +163,35 @@ def test_sampling_and_env_args_reach_vf_eval_as_written(tmp_path: Path) -> None:
     assert got["push"] is False and got["rich"] is None  # no upload, plain output
 
 
+def test_eval_limit_caps_the_examples_and_a_fraction_is_refused(tmp_path: Path) -> None:
+    """eval.limit reaches vf-eval as `-n` (at most the entry's num_examples); a fraction,
+    which vf-eval cannot take, stops the start."""
+    from ckpt_watcher.config import parse_config
+
+    def n_of(num_examples: int, limit: float | None) -> list[str]:
+        spec = {"env_id": "e", "num_examples": num_examples, "venv": VENV}
+        ctx = Context(spec, "ckpt", tmp_path, "cpu-0", "cpu", 1, limit, "http://h/v1", "m")
+        argv = VerifiersHarness().argv(ctx)
+        return argv[argv.index("-n") : argv.index("-n") + 2] if "-n" in argv else []
+
+    assert n_of(-1, 3.0) == ["-n", "3"]
+    assert n_of(5, 3.0) == ["-n", "3"]
+    assert n_of(2, 3.0) == ["-n", "2"]
+    assert n_of(-1, None) == []
+    raw = yaml_of(config(tmp_path, tmp_path))
+    raw["eval"]["limit"] = 0.5
+    with pytest.raises(
+        Exception, match=r"eval.limit 0.5 is a fraction, and verifiers entry 'sums'"
+    ):
+        parse_config(raw)
+
+
+def yaml_of(path: Path) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
 @pytest.mark.e2e
 def test_rewards_equal_traces_a_swapped_server_equals_a_fresh_one_and_kill_9s_resume(
     tmp_path: Path, checkpoints: list[Path]

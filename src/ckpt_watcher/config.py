@@ -428,6 +428,7 @@ class EvalConfig(_Model):
             seen.add((h.name, None))
             if isinstance(h, VerifiersTask):
                 self._check_context(h)
+            self._check_limit(h)
         for t in self.lm_eval_tasks:
             key = (t.name or t.task, t.num_fewshot)
             if key in seen:
@@ -465,6 +466,31 @@ class EvalConfig(_Model):
                 f"task entry {h.name!r}: sampling.max_tokens {asked} leaves no room for a prompt "
                 f"in eval.model_args.max_model_len {limit}; lower max_tokens or raise "
                 "max_model_len (each request is clamped to the context left after its prompt)"
+            )
+
+    def _check_limit(self, h: OlmesTask | VerifiersTask | CommandTask) -> None:
+        """`eval.limit` is part of every result's identity: refuse, at start, an entry it would
+        never reach (OLMES takes counts and fractions: olmes.olmes_limit)."""
+        limit = self.limit
+        if isinstance(h, VerifiersTask) and limit is not None and limit < 1:
+            raise ValueError(
+                f"eval.limit {limit:g} is a fraction, and verifiers entry {h.name!r} takes a "
+                "number of examples: set eval.limit to a count, or remove it and set the "
+                "entry's num_examples"
+            )
+        if not isinstance(h, CommandTask):
+            return
+        uses = "limit" in h.placeholders()
+        if limit is not None and not uses:
+            raise ValueError(
+                f"eval.limit is set, but command entry {h.name!r} is never given it: add "
+                "{limit} to its argv (your harness then evaluates that many examples, or "
+                "below 1 that fraction), or remove eval.limit"
+            )
+        if limit is None and uses:
+            raise ValueError(
+                f"command entry {h.name!r} uses {{limit}}, but eval.limit is not set; set it, "
+                "or remove {limit} from the entry"
             )
 
     def entries(self) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from ckpt_watcher.harnesses.base import Context, Parsed, log_tail
 def fill(template: str, ctx: Context) -> str:
     """A template with the placeholders replaced (str.format: `{{` is a brace)."""
     return template.format(
+        limit="" if ctx.limit is None else f"{ctx.limit:g}",
         checkpoint=ctx.checkpoint,
         device=ctx.device,
         output_dir=str(ctx.output_dir),
@@ -74,7 +75,7 @@ class CommandHarness:
     def served(self, spec: dict[str, Any]) -> bool:
         return bool(spec.get("serve"))
 
-    def total(self, spec: dict[str, Any]) -> int | None:
+    def total(self, ctx: Context) -> int | None:
         return None
 
     def argv(self, ctx: Context) -> list[str]:

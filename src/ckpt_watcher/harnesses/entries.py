@@ -24,7 +24,7 @@ HARNESSES = ("lm-eval", "olmes", "verifiers", "command")
 DISTRIBUTIONS = {"olmes": "ai2-olmes", "verifiers": "verifiers"}
 # settings that say where and how long a harness runs, never what it scores
 UNSCORED_KEYS = frozenset({"venv", "python", "env", "timeout_seconds", "stall_seconds"})
-PLACEHOLDERS = ("checkpoint", "device", "output_dir", "url", "model")
+PLACEHOLDERS = ("checkpoint", "device", "output_dir", "url", "model", "limit")
 
 
 class _Entry(BaseModel):
@@ -147,8 +147,9 @@ class CommandTask(_Entry):
 
     harness: Literal["command"]
     argv: list[str] = Field(min_length=1)
-    """The command, run without a shell; `{checkpoint}`, `{device}`, `{output_dir}`, `{url}`
-    and `{model}` are replaced inside their own argument, never re-split."""
+    """The command, run without a shell; `{checkpoint}`, `{device}`, `{output_dir}`, `{url}`,
+    `{model}` and `{limit}` (`eval.limit`: a count, or below 1 a fraction; required where
+    `eval.limit` is set) are replaced inside their own argument, never re-split."""
     serve: bool = False
     """Serve the checkpoint on loopback (vLLM's OpenAI server) for `{url}` and `{model}`."""
     stall_seconds: float = Field(600.0, gt=0)
@@ -162,6 +163,17 @@ class CommandTask(_Entry):
     folder the command runs in), kept for `watcher samples`."""
     version: str = ""
     """Your harness's version, part of the settings hash: change it to re-evaluate."""
+
+    def placeholders(self) -> set[str]:
+        """The placeholders its command line and file names use."""
+        import string
+
+        return {
+            field
+            for arg in [*self.argv, self.results.file, self.samples or ""]
+            for _, field, _, _ in string.Formatter().parse(arg)
+            if field is not None
+        }
 
     @model_validator(mode="after")
     def _placeholders(self) -> CommandTask:

@@ -111,7 +111,7 @@ class OlmesHarness:
     def served(self, spec: dict[str, Any]) -> bool:
         return False
 
-    def total(self, spec: dict[str, Any]) -> int | None:
+    def total(self, ctx: Context) -> int | None:
         return None
 
     def argv(self, ctx: Context) -> list[str]:

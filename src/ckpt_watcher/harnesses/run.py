@@ -106,7 +106,7 @@ def run_entry(
                 endpoint.check()
                 if on_progress is None:
                     return
-                total = h.total(spec) or 0
+                total = h.total(ctx) or 0
                 done = endpoint.answered()
                 on_progress(
                     Progress(

@@ -32,13 +32,22 @@ CONFIG_NAME = "vf-eval.json"  # see _config_file
 API_KEY_VAR = "CKPT_WATCHER_ENDPOINT_KEY"  # the loopback endpoint takes any key
 
 
+def examples(ctx: Context) -> int | None:
+    """The examples vf-eval is asked for: the entry's `num_examples`, at most `eval.limit`
+    (a count: config.py refuses a fraction for verifiers); None: all."""
+    n = int(ctx.spec.get("num_examples", -1))
+    if ctx.limit is not None:
+        n = int(ctx.limit) if n <= 0 else min(n, int(ctx.limit))
+    return n if n > 0 else None
+
+
 class VerifiersHarness:
     def served(self, spec: dict[str, Any]) -> bool:
         return True
 
-    def total(self, spec: dict[str, Any]) -> int | None:
-        n = int(spec.get("num_examples", -1))
-        return n * int(spec.get("rollouts", 1)) if n > 0 else None
+    def total(self, ctx: Context) -> int | None:
+        n = examples(ctx)
+        return n * int(ctx.spec.get("rollouts", 1)) if n is not None else None
 
     def argv(self, ctx: Context) -> list[str]:
         spec = ctx.spec
@@ -65,8 +74,9 @@ class VerifiersHarness:
             "@",
             str(self._config_file(ctx)),
         ]
-        if int(spec.get("num_examples", -1)) > 0:  # else all: vf-eval 0.4 refuses `-n -1`
-            argv += ["-n", str(spec["num_examples"])]
+        n = examples(ctx)
+        if n is not None:  # else all: vf-eval 0.4 refuses `-n -1`
+            argv += ["-n", str(n)]
         if spec.get("concurrency"):
             argv += ["--max-concurrent", str(spec["concurrency"])]
         return argv + list(spec.get("extra_args") or [])
