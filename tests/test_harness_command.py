@@ -46,6 +46,9 @@ def harness_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+SECRET = "sk-proj-0123456789abcdefABCDEF"
+
+
 def config(tmp: Path, watch: Path, harness_root: Path, **entry_over: object) -> dict:
     entry = {
         "harness": "command",
@@ -200,7 +203,13 @@ def test_a_result_is_only_what_the_command_wrote_in_this_run(
     }
     lingering = entry | {"name": "lingering", "results": entry["results"] | {"file": str(old)}}
     gone = entry | {"name": "gone", "results": entry["results"] | {"metrics": {"x": "scores.nope"}}}
-    base["eval"]["tasks"] = [relative, lingering, gone]
+    # a harness that prints its API key and fails: its log's tail is in the error
+    leaky = entry | {
+        "name": "leaky",
+        "argv": ["python", "-c", "import os; print('key', os.environ['OPENAI_API_KEY']); exit(1)"],
+        "env": {"OPENAI_API_KEY": SECRET, "MY_FLAG": "on"},
+    }
+    base["eval"]["tasks"] = [relative, lingering, gone, leaky]
     base["eval"]["max_attempts"] = 1
     cfg = write_config(tmp_path / "w.yaml", base)
     r = subprocess.run(
@@ -215,6 +224,18 @@ def test_a_result_is_only_what_the_command_wrote_in_this_run(
     assert "was last written before the command started" in lines["lingering"]["error"]
     assert lines["gone"]["status"] == "failed"
     assert "has no x (scores.nope)" in lines["gone"]["error"]
+    # the key reached the harness, and nothing the watcher wrote or prints holds it
+    assert "key <redacted>" in lines["leaky"]["error"], lines["leaky"]["error"]
+    ledgers = tmp_path / "ledgers"
+    resolved = (ledgers / "watcher-config.resolved.yaml").read_text()
+    assert "OPENAI_API_KEY: <redacted>" in resolved and "MY_FLAG: <redacted>" in resolved
+    written = [p.read_bytes() for p in ledgers.rglob("*") if p.is_file()]  # its log too
+    assert not [b for b in written if SECRET.encode() in b]
+    for command in ("status", "doctor"):
+        said = subprocess.run(
+            [*WATCHER, command, "-c", str(cfg)], capture_output=True, text=True, timeout=120
+        )
+        assert SECRET not in said.stdout + said.stderr, command
 
 
 @pytest.mark.e2e

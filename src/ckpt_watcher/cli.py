@@ -235,13 +235,15 @@ def status(config_path: Path, as_json: bool) -> None:
     engine whose jobs keep crashing; a ledger folder that cannot be written).
     """
     from ckpt_watcher import status as status_mod
+    from ckpt_watcher.redact import Redactor
 
     cfg = _load(config_path)
     try:
         data = status_mod.gather(cfg)
     except StateError as e:
         _fail(status_mod.EXIT_DOWN, str(e))
-    click.echo(json.dumps(data, indent=2) if as_json else status_mod.render(data))
+    shown = json.dumps(data, indent=2) if as_json else status_mod.render(data)
+    click.echo(Redactor.of(cfg)(shown))
     sys.exit(status_mod.exit_code(data))
 
 
@@ -703,10 +705,13 @@ def doctor(config_path: Path, overrides: tuple[str, ...]) -> None:
     Exit code 0 when every check passes, 1 otherwise.
     """
     from ckpt_watcher.doctor import run_checks
+    from ckpt_watcher.redact import Redactor
 
-    checks = run_checks(_load(config_path, overrides))
+    cfg = _load(config_path, overrides)
+    checks = run_checks(cfg)
+    redact = Redactor.of(cfg)
     for c in checks:
-        click.echo(c.line())
+        click.echo(redact(c.line()))
     sys.exit(0 if all(c.ok for c in checks) else 1)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 import yaml
 
-from ckpt_watcher import planner, scheduler
+from ckpt_watcher import planner, redact, scheduler
 from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.devices import (
     Inventory,
@@ -535,7 +535,7 @@ class Daemon:
         """The settings this daemon runs with, beside the ledgers (for the reader's record; a
         ledger folder that cannot be written now is the filing's business, not a reason to
         stop)."""
-        text = yaml.safe_dump(self.cfg.resolved(), sort_keys=False)
+        text = yaml.safe_dump(redact.resolved(self.cfg.resolved()), sort_keys=False)
         try:
             self.cfg.ledger_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(self.cfg.ledger_dir / "watcher-config.resolved.yaml", text)

@@ -29,6 +29,7 @@ from ckpt_watcher.config import task_settings_hash
 from ckpt_watcher.durable import fsync_dir
 from ckpt_watcher.errors import LedgerError
 from ckpt_watcher.jobfolder import TaskOutcome
+from ckpt_watcher.redact import Redactor
 from ckpt_watcher.timestamps import seconds_between
 
 SCHEMA = 1
@@ -206,7 +207,7 @@ def result_line(
             "devices": _devices(job.device_label, outcome.devices),
             "results_file": _run_relative(outcome.results_file, ledger_dir, job) if ok else None,
             "samples_file": _run_relative(outcome.samples_file, ledger_dir, job) if ok else None,
-            "error": error,
+            "error": Redactor.of(eval_cfg)(error) if error else error,
             "job_id": job.id,
             "settings_hash": task_settings_hash(job.settings_hash, entry),
             "run_path": job.run_path,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from ckpt_watcher import redact
 from ckpt_watcher.errors import CheckpointChanged, EvalError, ServerLost
 from ckpt_watcher.evaluators.failures import classify
 from ckpt_watcher.evaluators.harness import safe_filename, write_samples
@@ -32,6 +33,7 @@ from ckpt_watcher.harnesses.endpoint import serve
 from ckpt_watcher.harnesses.olmes import OLMES
 from ckpt_watcher.harnesses.verifiers import VERIFIERS
 from ckpt_watcher.jobfolder import EvalRequest, Progress, TaskOutcome, TaskRun
+from ckpt_watcher.redact import Redactor
 from ckpt_watcher.timestamps import utcnow
 
 if TYPE_CHECKING:
@@ -139,6 +141,9 @@ def run_entry(
             if endpoint is not None:
                 outcome.resumed = endpoint.resumed
                 outcome.clamped_requests = endpoint.clamped
+            # its log stays in the ledger folder: without the keys it was given (the model
+            # server never has them: only the harness's process gets the entry's env)
+            redact.in_file(out / LOG_NAME, Redactor.of({"tasks": [spec]}))
     outcome.finished_at = utcnow()
     outcome.metrics, outcome.n_samples, outcome.parts = (
         parsed.metrics,
