@@ -1,8 +1,8 @@
 """The daemon: its loop, signals, two-stage stop, heartbeat and systemd notify. Nothing else.
 
 Each pass: collect worker exits (jobs/supervise) -> apply finished scans and start due ones
-(discovery) -> plan (planner) -> time out, give GPUs back to other processes (jobs/supervise),
-dispatch (jobs/dispatch) -> heartbeat; then sleep until the next deadline or a wake-up
+(discovery) -> plan (planner) -> time out (jobs/supervise), give GPUs back to other processes
+(jobs/gpus), dispatch (jobs/dispatch) -> heartbeat; then sleep until the next deadline or a wake-up
 (inotify, a worker's exit, a scan's end, a signal). Nothing on this thread waits on the network:
 sources and the ledger mirror run their I/O on lanes of their own. The daemon never imports
 torch, vLLM or lm-eval: evals run in worker processes.
@@ -24,22 +24,16 @@ import yaml
 
 from ckpt_watcher import planner, redact, scheduler
 from ckpt_watcher.config import WatcherConfig
-from ckpt_watcher.devices import (
-    Inventory,
-    ZombieWatch,
-    build_inventory,
-    foreign_busy,
-    free_devices,
-)
+from ckpt_watcher.devices import Inventory, build_inventory
 from ckpt_watcher.discovery import Discovery
 from ckpt_watcher.durable import write_atomic
 from ckpt_watcher.errors import ConfigError, LedgerError, StateError
 from ckpt_watcher.executors import build_executor
 from ckpt_watcher.executors.base import Executor, ExitCallback
-from ckpt_watcher.executors.processes import process_groups
 from ckpt_watcher.jobs.book import JobBook
 from ckpt_watcher.jobs.dispatch import Dispatcher
 from ckpt_watcher.jobs.filing import Filing
+from ckpt_watcher.jobs.gpus import Gpus
 from ckpt_watcher.jobs.journals import Journals
 from ckpt_watcher.jobs.recovery import recover
 from ckpt_watcher.jobs.supervise import Supervisor
@@ -50,7 +44,7 @@ from ckpt_watcher.pins import Pins
 from ckpt_watcher.sinks import Sinks
 from ckpt_watcher.sinks.prometheus import DaemonMetrics
 from ckpt_watcher.sources import Source, build_sources
-from ckpt_watcher.state import HEARTBEAT_SECONDS, Job, State
+from ckpt_watcher.state import HEARTBEAT_SECONDS, State
 
 log = structlog.get_logger("ckpt_watcher.daemon")
 
@@ -158,10 +152,17 @@ class Daemon:
             # running time: monotonic, unless time itself is simulated (tests)
             monotonic=time.monotonic if clock is time.time else clock,
         )
-        self.zombies = ZombieWatch(cfg.devices.zombie_after_seconds)
+        self.gpus = Gpus(
+            cfg,
+            self.state,
+            self.inventory,
+            self.executor,
+            self.supervisor,
+            self.helpers,
+            self.metrics,
+        )
         self.notifier = Notifier()
         self._last_heartbeat = 0.0
-        self._next_give_back = 0.0
 
     # --- worker exits and signals arrive from other threads: they only queue, flag and wake ----
     def _on_worker_exit(self, job_id: str, rc: int) -> None:
@@ -281,7 +282,7 @@ class Daemon:
                 )
                 self.journals.tick(now)
                 self.supervisor.check_timeouts(now)
-                self._give_back(now)
+                self.gpus.give_back(now)
                 self._filing_steps(now, self._dispatch)
             first_pass = False
             self._heartbeat(now)
@@ -334,8 +335,9 @@ class Daemon:
             deadlines.append(retry)
         if self.stop_deadline is not None:
             deadlines.append(self.stop_deadline)
-        if self.cfg.devices.yield_to_others and self._on_gpus():
-            deadlines.append(self._next_give_back)
+        give_back = self.gpus.deadline()
+        if give_back is not None:
+            deadlines.append(give_back)
         return max(0.0, min(deadlines) - now)
 
     # --- planning and dispatch: decisions from pure modules, carried out here ------------------
@@ -386,61 +388,12 @@ class Daemon:
         )
 
     def _dispatch(self, now: float) -> None:
-        running = self.state.jobs("running")
-        free = free_devices(
-            self.inventory,
-            in_use=[j.device for j in running if j.device] + self.helpers.device_ids(),
-            our_pids=self._our_pids(running),
-            idle_memory_mib=self.cfg.devices.idle_memory_mib,
-        )
-        self.dispatcher.dispatch(now, free, may_start=self._may_start)
+        self.dispatcher.dispatch(now, self.gpus.free(), may_start=self._may_start)
 
     def _may_start(self, now: float) -> bool:
         """Jobs start once the ledger folder takes lines and the executor is ready (its
         worker starter's imports: a plain worker would spend that time on them too)."""
         return self.filing.can_start(now) and self.executor.ready_to_start()
-
-    def _on_gpus(self) -> bool:
-        """Some of our workers (jobs or helpers) run on a GPU."""
-        gpus = {d.id for d in self.inventory.devices() if d.kind == "cuda"}
-        if not gpus:
-            return False  # CPU slots only: spare the loop's pass a query of the state
-        used = {j.device for j in self.state.jobs("running")} | set(self.helpers.device_ids())
-        return bool(gpus & used)
-
-    def _give_back(self, now: float) -> None:
-        """devices.yield_to_others: a GPU of ours that another process starts using (training
-        wants it back) is given back within devices.yield_seconds: its job is stopped and
-        queued again, with no attempt spent, to resume from its journal on the next free
-        device; its helpers go. The device stays avoided while the other process holds it."""
-        if not self.cfg.devices.yield_to_others or now < self._next_give_back:
-            return
-        if not self._on_gpus():
-            return
-        self._next_give_back = now + self.cfg.devices.yield_seconds / 2
-        try:
-            processes = self.inventory.gpu_processes()
-        except Exception as e:  # NVML hiccup: look again next time
-            log.warning("devices.query_failed", error=str(e))
-            return
-        running = self.state.jobs("running")
-        busy = foreign_busy(processes, self._our_pids(running), self.cfg.devices.idle_memory_mib)
-        if not busy:
-            return
-        labels = {d.id: d.label for d in self.inventory.devices()}
-        for job_id in self.supervisor.give_back(busy, labels):
-            job = self.state.job(job_id)
-            if job is not None and job.device_label:
-                self.metrics.yielded.labels(device=job.device_label).inc()
-        self.helpers.give_back(busy)
-
-    def _our_pids(self, running: list[Job]) -> set[int]:
-        """Our workers, their engine processes, and the warm workers waiting for a job."""
-        leaders = {j.pid for j in running if j.pid} | self.executor.worker_pids()
-        leaders |= self.helpers.pids()
-        if not any(d.kind == "cuda" for d in self.inventory.devices()):
-            return leaders  # no GPU processes to tell apart: spare the loop a scan of /proc
-        return process_groups(leaders)
 
     # --- heartbeat -----------------------------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
@@ -448,7 +401,7 @@ class Daemon:
         if now - self._last_heartbeat >= HEARTBEAT_SECONDS:
             self._record_placements()
             self._update_metrics()
-            self._watch_zombies(now)
+            self.gpus.watch_zombies(now)
             if self.mirror is not None:
                 self.mirror.retry_due(now)
             unwritable = self.filing.summary(now)
@@ -486,42 +439,6 @@ class Daemon:
             if p is not None and p.total:
                 ratios[(job.id, p.task)] = p.done / p.total
         self.metrics.job_progress(ratios)
-
-    def _watch_zombies(self, now: float) -> None:
-        """Report processes not ours that sit on GPU memory at 0% utilisation; kill them only
-        if devices.reap_foreign_zombies is true."""
-        try:
-            processes = self.inventory.gpu_processes()
-        except Exception as e:  # NVML hiccup: try again next heartbeat
-            log.warning("devices.query_failed", error=str(e))
-            return
-        ours = self._our_pids(self.state.jobs("running"))
-        labels = {d.id: d.label for d in self.inventory.devices()}
-        suspects = self.zombies.observe(processes, ours, labels, now)
-        reap = self.cfg.devices.reap_foreign_zombies
-        for z in suspects:
-            if not z.new:
-                continue
-            log.warning(
-                "devices.zombie_suspected",
-                pid=z.pid,
-                device=z.device,
-                used_mib=z.used_mib,
-                idle_s=z.idle_s,
-                reaping=reap,
-            )
-            if reap:
-                try:
-                    os.kill(z.pid, signal.SIGKILL)
-                    log.warning("devices.zombie_reaped", pid=z.pid, device=z.device)
-                except (ProcessLookupError, PermissionError) as e:
-                    log.error("devices.zombie_reap_failed", pid=z.pid, error=str(e))
-        self.state.set_meta(
-            suspected_zombies=[
-                {"pid": z.pid, "device": z.device, "used_mib": z.used_mib, "idle_s": z.idle_s}
-                for z in suspects
-            ]
-        )
 
     def _status_line(self) -> str:
         counts = self.state.job_counts()

@@ -2,6 +2,7 @@
 
 - `dispatch.py`: queue the planner's jobs; start the next ones on free devices.
 - `supervise.py`: running jobs: workers' exits, time-outs, the stop's kills.
+- `gpus.py`: free devices, GPUs given back when training wants them, zombies.
 - `recovery.py`: at start, what an earlier daemon left behind.
 - `book.py`: how an attempt ends: ledger lines, requeue, failure, the checkpoint's mark.
 - `settle.py`: the pure verdicts on an attempt that ended (retry, fail, requeue, missed).
