@@ -264,7 +264,11 @@ def test_plot_draws_stderr_bars_the_baseline_and_an_accuracy_axis_from_0_to_1() 
     lines = [line(s, "a", {"acc,none": v, "acc_stderr,none": e}) for s, v, e in acc]
     fig, drawn = figure(lines, "r", {"a (0-shot) acc,none": 0.3}, "base")
     ax = fig.axes[0]
-    assert drawn == 1 and ax.get_ylim() == (0.0, 1.0)
+    low, high = ax.get_ylim()
+    assert drawn == 1 and low < 0 and 1 < high <= 1.1  # 0 to 1, and a marker at 1 drawn whole
+    assert [t for t in ax.get_yticks() if low <= t <= high] == pytest.approx(
+        [0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    )
     (bars,) = ax.containers  # one errorbar series: its points and its stderr
     data_line, _, (segments,) = bars.lines
     assert list(data_line.get_xdata()) == [100, 200] and list(data_line.get_ydata()) == [0.2, 0.5]
@@ -283,6 +287,16 @@ def test_plot_draws_stderr_bars_the_baseline_and_an_accuracy_axis_from_0_to_1() 
     assert first.get_marker() != second.get_marker()
     assert first.get_markersize() > second.get_markersize()  # the later one, on top, smaller
     assert not first.get_clip_on() and not second.get_clip_on()  # not cut in half at 0 and 1
+    # the legend stands clear of every point (the last, at the right edge at 1.0, too)
+    fig.canvas.draw()
+    box = fig.axes[0].get_legend().get_window_extent()
+    for points in (first, second):
+        for x, y in points.get_xydata():
+            px, py = fig.axes[0].transData.transform((x, y))
+            room = points.get_markersize() * fig.dpi / 72
+            assert not (box.x0 - room < px < box.x1 + room and box.y0 - room < py < box.y1 + room)
+    inside = fig.axes[0].get_window_extent()
+    assert box.x0 >= inside.x1 and box.x1 <= fig.bbox.x1  # beside the plot, within the figure
     plt.close(fig)
     # a metric beyond [0, 1] (perplexity, say) keeps matplotlib's own limits
     fig, _ = figure([line(100, "b", {"ppl,none": 12.0}), line(200, "b", {"ppl,none": 9.0})], "r")
@@ -510,7 +524,7 @@ def test_plot_stats_draws_response_lengths_by_step(tmp_path: Path) -> None:
     assert list(mean.get_xdata()) == [400, 500] and list(mean.get_ydata()) == [300.0, 600.0]
     assert list(by_label["gsm8k (8-shot) response_tokens.p90"].get_ydata()) == [450.0, 900.0]
     assert by_label["gsm8k (8-shot) length_capped_rate"] in share_ax.get_lines()
-    assert share_ax.get_ylim() == (0.0, 1.0) and tokens_ax.get_ylim()[0] == 0
+    assert share_ax.get_ylim() == (-0.05, 1.05) and tokens_ax.get_ylim()[0] == 0
     plt.close(fig)
 
 

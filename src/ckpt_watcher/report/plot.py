@@ -12,6 +12,10 @@ from ckpt_watcher.report.compare import Entry, curves, length_curves
 
 MARKERS = "osD^v<>ph"
 LINESTYLES = ("-", ":", "-.")  # "--" is the baseline's
+# an axis of shares (accuracy, pass@k): 0 to 1, with room beyond so a marker at 0 or 1 is
+# drawn whole inside the frame, not cut in half by it
+SHARE_LIMITS = (-0.05, 1.05)
+SHARE_TICKS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
 
 
 def plot_run(
@@ -60,15 +64,16 @@ def figure_of(
 ) -> tuple[Any, int]:
     """(the figure, how many series): one per entry and task/metric column (steps on x), its
     stderr (a group's sd across runs) as error bars. One run: a colour per metric. Several: a
-    colour per run, a marker and line style per metric. The y axis spans [0, 1] when every
-    value drawn lies in it (accuracies, pass@k)."""
+    colour per run, a marker and line style per metric. The y axis shows [0, 1] when every
+    value drawn lies in it (accuracies, pass@k), with room for a marker at either end; the
+    legend stands beside the plot, never over a point."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed, none touched
     import matplotlib.pyplot as plt
 
     one = len(entries) == 1
-    fig, ax = plt.subplots(figsize=(8, 4.5) if one else (10, 5.5), dpi=120)
+    fig, ax = plt.subplots(figsize=(9, 4.5) if one else (11, 5.5), dpi=120)
     drawn, values, based = 0, list[float](), set[str]()
     of_entry = [curves(e) for e in entries]
     order = list(dict.fromkeys(col for c in of_entry for col in c))
@@ -116,15 +121,26 @@ def figure_of(
                 label="skipped (backlog)" if one else f"{entry.name}: skipped (backlog)",
             )
     if values and all(0 <= v <= 1 for v in values):
-        ax.set_ylim(0, 1)
+        _shares(ax)
     ax.set_xlabel("step")
     ax.set_ylabel("metric")
     ax.set_title(f"{_title(entries)}: lm-eval metrics by step")
     ax.grid(True, alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8 if one else 7)
+    _legend(ax, 8 if one else 7)
     fig.tight_layout()
     return fig, drawn
+
+
+def _shares(ax: Any) -> None:
+    ax.set_ylim(*SHARE_LIMITS)
+    ax.set_yticks(SHARE_TICKS)
+
+
+def _legend(ax: Any, fontsize: int) -> None:
+    """The legend beside the plot, never over its points (the last step sits at the right
+    edge, often at 1.0, where a legend inside would land)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 
 
 def lengths_figure(entries: list[Entry]) -> tuple[Any, int]:
@@ -138,7 +154,7 @@ def lengths_figure(entries: list[Entry]) -> tuple[Any, int]:
     import matplotlib.pyplot as plt
 
     one = len(entries) == 1
-    fig, (tokens_ax, share_ax) = plt.subplots(2, 1, figsize=(8, 6.5), dpi=120, sharex=True)
+    fig, (tokens_ax, share_ax) = plt.subplots(2, 1, figsize=(9, 6.5), dpi=120, sharex=True)
     of_entry = [length_curves(e) for e in entries]
     order = list(dict.fromkeys(col for c in of_entry for col in c))
     drawn = 0
@@ -164,13 +180,12 @@ def lengths_figure(entries: list[Entry]) -> tuple[Any, int]:
     tokens_ax.set_ylim(bottom=0)
     tokens_ax.set_ylabel("tokens per response")
     share_ax.set_ylabel("share of responses")
-    share_ax.set_ylim(0, 1)
+    _shares(share_ax)
     share_ax.set_xlabel("step")
     tokens_ax.set_title(f"{_title(entries)}: response lengths")
     for ax in (tokens_ax, share_ax):
         ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+        _legend(ax, 7)
     fig.tight_layout()
     return fig, drawn
 
