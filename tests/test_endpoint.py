@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_watcher.errors import ServerLost
+from ckpt_watcher.errors import EvalError, ServerLost
 from ckpt_watcher.evaluators.failures import classify
 from ckpt_watcher.harnesses.endpoint import Endpoint, serve
 from ckpt_watcher.harnesses.server import Servers
@@ -116,6 +116,16 @@ def test_a_server_that_died_fails_the_entry_even_after_the_harness_ended(tmp_pat
         assert status == 502, said  # what the harness saw: it may still exit 0
         with pytest.raises(ServerLost, match=r"the model server .* was killed by signal 9"):
             endpoint.ended()
+
+
+def test_a_server_that_exits_while_starting_fails_at_once_saying_what_it_printed(
+    tmp_path: Path,
+) -> None:
+    began = time.monotonic()
+    with pytest.raises(EvalError, match=r"exited with status 3:\n.*the engine could not start"):
+        with served(tmp_path, "exit"):
+            pass
+    assert time.monotonic() - began < 10  # not the 900 s readiness wait
 
 
 def test_the_proxy_forwards_only_a_harness_routes_and_the_server_is_on_a_private_socket(

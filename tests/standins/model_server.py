@@ -8,7 +8,8 @@ those need of the real one, and nothing of a model. `python model_server.py SOCK
   counters (`vllm:generation_tokens_total`), in Prometheus' text format as vLLM does;
 - MODE `hang`: completions are never answered and the counters never move (a server whose
   engine is stuck); `slow`: each completion takes 4 s while the counters move every call (a
-  long generation making progress); `ok`: answered at once.
+  long generation making progress); `ok`: answered at once; `exit`: exits with status 3 before
+  it listens (a server that cannot start: no memory, a bad argument).
 
 Standard library only.
 """
@@ -86,6 +87,9 @@ class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
 
 
+if MODE == "exit":
+    print("the engine could not start", flush=True)
+    sys.exit(3)
 if os.path.exists(SOCKET):
     os.unlink(SOCKET)
 Server(SOCKET, Handler).serve_forever()

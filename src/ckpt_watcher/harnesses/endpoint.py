@@ -341,8 +341,12 @@ class Endpoint:
             self._server.server_close()
 
 
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 502: "BadGatewayError"}
+
+
 def _error(status: int, message: str) -> tuple[int, str, bytes]:
-    error = {"error": {"message": message, "type": "BadRequestError", "code": status}}
+    """An answer of the proxy's own, in the OpenAI server's error format."""
+    error = {"error": {"message": message, "type": ERROR_TYPES[status], "code": status}}
     return status, "application/json", json.dumps(error).encode()
 
 

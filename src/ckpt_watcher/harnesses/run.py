@@ -6,8 +6,9 @@ device), killed with the worker (PDEATHSIG) and at the entry's time-out. Where i
 model over HTTP (verifiers; a command with `serve: true`), the worker serves the checkpoint
 first (`server.py`, behind the entry's loopback proxy, `endpoint.py`); a server that dies or
 hangs meanwhile ends the attempt with `ServerLost`, which is retried and resumes from the
-journal. Its scores come from the files it writes, never its exit status alone; they become one `TaskOutcome` (OLMES: one part per OLMES task), with per-sample records
-in the watcher's own samples format for `watcher samples`.
+journal. Its scores come from the files it writes, never its exit status alone; they become
+one `TaskOutcome` (OLMES: one part per OLMES task), with per-sample records in the watcher's
+own samples format for `watcher samples`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from ckpt_watcher.harnesses.endpoint import serve
 from ckpt_watcher.harnesses.olmes import OLMES
 from ckpt_watcher.harnesses.verifiers import VERIFIERS
 from ckpt_watcher.jobfolder import EvalRequest, Progress, TaskOutcome, TaskRun
-from ckpt_watcher.redact import Redactor
 from ckpt_watcher.timestamps import utcnow
 
 if TYPE_CHECKING:
@@ -91,12 +91,12 @@ def run_entry(
         req.limit,
     )
     began = time.time()
-    limit = spec.get("timeout_seconds") or timeout
+    time_limit = spec.get("timeout_seconds") or timeout
     with ExitStack() as stack:
         endpoint = None
         try:
             if h.served(spec):
-                endpoint = stack.enter_context(serve(servers, spec, out, t.journal, limit))
+                endpoint = stack.enter_context(serve(servers, spec, out, t.journal, time_limit))
                 ctx.url, ctx.model = endpoint.url, endpoint.model
                 outcome.engine = endpoint.engine
                 outcome.engine_seconds = round(endpoint.ready_seconds, 3)
@@ -122,7 +122,7 @@ def run_entry(
                     )
                 )
 
-            rc = _run(h, ctx, unchanged, watch, limit)
+            rc = _run(h, ctx, unchanged, watch, time_limit)
             unchanged()
             if endpoint is not None:
                 endpoint.ended()
@@ -143,7 +143,7 @@ def run_entry(
                 outcome.clamped_requests = endpoint.clamped
             # its log stays in the ledger folder: without the keys it was given (the model
             # server never has them: only the harness's process gets the entry's env)
-            redact.in_file(out / LOG_NAME, Redactor.of({"tasks": [spec]}))
+            redact.in_file(out / LOG_NAME, redact.Redactor.of({"tasks": [spec]}))
     outcome.finished_at = utcnow()
     outcome.metrics, outcome.n_samples, outcome.parts = (
         parsed.metrics,
