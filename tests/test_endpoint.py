@@ -29,6 +29,7 @@ from ckpt_watcher.harnesses.endpoint import Endpoint, serve
 from ckpt_watcher.harnesses.server import Servers
 from ckpt_watcher.jobfolder import EvalRequest
 from ckpt_watcher.journal import JournalRef
+from ckpt_watcher.proctable import children
 
 from .helpers import gone
 
@@ -116,6 +117,20 @@ def test_a_server_that_died_fails_the_entry_even_after_the_harness_ended(tmp_pat
         assert status == 502, said  # what the harness saw: it may still exit 0
         with pytest.raises(ServerLost, match=r"the model server .* was killed by signal 9"):
             endpoint.ended()
+
+
+def test_a_reaper_killed_9_leaves_no_server_behind(tmp_path: Path) -> None:
+    """The OOM killer, or a user, may kill the server's reaper rather than the server: the
+    server is then no one's child, and must still go with the entry."""
+    with served(tmp_path, "ok") as endpoint:
+        reaper = endpoint.servers._proc  # type: ignore[union-attr]
+        (server,) = children(reaper.pid)
+        reaper.send_signal(signal.SIGKILL)
+        reaper.wait()
+        with pytest.raises(ServerLost, match="was killed by signal 9"):
+            endpoint.check()
+        endpoint.servers.stop()
+        assert gone(server)
 
 
 def test_a_server_that_exits_while_starting_fails_at_once_saying_what_it_printed(

@@ -176,18 +176,18 @@ def _wait_ready(proc: subprocess.Popen[bytes], sock: str, logfile: Path, timeout
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()  # the reaper stops the server, then ends what it left
-    try:
-        proc.wait(timeout=STOP_GRACE_SECONDS)
-    except subprocess.TimeoutExpired:
-        _kill(proc)
+    if proc.poll() is None:
+        proc.terminate()  # the reaper stops the server, then ends what it left
+        try:
+            proc.wait(timeout=STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+    _kill(proc)
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """The server and all it started, at once (the reaper leads their process group): a hung
-    server (stopped, deadlocked) may never act on SIGTERM."""
+    """The server and all it started, at once: its reaper's process group, which outlives the
+    reaper itself (a hung server may never act on SIGTERM; a reaper killed -9 ends nothing)."""
     with suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     with suppress(ProcessLookupError):
