@@ -113,7 +113,7 @@ RELIED_ON_ENV = (
     "VLLM_CPU_KVCACHE_SPACE",
     "VLLM_ENABLE_V1_MULTIPROCESSING",
     "VLLM_USE_AOT_COMPILE",  # off: compiled once per model shape (evaluators/compile_cache.py)
-    "VLLM_SERVER_DEV_MODE",  # on for a kept model server, on loopback (harnesses/server.py)
+    "VLLM_SERVER_DEV_MODE",  # on for a kept model server, on its private socket (harnesses/server.py)
 )
 
 
