@@ -169,7 +169,7 @@ def _names(tasks: list[dict[str, Any]]) -> list[str]:
     return names
 
 
-def task_file(out: Path, task: dict[str, Any], name: str) -> Path | None:
+def task_file(out: Path, task: dict[str, Any], kind: str) -> Path | None:
     """A task's own file in OLMES's output folder (`oe_eval.utils.task_file_name`: its index
     and its base task name, `task-001-gsm8k-metrics.json`); None for an aggregate of several
     tasks (`task_idx` null), which has none."""
@@ -177,7 +177,7 @@ def task_file(out: Path, task: dict[str, Any], name: str) -> Path | None:
     if idx is None:
         return None
     base = task.get("task_name") or (task.get("task_config") or {}).get("task_name")
-    return out / f"task-{int(idx):03d}-{base}-{name}"
+    return out / f"task-{int(idx):03d}-{base}-{kind}"
 
 
 def _part(out: Path, task: dict[str, Any], name: str) -> dict[str, Any]:
