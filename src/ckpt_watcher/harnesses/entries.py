@@ -164,34 +164,35 @@ class CommandTask(_Entry):
     version: str = ""
     """Your harness's version, part of the settings hash: change it to re-evaluate."""
 
-    def placeholders(self) -> set[str]:
-        """The placeholders its command line and file names use."""
+    def _fields(self) -> list[tuple[str, str]]:
+        """Each placeholder its command line and file names use, with the string it is in."""
         import string
 
-        return {
-            field
+        return [
+            (arg, field)
             for arg in [*self.argv, self.results.file, self.samples or ""]
             for _, field, _, _ in string.Formatter().parse(arg)
             if field is not None
-        }
+        ]
+
+    def placeholders(self) -> set[str]:
+        """The placeholders its command line and file names use."""
+        return {field for _, field in self._fields()}
 
     @model_validator(mode="after")
     def _placeholders(self) -> CommandTask:
-        import string
-
-        for arg in [*self.argv, self.results.file, self.samples or ""]:
-            for _, field, _, _ in string.Formatter().parse(arg):
-                if field is not None and field not in PLACEHOLDERS:
-                    raise ValueError(
-                        f"entry {self.name!r}: unknown placeholder {{{field}}} in {arg!r} "
-                        f"(it has: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}; "
-                        "write {{ and }} for braces)"
-                    )
-                if field in ("url", "model") and not self.serve:
-                    raise ValueError(
-                        f"entry {self.name!r}: {{{field}}} needs `serve: true` (a loopback "
-                        "server of the checkpoint)"
-                    )
+        for arg, field in self._fields():
+            if field not in PLACEHOLDERS:
+                raise ValueError(
+                    f"entry {self.name!r}: unknown placeholder {{{field}}} in {arg!r} "
+                    f"(it has: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}; "
+                    "write {{ and }} for braces)"
+                )
+            if field in ("url", "model") and not self.serve:
+                raise ValueError(
+                    f"entry {self.name!r}: {{{field}}} needs `serve: true` (a loopback "
+                    "server of the checkpoint)"
+                )
         return self
 
 

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from ckpt_watcher import scratch
 from ckpt_watcher.errors import EvalError, SwapError
 from ckpt_watcher.evaluators import compile_cache
 from ckpt_watcher.evaluators.harness import VLLM_ONLY_ARGS
@@ -67,7 +68,6 @@ _SERVER_ARGS = tuple(
 )
 _CHECKPOINT = "<checkpoint>"
 _SOCKET = "<socket>"
-MAX_SOCKET_PATH = 107  # a Unix socket's path, in bytes (sun_path less its NUL)
 SOCKET_NAME = "vllm.sock"
 
 
@@ -94,7 +94,7 @@ def socket_folder() -> Path:
     worker's own temporary folder (scratch.py), else in /tmp where that path is too long."""
     for where in (None, "/tmp"):
         folder = Path(tempfile.mkdtemp(prefix="srv-", dir=where))
-        if len(os.fsencode(folder / SOCKET_NAME)) <= MAX_SOCKET_PATH:
+        if len(os.fsencode(folder / SOCKET_NAME)) <= scratch.MAX_SOCKET_PATH:
             return folder
         folder.rmdir()
     raise EvalError("no folder short enough for the model server's Unix socket")
