@@ -36,6 +36,12 @@ class AdapterError(CheckpointError):
     cannot be merged into it."""
 
 
+class NativeFormatError(CheckpointError):
+    """A trainer's own checkpoint format (verl's FSDP shards, ...) that cannot be converted as
+    it is: a rank missing or cut short, shards that do not make the tensor they claim, content
+    that is not weights."""
+
+
 class CheckpointChanged(CheckpointError):
     """The files an eval reads are no longer those the checkpoint was judged ready (and
     fingerprinted) with: it must be judged again before anything reads it."""

@@ -33,28 +33,22 @@ import re
 from dataclasses import dataclass
 from fnmatch import fnmatch
 
+from ckpt_watcher import formats
 from ckpt_watcher.checkpoints import adapter
 from ckpt_watcher.checkpoints.files import (
     NOT_YET,
+    TOKENIZER_FILES,
     CheckpointFiles,
     eval_files,
     eval_mark,
     read_json,
 )
 from ckpt_watcher.checkpoints.namefix import plan_fix
-from ckpt_watcher.checkpoints.naming import verl_step_folder
 from ckpt_watcher.checkpoints.safetensors_header import read_header
 from ckpt_watcher.errors import HeaderUnreadable, NamingFixError
+from ckpt_watcher.formats import Problem
 
 MARKERS = (".checkpoint_complete", "STABLE", ".metadata")
-# Any one of these is a tokenizer that transformers can load (with tokenizer_config.json or not).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "vocab.json",
-    "vocab.txt",
-)
 # What the HF Trainer writes after the model and before `trainer_state.json`, its last file.
 TRAINER_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth")
 TRAINER_STATE = "trainer_state.json"
@@ -70,13 +64,15 @@ class Completeness:
 
     `write_mark` is the mark of the files it was judged on; `recheck_in`, when set, is how many
     seconds after this look the verdict may change with no further write (a settle or quiet
-    window ends there).
+    window ends there). `quiet_verdict`: what an incomplete verdict becomes once the files have
+    not changed for `stable_seconds` (a rank's file that never comes is a broken save).
     """
 
     state: str
     reason: str
     write_mark: str = ""
     recheck_in: float | None = None
+    quiet_verdict: str = ""
 
     @property
     def ready(self) -> bool:
@@ -109,6 +105,12 @@ def check(
         stable_seconds=stable_seconds,
         settle_seconds=settle_seconds,
     )
+    if problem is not None and problem.quiet_verdict:
+        if quiet is not None and quiet >= stable_seconds:
+            reason = f"{problem.reason}, and no write for {quiet:.0f}s: the save is not whole"
+            return Completeness(problem.quiet_verdict, reason, mark)
+        left = stable_seconds - (quiet or 0.0)
+        return Completeness(problem.state, problem.reason, mark, left)
     if problem is not None:
         return Completeness(problem.state, problem.reason, mark)
     if window <= 0 or (quiet is not None and quiet >= window):
@@ -134,6 +136,13 @@ def structure(
     """Whether everything an eval reads is there, whole: (the problem, or None; what proves it
     complete, for the ready verdict's reason; how long its files must then stay unchanged)."""
     names = files.files
+    native = formats.detect(names)
+    if native is not None:
+        said = native.structure(files, tokenizer_required)
+        if isinstance(said, Problem):
+            verdict = Completeness(said.state, said.reason, quiet_verdict=said.quiet_verdict)
+            return verdict, "", settle_seconds
+        return None, said, settle_seconds
     marker = next((m for m in MARKERS if m in names), None)
     shards = sorted(n for n in names if n.endswith(".safetensors"))
     window = settle_seconds
@@ -150,13 +159,7 @@ def structure(
         evidence = "no writes (no marker)"
         window = max(stable_seconds, settle_seconds)
     else:
-        reason = "no weight files yet"
-        if verl_step_folder(folder_name):
-            reason += (
-                " (verl saves a Hugging Face copy only with 'hf_model' in "
-                "actor_rollout_ref.actor.checkpoint.save_contents)"
-            )
-        return Completeness("incomplete", reason), "", window
+        return Completeness("incomplete", "no weight files yet"), "", window
     lora = adapter.is_adapter(names)
     if lora:  # merged into its base to be evaluated, with the base's tokenizer if it has none
         config = adapter.read_config(files)

@@ -9,6 +9,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
+from ckpt_watcher.checkpoints.layouts import native_layout
 from ckpt_watcher.errors import CheckpointChanged
 
 # What an eval reads of a checkpoint (besides its weights): staged from S3, and fingerprinted.
@@ -30,6 +31,14 @@ NEEDED = frozenset(
         "model.safetensors.index.json",
     }
 )
+# Any one of these is a tokenizer that transformers can load (with tokenizer_config.json or not).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -42,7 +51,9 @@ MARK_VERSION = "mark:2"
 class CheckpointFiles(Protocol):
     @property
     def files(self) -> dict[str, int]:
-        """Top-level file names -> sizes in bytes (listed once per view)."""
+        """Top-level file names -> sizes in bytes (listed once per view); for a trainer's
+        native format also the files of its config folder, as `<folder>/<name>`
+        (layouts.py)."""
         ...
 
     def read(self, name: str, start: int = 0, length: int | None = None) -> bytes:
@@ -74,12 +85,19 @@ class LocalFiles:
 
     @cached_property
     def files(self) -> dict[str, int]:
+        out = self._level(self.root, "")
+        layout = native_layout(out)
+        if layout is not None:
+            out.update(self._level(self.root / layout.meta, f"{layout.meta}/"))
+        return out
+
+    def _level(self, folder: Path, prefix: str) -> dict[str, int]:
         out: dict[str, int] = {}
         try:
-            entries = list(os.scandir(self.root))
+            entries = list(os.scandir(folder))
         except (FileNotFoundError, NotADirectoryError):
             return out
-        inside = self.root.resolve()
+        inside = folder.resolve()
         for e in entries:
             try:
                 if (
@@ -89,7 +107,7 @@ class LocalFiles:
                 ):
                     continue
                 if e.is_file():
-                    out[e.name] = e.stat().st_size
+                    out[prefix + e.name] = e.stat().st_size
             except OSError:
                 continue  # deleted while we looked
         return out
@@ -130,7 +148,7 @@ def eval_files(files: dict[str, int]) -> list[str] | None:
     named weights of, which only a quiet folder can vouch for."""
     names = needed_files(files)
     weights = [n for n in names if n.endswith((".safetensors", ".bin"))]
-    return names if weights else None
+    return names if weights or native_layout(files) is not None else None
 
 
 def eval_mark(view: CheckpointFiles) -> str:
@@ -171,7 +189,11 @@ def read_json(files: CheckpointFiles, name: str) -> dict | str:
 
 
 def needed_files(files: dict[str, int]) -> list[str]:
-    """The names an eval needs, out of a checkpoint's top-level files."""
+    """The names an eval needs, out of a checkpoint's files (a native format's: what its
+    conversion reads)."""
+    layout = native_layout(files)
+    if layout is not None:
+        return layout.needed(files)
     names = {n for n in files if n in NEEDED or n.endswith(".safetensors")}
     if not any(n.endswith(".safetensors") for n in names):
         names |= {

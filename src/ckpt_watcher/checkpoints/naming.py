@@ -27,12 +27,19 @@ _PARENT_STEP = re.compile(
 _SAFE_RUN = re.compile(rf"^{_RUN_RE}$")
 _VERL_STEP = re.compile(r"^global_step_\d{1,12}$")
 # verl saves step N as `global_step_{N}/`: its RL trainers put the policy's FSDP shards in
-# `actor/` and, with `hf_model` in `actor_rollout_ref.actor.checkpoint.save_contents`, a Hugging
-# Face copy in `actor/huggingface/` (its SFT trainer: `huggingface/` in the step's folder). That
-# copy is what an eval loads. Its keep-last-k (`max_actor_ckpt_to_keep`) deletes `actor/`.
+# `actor/` (SkyRL, which keeps verl's layout: `policy/`), with the config and tokenizer in
+# `actor/huggingface/`, and, with `hf_model` in `actor_rollout_ref.actor.checkpoint.save_contents`,
+# a Hugging Face copy of the weights there too (its SFT trainer: the shards and `huggingface/` in
+# the step's folder itself). An eval loads the copy where there is one, else the shards,
+# converted (formats/verl_fsdp.py). Its keep-last-k (`max_actor_ckpt_to_keep`) deletes `actor/`.
 # With LoRA (`actor_rollout_ref.model.lora_rank` > 0) it saves the adapter alone in
 # `actor/lora_adapter/` after the rest: that is the model where `huggingface/` has no weights.
-VERL_MODEL_FOLDERS = ("actor/huggingface", "huggingface", "actor/lora_adapter")
+VERL_ROLES = frozenset({"actor", "policy"})
+VERL_MODEL_FOLDERS = (
+    *(f"{role}/{sub}" for role in sorted(VERL_ROLES) for sub in ("huggingface", "lora_adapter")),
+    "huggingface",
+    *sorted(VERL_ROLES),
+)
 _VERL_HF_WEIGHTS = (  # what transformers' save_pretrained writes last: the whole model is there
     "model.safetensors",
     "model.safetensors.index.json",
@@ -127,30 +134,33 @@ def contents_decide(name: str) -> bool:
 
 def model_folder(name: str, holds: Callable[[str], bool]) -> str | None:
     """Where the model an eval loads is, under a checkpoint folder named `name`: "" (the folder
-    itself), or for verl's `global_step_{N}` layout the Hugging Face folder inside it
-    (`VERL_MODEL_FOLDERS`), decided by what the folder holds (`holds(relative path)`: a file or
-    folder there): `actor/huggingface`, unless it has no weights and a LoRA adapter is saved
-    beside it (`actor/lora_adapter`). None for a step folder with no model: a `global_step_{N}`
-    whose save has not begun, or whose `actor/` verl's keep-last-k deleted (it leaves the
-    folder, with `data.pt`, for good); DeepSpeed's engine states (`global_step{N}` without
-    `config.json`)."""
+    itself), or for verl's `global_step_{N}` layout one of `VERL_MODEL_FOLDERS`, decided by what
+    the folder holds (`holds(relative path)`: a file or folder there): `actor/huggingface` when
+    it has the weights, else `actor/lora_adapter` when a LoRA adapter is saved, else `actor`
+    (the FSDP shards, converted); SkyRL's `policy/` alike; verl's SFT layout: `huggingface` or
+    the step folder. None for a step folder with no model: a `global_step_{N}` whose save has
+    not begun, or whose `actor/` verl's keep-last-k deleted (it leaves the folder, with
+    `data.pt`, for good); DeepSpeed's engine states (`global_step{N}` without `config.json`)."""
     if not contents_decide(name) or holds("config.json"):
         return ""
     if not verl_step_folder(name):
         return None
-    hf, sft, lora = VERL_MODEL_FOLDERS
-    if holds("actor"):
-        if holds(f"{lora}/{ADAPTER_CONFIG}") and not verl_hf_weights(holds):
-            return lora
-        return hf
+    for role in sorted(VERL_ROLES):
+        if holds(role):
+            if verl_hf_weights(holds, role):
+                return f"{role}/huggingface"
+            if holds(f"{role}/lora_adapter/{ADAPTER_CONFIG}"):
+                return f"{role}/lora_adapter"
+            return role
     if holds("huggingface"):
-        return sft
+        return "huggingface" if verl_hf_weights(holds, "") else ""
     return None
 
 
-def verl_hf_weights(holds: Callable[[str], bool]) -> bool:
-    """Whether a verl step's `actor/huggingface/` has the model's weights (`hf_model` saved)."""
-    return any(holds(f"{VERL_MODEL_FOLDERS[0]}/{w}") for w in _VERL_HF_WEIGHTS)
+def verl_hf_weights(holds: Callable[[str], bool], role: str = "actor") -> bool:
+    """Whether a verl step's `<role>/huggingface/` has the model's weights (`hf_model` saved)."""
+    folder = f"{role}/huggingface" if role else "huggingface"
+    return any(holds(f"{folder}/{w}") for w in _VERL_HF_WEIGHTS)
 
 
 def checkpoint_folder(location: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ckpt_watcher.errors import AdapterError, TaskSetupError
+from ckpt_watcher.errors import AdapterError, NativeFormatError, TaskSetupError
 
 REQUEUE = "then `watcher requeue`"
 
@@ -64,6 +64,12 @@ CANNOT_HEAL: list[tuple[str, Callable[[BaseException, str], bool], str]] = [
         "adapter that cannot be merged into its base",
         lambda e, t: isinstance(e, AdapterError),
         f"as the error says; {REQUEUE}",
+    ),
+    (
+        "trainer's shards that do not make a model",
+        lambda e, t: isinstance(e, NativeFormatError),
+        "as the error says: the trainer's save is not whole or not what its files claim; once "
+        "it is saved again it is a new version of the checkpoint and is evaluated by itself",
     ),
     (
         "weights file truncated or corrupt",

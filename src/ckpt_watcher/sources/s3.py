@@ -18,12 +18,11 @@ from typing import Any
 
 from ckpt_watcher.checkpoints.fingerprint import Mode
 from ckpt_watcher.checkpoints.naming import (
-    VERL_MODEL_FOLDERS,
+    VERL_ROLES,
     contents_decide,
     looks_like_checkpoint_name,
     model_folder,
     parse_name,
-    verl_hf_weights,
 )
 from ckpt_watcher.jobfolder import Stage
 from ckpt_watcher.s3client import (
@@ -151,9 +150,9 @@ class S3Source:
         for subs, objects in list_level(self.client, self.retry, self.bucket, prefix):
             held.update(s[len(prefix) :].rstrip("/") for s in subs)
             held.update(o["Key"][len(prefix) :] for o in objects)
-        if "actor" in held:  # verl's RL layout: which of the actor's folders holds the model
+        for role in VERL_ROLES & held:  # verl's RL layout: which of the role's folders holds it
             for _, objects in list_level(
-                self.client, self.retry, self.bucket, f"{prefix}actor/", deep=True
+                self.client, self.retry, self.bucket, f"{prefix}{role}/", deep=True
             ):
                 for o in objects:
                     path = PurePosixPath(o["Key"][len(prefix) :])
@@ -161,8 +160,8 @@ class S3Source:
         sub = model_folder(name, held.__contains__)
         if sub is None:
             return None  # looked at again next scan: its upload may not have begun
-        if sub == VERL_MODEL_FOLDERS[0] and not verl_hf_weights(held.__contains__):
-            return f"{sub}/"  # not kept: a LoRA adapter may yet be saved beside it
+        if sub in VERL_ROLES:
+            return f"{sub}/"  # not kept: weights or a LoRA adapter may yet be saved beside them
         self._models[prefix] = f"{sub}/" if sub else ""
         return self._models[prefix]
 

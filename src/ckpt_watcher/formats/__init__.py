@@ -1,0 +1,58 @@
+"""Trainers' own checkpoint formats, which the worker converts into a Hugging Face folder before
+an eval reads it (worker/convert.py). Which files a format has is checkpoints/layouts.py (by
+names only); each format's module here reads them, as a `NativeFormat`:
+
+- `structure`: is everything there and whole, from listings and a few bytes per file
+  (checkpoints/completeness.py asks it first);
+- `convert`: the Hugging Face folder (config, tokenizer, safetensors), written tensor by tensor
+  from the shards, which are read without running any of their pickled code.
+
+Nothing here imports torch until a conversion runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from ckpt_watcher.checkpoints.layouts import native_layout
+
+if TYPE_CHECKING:
+    from ckpt_watcher.checkpoints.files import CheckpointFiles
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a native checkpoint is not ready: `incomplete` or `invalid`, and what an incomplete
+    one becomes if its files then stay unchanged (`quiet_verdict`: a rank that never comes)."""
+
+    state: str
+    reason: str
+    quiet_verdict: str = ""
+
+
+class NativeFormat(Protocol):
+    name: str  # layouts.py's, in status and the ledger (`source_format`)
+
+    def structure(self, files: CheckpointFiles, tokenizer_required: bool) -> Problem | str:
+        """The problem, or (all there and whole) what proves it complete."""
+        ...
+
+    def convert(
+        self, folder: Path, out: Path, dtype: str | None, progress: Callable[[int, int], None]
+    ) -> None:
+        """Write the Hugging Face folder of the checkpoint in `folder` into `out` (empty), in
+        `dtype` (a torch dtype name; None: as saved); `progress(bytes written, of bytes)`."""
+        ...
+
+
+def detect(names: Collection[str]) -> NativeFormat | None:
+    """The native format of a checkpoint whose files are `names`, if any."""
+    layout = native_layout(names)
+    if layout is None:
+        return None
+    from ckpt_watcher.formats import verl_fsdp
+
+    return {verl_fsdp.FORMAT.name: verl_fsdp.FORMAT}[layout.name]

@@ -1,0 +1,300 @@
+"""Read the tensors of a `torch.save` file without running its pickle's code, one tensor at a
+time: a restricted unpickler and the zip's stored members, never `torch.load`.
+
+A `torch.save` file is a zip: `<archive>/data.pkl` (the pickled object, whose tensors point at
+storages by key) and one stored (uncompressed) member `<archive>/data/<key>` per storage.
+`read_index` unpickles `data.pkl` with `Unpickler.find_class` limited to what a state dict of
+plain tensors and DTensors is made of; anything else (a function or class that could run code)
+is refused with its name. A tensor becomes a `LazyTensor` (its storage's key, offset, shape and
+stride); a DTensor becomes a `Sharded` (its local `LazyTensor`, its placements and the global
+shape its spec records). The device mesh is kept as an inert record and never read (its pickled
+form changed across torch versions). `LazyTensor.read` then reads just that tensor's bytes with
+one positioned read, so memory holds one tensor at a time, not the file.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from ckpt_watcher.errors import NativeFormatError
+
+EOCD = b"PK\x05\x06"  # a zip's end of central directory record: the last thing torch.save writes
+EOCD_SIZE = 22
+# the storage types torch.save names (its legacy typed storages) -> the dtype's name in torch
+_STORAGE_DTYPES = {
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+    "Float8_e4m3fnStorage": "float8_e4m3fn",
+    "Float8_e5m2Storage": "float8_e5m2",
+}
+_DTYPES = {
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
+    "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
+}  # fmt: skip
+# DTensor's own names, across torch versions
+_DTENSOR = {
+    ("torch.distributed.tensor", "DTensor"),
+    ("torch.distributed.tensor._api", "DTensor"),
+    ("torch.distributed._tensor", "DTensor"),
+    ("torch.distributed._tensor.api", "DTensor"),
+}
+
+
+def zip_whole(tail: bytes) -> bool:
+    """Whether the last `EOCD_SIZE` bytes of a file are a zip's end record: torch.save has
+    finished it (the record is written last, and torch writes no zip comment)."""
+    return len(tail) == EOCD_SIZE and tail.startswith(EOCD)
+
+
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor in a torch.save file, not yet read."""
+
+    path: Path
+    member: str  # the zip member holding its storage
+    dtype: str  # torch's name of its dtype
+    offset: int  # in elements, into its storage
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def read(self) -> Any:
+        """The tensor (a fresh CPU tensor of its own): one positioned read of its bytes."""
+        import torch
+
+        dtype = getattr(torch, self.dtype)
+        item = torch.empty((), dtype=dtype).element_size()
+        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
+        if self.numel == 0:
+            return torch.empty(self.shape, dtype=dtype)
+        buf = torch.empty(span, dtype=dtype)
+        with open(self.path, "rb") as f:
+            start = _member_data(f, self.member) + self.offset * item
+            f.seek(start)
+            got = f.readinto(cast(Any, buf.view(torch.uint8).numpy()))
+        if got != span * item:
+            raise NativeFormatError(
+                f"{self.path.name}: {self.member} ends after {got} of {span * item} bytes "
+                "(truncated file)"
+            )
+        contiguous = self.stride == _contiguous(self.shape)
+        out = buf.view(self.shape) if contiguous else buf.as_strided(self.shape, self.stride)
+        return out if contiguous else out.contiguous()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A DTensor placement as saved: `Shard` (with its dim), `Replicate`, or another kind."""
+
+    kind: str
+    dim: int | None = None
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """A DTensor as saved: this rank's piece, how it is placed, and the whole tensor's shape."""
+
+    local: LazyTensor
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+
+
+def read_index(path: Path) -> dict[str, Any]:
+    """The state dict saved in `path`: key -> `LazyTensor` or `Sharded` (other values as
+    saved: numbers, strings, None). Raises NativeFormatError for a file that is not a whole
+    torch.save zip of tensors."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+            pkl = next((n for n in names if n.endswith("/data.pkl")), None)
+            if pkl is None:
+                raise NativeFormatError(f"{path.name}: no data.pkl: not a torch.save file")
+            archive = pkl[: -len("data.pkl")]
+            order = (
+                zf.read(f"{archive}byteorder").decode()
+                if f"{archive}byteorder" in names
+                else "little"
+            )
+            if order.strip() != "little":
+                raise NativeFormatError(f"{path.name}: saved {order.strip()}-endian; not read")
+            raw = zf.read(pkl)
+    except (zipfile.BadZipFile, OSError, KeyError) as e:
+        raise NativeFormatError(f"{path.name}: not a whole torch.save file ({e})") from None
+    loaded = _Unpickler(io.BytesIO(raw), path, archive).load()
+    if not isinstance(loaded, dict):
+        raise NativeFormatError(f"{path.name}: holds a {type(loaded).__name__}, not a state dict")
+    return {str(k): v for k, v in loaded.items()}
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _member_data(f: Any, member: str) -> int:
+    """Where a stored zip member's bytes begin in the open file `f`."""
+    f.seek(0)
+    info = zipfile.ZipFile(f).getinfo(member)
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise NativeFormatError(f"{member}: compressed; torch.save stores its tensors")
+    f.seek(info.header_offset)
+    header = f.read(30)
+    if header[:4] != b"PK\x03\x04":
+        raise NativeFormatError(f"{member}: no zip entry where the directory says")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return int(info.header_offset) + 30 + name_len + extra_len
+
+
+class _Record:
+    """An inert stand-in for a distributed class in the pickle (DTensorSpec, DeviceMesh,
+    placements, TensorMeta...): it keeps what it was given and runs nothing."""
+
+    kind = ""
+    args: tuple[Any, ...]
+    state: dict[str, Any]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Record:  # pickle's NEWOBJ and REDUCE
+        made = super().__new__(cls)
+        made.args, made.state = args, {}
+        return made
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        self.state = state if isinstance(state, dict) else {"value": state}
+
+
+class _DTensorMark:
+    """What the pickle calls DTensor: a type only, never built."""
+
+
+def _record_class(name: str) -> type:
+    return type(name, (_Record,), {"kind": name})
+
+
+_STORAGE = collections.namedtuple("_STORAGE", "dtype")
+
+
+def _rebuild_tensor_v2(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> LazyTensor:
+    if not isinstance(storage, _StorageRef):
+        raise NativeFormatError("a tensor without a saved storage")
+    return LazyTensor(
+        storage.path, storage.member, storage.dtype, offset, tuple(size), tuple(stride)
+    )
+
+
+def _rebuild_parameter(data: Any, *_: Any) -> Any:
+    return data
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    made = func(*args)
+    if new_type is _DTensorMark:
+        return _dtensor(state)
+    return made
+
+
+def _rebuild_wrapper_subclass(*_: Any) -> None:
+    return None  # the DTensor's outer shell: its state carries what matters
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    path: Path
+    member: str
+    dtype: str
+
+
+def _dtensor(state: Any) -> Sharded:
+    if isinstance(state, tuple):  # (its __dict__, its __slots__' values): DTensor has slots
+        state = {**(state[0] or {}), **(state[1] if len(state) > 1 and state[1] else {})}
+    if not isinstance(state, dict):
+        raise NativeFormatError("a DTensor saved without its state")
+    local, spec = state.get("_local_tensor"), state.get("_spec")
+    if not isinstance(local, LazyTensor) or not isinstance(spec, _Record):
+        raise NativeFormatError("a DTensor without its local tensor or spec")
+    placements = tuple(_placement(p) for p in spec.state.get("placements", ()))
+    meta = spec.state.get("tensor_meta")
+    shape = meta.args[0] if isinstance(meta, _Record) and meta.args else meta[0] if meta else None
+    if shape is None:
+        raise NativeFormatError("a DTensor whose spec records no global shape")
+    return Sharded(local, placements, tuple(int(n) for n in shape))
+
+
+def _placement(p: Any) -> Placement:
+    if not isinstance(p, _Record):
+        return Placement(type(p).__name__)
+    dim = p.state.get("dim", p.args[0] if p.args else None)
+    return Placement(p.kind, int(dim) if isinstance(dim, int) else None)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, path: Path, archive: str) -> None:
+        super().__init__(file)
+        self.path, self.archive = path, archive
+        self.records: dict[str, type] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and pid and pid[0] == "storage" and len(pid) >= 3):
+            raise NativeFormatError(f"{self.path.name}: an unknown persistent reference {pid!r}")
+        kind, key = pid[1], pid[2]
+        dtype = kind.dtype if isinstance(kind, _STORAGE) else None
+        if dtype is None:
+            raise NativeFormatError(f"{self.path.name}: a storage of unknown type {kind!r}")
+        return _StorageRef(self.path, f"{self.archive}data/{key}", dtype)
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE(_STORAGE_DTYPES[name])
+        if module == "torch" and name in _DTYPES:
+            import torch
+
+            return getattr(torch, name)
+        if (module, name) in {("torch", "Size"), ("torch", "device")}:
+            import torch
+
+            return getattr(torch, name)
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return lambda _name: None
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor"):
+            return _rebuild_tensor_v2
+        if (module, name) == ("torch._utils", "_rebuild_parameter"):
+            return _rebuild_parameter
+        if (module, name) == ("torch._utils", "_rebuild_wrapper_subclass"):
+            return _rebuild_wrapper_subclass
+        if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
+            return _rebuild_from_type_v2
+        if (module, name) in _DTENSOR:
+            return _DTensorMark
+        if module.startswith("torch.distributed."):  # specs, meshes, placements: inert records
+            return self.records.setdefault(f"{module}.{name}", _record_class(name))
+        raise NativeFormatError(
+            f"{self.path.name}: holds a {module}.{name}, which a file of weights has no need "
+            "of; not loaded (only tensors and DTensors are read)"
+        )
