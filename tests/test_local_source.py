@@ -101,8 +101,9 @@ def test_verl_steps_are_found_by_their_hugging_face_folder_and_never_through_a_l
     tmp_path: Path,
 ) -> None:
     """verl saves step N as `global_step_N/`: its RL trainers with the model's Hugging Face copy
-    in `actor/huggingface/`, its SFT trainer in `huggingface/`. That folder is the checkpoint
-    (what an eval loads); run and step come from `global_step_N` and the folder above it."""
+    in `actor/huggingface/` (with `hf_model` saved), else the FSDP shards in `actor/`; its SFT
+    trainer in `huggingface/`. That folder is the checkpoint (what an eval loads, converted
+    where it is shards); run and step come from `global_step_N` and the folder above it."""
     ppo = tmp_path / "verl_grpo" / "qwen3-grpo"
     write_fake_checkpoint(ppo / "global_step_20" / "actor" / "huggingface")
     (ppo / "global_step_20" / "actor" / "model_world_size_2_rank_0.pt").write_bytes(b"shard")
@@ -126,13 +127,13 @@ def test_verl_steps_are_found_by_their_hugging_face_folder_and_never_through_a_l
         "global_step_20",
     )
     assert step20.ident.run_path == "verl_grpo/qwen3-grpo"
-    step40 = found["verl_grpo/qwen3-grpo/global_step_40/actor/huggingface"]  # waits for it
+    step40 = found["verl_grpo/qwen3-grpo/global_step_40/actor"]  # its shards, once written
     assert step40.ident is not None and step40.ident.step == 40
     sft = found["sft/qwen3-sft/global_step_5/huggingface"]
     assert sft.ident is not None and (sft.ident.run, sft.ident.step) == ("qwen3-sft", 5)
     plain = found["plain/global_step_7"]
     assert plain.ident is not None and (plain.ident.run, plain.ident.step) == ("plain", 7)
-    linked = found["verl_grpo/qwen3-grpo/global_step_60/actor/huggingface"]
+    linked = found["verl_grpo/qwen3-grpo/global_step_60/actor"]
     assert (linked.ident, linked.path, linked.note) == (None, None, "symlink: not followed")
     # nothing of global_step_0 (its model is gone; its critic is no checkpoint of the run)
     assert len(found) == 5, sorted(found)

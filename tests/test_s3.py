@@ -86,8 +86,9 @@ def test_verl_steps_on_s3_are_found_by_their_hugging_face_prefix_with_one_list_e
     assert ppo is not None and (ppo.run, ppo.step, ppo.run_path) == ("exp1", 10, "exp1")
     sft = found["sft1/global_step_3/huggingface/"]
     assert sft is not None and (sft.run, sft.step) == ("sft1", 3)
-    # verl/, its 4 runs, each global_step prefix once more, and the actor/ of one
-    assert calls == ["ListObjectsV2"] * 11, calls
+    # verl/, its 4 runs, each global_step prefix once more, and the actor/ of one and the
+    # huggingface/ of another (the weights or the shards: verl_fsdp.py)
+    assert calls == ["ListObjectsV2"] * 12, calls
     calls.clear()  # the next scan: the model folders found are not looked for again, only
     # seen to be still there (one key each: verl's keep-last-k deletes them)
     assert {f.location for f in src.scan()} == {f"s3://{bucket}/verl/{k}" for k in found}

@@ -325,31 +325,15 @@ def test_a_queued_pinned_checkpoint_that_a_trainer_deletes_file_by_file_is_not_m
         state.close()
 
 
-def test_a_verl_step_without_a_hugging_face_copy_says_which_setting_makes_one(
-    tmp_path: Path,
-) -> None:
-    """verl writes the model's config and tokenizer into `huggingface/` whatever it is told, and
-    the weights only with `hf_model` in its save_contents: such a step waits, saying so."""
-    hf = write_fake_checkpoint(tmp_path / "exp" / "global_step_5" / "actor" / "huggingface")
-    (hf / "model.safetensors").unlink()
-    verdict = completeness.check(
-        LocalFiles(hf), now=0.0, stable_seconds=0, folder_name="global_step_5"
-    )
-    assert verdict.state == "incomplete", verdict
-    assert "hf_model" in verdict.reason and "save_contents" in verdict.reason, verdict
-    # the pin of a verl step sits beside `global_step_5`, not in the `actor/` its keep-last-k
-    # deletes
-    assert pin_path(str(hf)) == tmp_path / "exp" / PIN_FOLDER / "global_step_5"
-
-
 def test_a_verl_lora_steps_model_is_its_adapter_though_its_config_folder_came_first(
     s3_endpoint: str, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With LoRA and no `hf_model`, verl saves (fsdp_workers.save_checkpoint) the actor's FSDP
-    shards and `actor/huggingface/` with a config and tokenizer but no weights, then the adapter
-    in `actor/lora_adapter/`: its tensors, then its config. A look in between sees the first,
-    waiting for weights; then the step's model is the adapter: the same checkpoint, ready,
-    never `missed` (a vanished checkpoint not evaluated). In a folder and on S3, in one daemon."""
+    shards, `lora_train_meta.json` and `actor/huggingface/` with a config and tokenizer but no
+    weights, then the adapter in `actor/lora_adapter/`: its tensors, then its config. A look in
+    between sees the shards of a LoRA run, waiting for the adapter; then the step's model is the
+    adapter: the same checkpoint, ready, never `missed` (a vanished checkpoint not evaluated).
+    In a folder and on S3, in one daemon."""
     client = make_client(s3_endpoint)
     base = write_fake_checkpoint(tmp_path / "base")
     watch, remote = tmp_path / "ckpts", tmp_path / "remote"  # remote: uploaded as written
@@ -378,15 +362,16 @@ def test_a_verl_lora_steps_model_is_its_adapter_though_its_config_folder_came_fi
             hf = write_fake_checkpoint(actor / "huggingface")
             (hf / "model.safetensors").unlink()
             (actor / "model_world_size_1_rank_0.pt").write_bytes(b"fsdp shard " * 100)
+            (actor / "lora_train_meta.json").write_text('{"r": 8, "lora_alpha": 16}')
             publish(actor)
         discovery.tick(clock.t, force=True, polls=False)
         look(discovery, clock)
         for name, (root, publish, where) in steps.items():
-            hf = root / "exp" / "global_step_10" / "actor" / "huggingface"
-            row = state.checkpoint(where(hf))
+            actor = root / "exp" / "global_step_10" / "actor"
+            row = state.checkpoint(where(actor))
             assert row is not None and row.state == "incomplete", (name, row)
-            assert "hf_model" in row.reason, row
-            lora = hf.parent / "lora_adapter"
+            assert "a LoRA run" in row.reason, row
+            lora = actor / "lora_adapter"
             lora.mkdir()
             write_safetensors(lora / "adapter_model.safetensors", {"lora_A": 8, "lora_B": 8})
             config = {"peft_type": "LORA", "r": 8, "base_model_name_or_path": str(base)}
@@ -396,9 +381,9 @@ def test_a_verl_lora_steps_model_is_its_adapter_though_its_config_folder_came_fi
             discovery.tick(clock.t, force=True, polls=False)
             look(discovery, clock, 0.5)
         for name, (root, _, where) in steps.items():
-            hf = root / "exp" / "global_step_10" / "actor" / "huggingface"
-            assert state.checkpoint(where(hf)) is None, name  # forgotten, not missed
-            row = state.checkpoint(where(hf.parent / "lora_adapter"))
+            actor = root / "exp" / "global_step_10" / "actor"
+            assert state.checkpoint(where(actor)) is None, name  # forgotten, not missed
+            row = state.checkpoint(where(actor / "lora_adapter"))
             assert row is not None and row.state == "ready", (name, row)
             assert (row.run, row.step, row.label) == ("exp", 10, "global_step_10"), row
             assert "LoRA/PEFT adapter" in (row.reason or ""), row

@@ -205,6 +205,8 @@ class TaskOutcome:
     # an entry that yields several results (OLMES: one per OLMES task): each part's task,
     # metrics, n_samples and files; `metrics` is then empty
     parts: list[dict[str, Any]] | None = None
+    source_format: str | None = None  # the trainer's own format it was converted from
+    convert_seconds: float | None = None
 
     @property
     def key(self) -> tuple[str, int | None]:

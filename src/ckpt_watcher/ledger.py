@@ -76,6 +76,9 @@ FIELDS: dict[str, str] = {
     "engine": "`cold` (loaded or started for this job) or `warm` (weights swapped in, or "
     "already serving).",
     "engine_seconds": "Seconds to have the model ready for this job (load, or swap and check).",
+    "source_format": "The trainer's own format the checkpoint was converted from before the "
+    "eval (`verl-fsdp`); absent for a Hugging Face checkpoint.",
+    "convert_seconds": "Seconds the conversion into a Hugging Face folder took.",
     "resumed": "Units (responses, likelihood requests) answered from the task's journal "
     "after an interruption instead of computed again.",
     "results_file": "The harness's results file, relative to the ledger's folder.",
@@ -216,6 +219,11 @@ def result_line(
         | (sampled if entry.get("pass_at") is not None else {})
         | ({"apply_chat_template": True} if entry.get("apply_chat_template") else {})
         | ({"name": entry["name"]} if entry.get("name") else {})
+        | (
+            {"source_format": outcome.source_format, "convert_seconds": outcome.convert_seconds}
+            if outcome.source_format
+            else {}
+        )
         | (_lengths(outcome.lengths) if ok and outcome.lengths else {})
         | harness
     )

@@ -111,7 +111,7 @@ class Pins:
             dev = folder.stat().st_dev
             if dev in self.refused:
                 return None
-            files = {e.name: e.stat().st_size for e in os.scandir(folder) if e.is_file()}
+            files = LocalFiles(folder).files  # a native format's config folder too
         except OSError as e:
             log.warning("pin.unavailable", location=location, error=str(e))
             return None
@@ -125,6 +125,7 @@ class Pins:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
             for name in names:
+                (partial / name).parent.mkdir(exist_ok=True)
                 os.link(folder / name, partial / name)
             check_unchanged(LocalFiles(partial), write_mark, location)
             shutil.rmtree(dest, ignore_errors=True)  # one an earlier daemon left half-released

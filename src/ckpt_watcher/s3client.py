@@ -19,6 +19,7 @@ import structlog
 import tenacity
 
 from ckpt_watcher.checkpoints.files import MARK_VERSION
+from ckpt_watcher.checkpoints.layouts import native_layout
 from ckpt_watcher.errors import S3Error
 
 log = structlog.get_logger("ckpt_watcher.s3")
@@ -217,11 +218,18 @@ class S3Files:
 
     @cached_property
     def files(self) -> dict[str, int]:
+        out = self._level(self.prefix)
+        layout = native_layout(out)
+        if layout is not None:  # and its config folder's (checkpoints/layouts.py)
+            out.update(self._level(f"{self.prefix}{layout.meta}/"))
+        return out
+
+    def _level(self, prefix: str) -> dict[str, int]:
         out: dict[str, int] = {}
-        for _, objects in list_level(self.client, self.retry, self.bucket, self.prefix):
+        for _, objects in list_level(self.client, self.retry, self.bucket, prefix):
             for obj in objects:
                 name = obj["Key"][len(self.prefix) :]
-                if name and "/" not in name:
+                if name and "/" not in obj["Key"][len(prefix) :]:
                     out[name] = int(obj["Size"])
                     self._etags[name] = obj.get("ETag", "")
                     if "LastModified" in obj:

@@ -42,6 +42,11 @@ class VerlFsdp:
 
     def structure(self, files: CheckpointFiles, tokenizer_required: bool) -> Problem | str:
         names = files.files
+        if LORA_META in names:
+            return Problem(
+                "incomplete",
+                "a LoRA run: its adapter is what is evaluated, once verl saves actor/lora_adapter",
+            )
         ranks = _ranks(names)
         sizes = {w for w, _ in ranks}
         if len(sizes) > 1:
@@ -68,11 +73,6 @@ class VerlFsdp:
                     f"{name}: being written (no end record yet)",
                     quiet_verdict="invalid",
                 )
-        if LORA_META in names:
-            return Problem(
-                "incomplete",
-                "a LoRA run: its adapter is what is evaluated, once verl saves actor/lora_adapter",
-            )
         hf_config = read_json(files, f"{HF}/config.json")
         if isinstance(hf_config, str):
             return Problem("incomplete", f"{HF}/{hf_config}")

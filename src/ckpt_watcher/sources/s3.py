@@ -150,7 +150,7 @@ class S3Source:
         for subs, objects in list_level(self.client, self.retry, self.bucket, prefix):
             held.update(s[len(prefix) :].rstrip("/") for s in subs)
             held.update(o["Key"][len(prefix) :] for o in objects)
-        for role in VERL_ROLES & held:  # verl's RL layout: which of the role's folders holds it
+        for role in sorted((VERL_ROLES | {"huggingface"}) & held):  # verl's: which folder holds it
             for _, objects in list_level(
                 self.client, self.retry, self.bucket, f"{prefix}{role}/", deep=True
             ):
@@ -160,8 +160,8 @@ class S3Source:
         sub = model_folder(name, held.__contains__)
         if sub is None:
             return None  # looked at again next scan: its upload may not have begun
-        if sub in VERL_ROLES:
-            return f"{sub}/"  # not kept: weights or a LoRA adapter may yet be saved beside them
+        if sub in VERL_ROLES or (not sub and "config.json" not in held):
+            return f"{sub}/" if sub else ""  # not kept: weights or an adapter may follow
         self._models[prefix] = f"{sub}/" if sub else ""
         return self._models[prefix]
 

@@ -1,7 +1,8 @@
 """Stage an S3 checkpoint into the local cache: only what an eval needs, verified, then fixed.
 
 Fetched: config, generation config, tokenizer files, the index and the safetensors weights (or,
-with no safetensors, `pytorch_model*.bin`). Never optimizer states, RNG states or DCP shards.
+with no safetensors, `pytorch_model*.bin`); for a trainer's own format (checkpoints/layouts.py)
+its model shards and metadata. Never optimizer states, RNG states or DCP shards.
 Each file is downloaded with boto3's transfer manager (parallel ranged parts), to a temporary
 name, checked (size, and for safetensors the header's expected size), then renamed into place.
 The naming fix is applied to the staged copy. Runs inside the worker process, and on the daemon's
@@ -41,6 +42,7 @@ from ckpt_watcher.checkpoints.namefix import apply_fix
 from ckpt_watcher.checkpoints.safetensors_header import read_header
 from ckpt_watcher.durable import write_json_atomic
 from ckpt_watcher.errors import CheckpointChanged, HeaderUnreadable, StagingError
+from ckpt_watcher.formats.torchzip import EOCD_SIZE, zip_whole
 from ckpt_watcher.s3client import DEFAULT_REQUEST_TIMEOUT, Retry, S3Files, make_client, split_uri
 
 log = structlog.get_logger("ckpt_watcher.sources.staging")
@@ -90,7 +92,7 @@ def stage(
     bucket, key = split_uri(location)
     view = S3Files(client, retry, bucket, key)
     names = needed_files(view.files)
-    if "config.json" not in names and ADAPTER_CONFIG not in names:
+    if not any(n.rpartition("/")[2] in ("config.json", ADAPTER_CONFIG) for n in names):
         if is_staged(cache_dir, location):  # held when it was due (S3Source.hold); gone since
             log.info("staging.prefix_gone_copy_held", location=location, path=str(dest))
             held = _manifest(dest).get("mark")
@@ -127,7 +129,8 @@ def _stage_into(
         kept = target.is_file() and target.stat().st_size == size and etags.get(name) == etag
         if kept and _verified(dest, name, size):
             continue  # staged before, from this very object (a retry of the same job)
-        tmp = dest / f".{name}.part"
+        target.parent.mkdir(exist_ok=True)  # a native format's config folder
+        tmp = target.with_name(f".{target.name}.part")
         retry(
             partial(_fetch, client, bucket, key + name, tmp, etag, transfer, location),
             f"{location}{name}",
@@ -139,7 +142,7 @@ def _stage_into(
         os.replace(tmp, target)
         if not _verified(dest, name, size):
             target.unlink(missing_ok=True)
-            raise OSError(f"{location}{name}: its safetensors header does not match its size")
+            raise OSError(f"{location}{name}: not whole (its header or end record is amiss)")
         etags[name] = etag
         write_json_atomic(dest / MANIFEST, {"etags": etags})
         fetched += size
@@ -192,6 +195,10 @@ def is_staged(cache_dir: Path, location: str, write_mark: str | None = None) -> 
 
 
 def _verified(folder: Path, name: str, size: int) -> bool:
+    if name.endswith(".pt"):  # a trainer's shard (formats/): torch.save's zip ends whole
+        with open(folder / name, "rb") as f:
+            f.seek(max(0, size - EOCD_SIZE))
+            return zip_whole(f.read(EOCD_SIZE))
     if not name.endswith(".safetensors"):
         return True
     try:

@@ -4,8 +4,8 @@ task's outcome as it finishes, so a crash later in the job keeps the tasks alrea
 daemon reads the outcomes and is the only writer of the ledger. The exit code says how the job
 ended (`jobfolder.EXIT_*`); what stopped a whole job goes in the folder's crash file.
 
-A LoRA/PEFT adapter saved alone is merged into its base first (merge.py), and the tasks read
-the merged copy.
+A checkpoint in a trainer's own format is converted first (convert.py), and a LoRA/PEFT
+adapter saved alone is merged into its base (merge.py): the tasks read that copy.
 
 A result is of exactly the bytes its fingerprint names: the files read are those the checkpoint
 was judged with (the spec's write mark) before the model loads, and still are when each task
@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,8 +34,10 @@ from ckpt_watcher.jobfolder import (
     EXIT_TASK_FAILED,
     Crash,
     JobFolder,
+    Progress,
 )
 from ckpt_watcher.worker import starter
+from ckpt_watcher.worker.convert import Converted, converted
 from ckpt_watcher.worker.merge import merged
 
 if TYPE_CHECKING:
@@ -42,7 +45,7 @@ if TYPE_CHECKING:
 
     from ckpt_watcher.evaluators.keeper import EngineKeeper
     from ckpt_watcher.harnesses.server import Servers
-    from ckpt_watcher.jobfolder import EvalRequest, JobSpec, Progress, TaskOutcome
+    from ckpt_watcher.jobfolder import EvalRequest, JobSpec, TaskOutcome
 
 PROGRESS_EVERY_SECONDS = 1.0
 
@@ -161,20 +164,43 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
             return _record_crash(folder, e)
         log.info("worker.staged", location=spec.stage.location, path=str(local))
         req = dataclasses.replace(req, checkpoint=str(local))
-    try:  # a LoRA/PEFT adapter saved alone is evaluated as the model it makes
-        made = merged(Path(req.checkpoint), req.adapter_base, spec.fingerprint)
-    except Exception as e:
-        if not isinstance(e, CheckpointChanged):
-            log.exception("worker.merge_failed", checkpoint=req.checkpoint)
-        return _record_crash(folder, e)
-    if made is None:
-        return _run_tasks(folder, spec, req, keeper, servers, unchanged)
+    made: list[Path] = []  # copies of our own, removed when the job ends
     try:
-        return _run_tasks(
-            folder, spec, dataclasses.replace(req, checkpoint=str(made)), keeper, servers, unchanged
-        )
+        try:  # a trainer's own format is converted first, into a Hugging Face folder
+            native = converted(Path(req.checkpoint), req.model_args, _converting(folder))
+            if native is not None:
+                made.append(native.path)
+                req = dataclasses.replace(req, checkpoint=str(native.path))
+            # a LoRA/PEFT adapter saved alone is evaluated as the model it makes
+            merge = merged(Path(req.checkpoint), req.adapter_base, spec.fingerprint)
+        except Exception as e:
+            if not isinstance(e, CheckpointChanged):
+                log.exception("worker.convert_failed", checkpoint=req.checkpoint)
+            return _record_crash(folder, e)
+        if merge is not None:
+            made.append(merge)
+            req = dataclasses.replace(req, checkpoint=str(merge))
+        return _run_tasks(folder, spec, req, keeper, servers, unchanged, native)
     finally:
-        shutil.rmtree(made, ignore_errors=True)
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _converting(folder: JobFolder) -> Callable[[int, int], None]:
+    """The conversion's progress, as `watcher status` shows a task's (in MiB, once a second)."""
+    since = time.time()
+    last = [0.0]
+
+    def said(done: int, total: int) -> None:
+        now = time.time()
+        if done >= total or now - last[0] >= PROGRESS_EVERY_SECONDS:
+            mib = 2**20
+            folder.write_progress(
+                Progress("converting", -(-done // mib), -(-total // mib), "MiB", since, 0, now)
+            )
+            last[0] = now
+
+    return said
 
 
 def _run_tasks(
@@ -184,10 +210,11 @@ def _run_tasks(
     keeper: EngineKeeper | None,
     servers: Servers | None,
     unchanged: Callable[[], None],
+    native: Converted | None = None,
 ) -> int:
-    """Every task of the job on `req.checkpoint` (the checkpoint, its staged or merged copy),
-    each outcome written as it ends; `unchanged` raises if what the job was asked about was
-    written since it was judged."""
+    """Every task of the job on `req.checkpoint` (the checkpoint, its staged, converted or
+    merged copy), each outcome written as it ends; `unchanged` raises if what the job was asked
+    about was written since it was judged; `native`: the conversion it was made by."""
     index = {t.key: i for i, t in enumerate(req.tasks)}
 
     last_progress = [0.0]
@@ -200,6 +227,8 @@ def _run_tasks(
 
     def record(outcome: TaskOutcome) -> None:
         unchanged()  # raises: this task's result is of no bytes the job was asked about
+        if native is not None:
+            outcome.source_format, outcome.convert_seconds = native.source_format, native.seconds
         folder.write_outcome(index[outcome.key], outcome)
         log.info(
             "worker.task_done",

@@ -1,0 +1,102 @@
+"""A checkpoint in a trainer's own format (verl's FSDP shards, ...: formats/) becomes a Hugging
+Face folder before anything reads it: converted in the worker's temporary folder on local disk
+(scratch.py), then evaluated like any other checkpoint by every backend and harness. The
+trainer's folders are only read. The copy goes when the job ends, and with the worker's folder
+if the worker is killed, so a later attempt converts again and never reads a half-written one.
+
+The converted weights keep the dtype they were saved in (verl's fp32 stays fp32) unless
+`eval.model_args.dtype` names one. While it runs, `watcher status` shows the job converting,
+with the bytes written of the total.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from ckpt_watcher import formats
+from ckpt_watcher.checkpoints.files import LocalFiles
+from ckpt_watcher.errors import NativeFormatError
+
+log = structlog.get_logger("ckpt_watcher.worker.convert")
+
+# eval.model_args.dtype -> the torch dtype the converted weights are written in (None: as saved)
+_DTYPES: dict[str, str | None] = {
+    "auto": None,
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+}
+_HEADROOM = 1.05  # of the estimated size, free on the scratch disk before converting
+
+
+@dataclass(frozen=True)
+class Converted:
+    """A converted checkpoint: its Hugging Face folder, its source format, how long it took."""
+
+    path: Path
+    source_format: str
+    seconds: float
+
+
+def converted(
+    checkpoint: Path, model_args: dict[str, Any], progress: Callable[[int, int], None]
+) -> Converted | None:
+    """The Hugging Face copy of `checkpoint` if it is in a trainer's own format (None if it is
+    not); `progress(bytes written, of bytes)` as it is written."""
+    view = LocalFiles(checkpoint)
+    fmt = formats.detect(view.files)
+    if fmt is None:
+        return None
+    dtype = _dtype(model_args.get("dtype"))
+    out = Path(tempfile.mkdtemp(prefix="converted-"))
+    started = time.monotonic()
+    try:
+        _room(out, sum(s for n, s in view.files.items() if n.endswith(".pt")), checkpoint)
+        fmt.convert(checkpoint, out, dtype, progress)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    seconds = round(time.monotonic() - started, 3)
+    log.info(
+        "worker.converted",
+        checkpoint=str(checkpoint),
+        format=fmt.name,
+        into=str(out),
+        seconds=seconds,
+    )
+    return Converted(out, fmt.name, seconds)
+
+
+def _dtype(asked: Any) -> str | None:
+    if asked is None:
+        return None
+    key = str(asked).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise NativeFormatError(
+            f"eval.model_args.dtype {asked!r}: a converted checkpoint is written in auto, "
+            "bfloat16, float16 or float32"
+        )
+    return _DTYPES[key]
+
+
+def _room(out: Path, estimate: int, checkpoint: Path) -> None:
+    free = shutil.disk_usage(out).free
+    if free < estimate * _HEADROOM:
+        raise OSError(
+            f"{checkpoint}: converting it needs about {estimate / 2**30:.1f} GiB in {out.parent}, "
+            f"which has {free / 2**30:.1f} GiB free: free space there, or point TMPDIR at a "
+            "larger local disk"
+        )
