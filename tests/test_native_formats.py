@@ -1,0 +1,277 @@
+"""Trainers' own checkpoints, evaluated as they write them: verl's FSDP shards (its
+`FSDPCheckpointManager`, run here on gloo CPU ranks by tests/writers/verl_fsdp.py, with verl's
+default `save_contents`: no Hugging Face weights) are judged complete by their own files,
+converted in the worker's scratch (never in the trainer's folders) and scored as the same
+weights saved as a Hugging Face folder; the conversion equals verl's own merger; a shard that is
+cut short, missing or not weights is never read as a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt_watcher.checkpoints import completeness
+from ckpt_watcher.checkpoints.files import LocalFiles, needed_files
+from ckpt_watcher.checkpoints.naming import model_folder
+from ckpt_watcher.errors import NativeFormatError
+from ckpt_watcher.formats import detect
+from ckpt_watcher.formats.torchzip import read_index
+
+from .conftest import base_config, read_ledger, s3_source, shared_once, write_config
+from .helpers import watcher_once
+
+WRITER = Path(__file__).parent / "writers" / "verl_fsdp.py"
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def _hf_copy(src: Path, out: Path) -> Path:
+    """The checkpoint's weights, config and tokenizer as a plain Hugging Face folder."""
+    out.mkdir(parents=True)
+    for name in (*HF_FILES, "model.safetensors"):
+        shutil.copyfile(src / name, out / name)
+    return out
+
+
+def verl_save(model: Path, out: Path, step: int, ranks: int, *extra: str) -> Path:
+    """verl's own save of `model`'s weights as step `step` of the run in `out`."""
+    r = subprocess.run(
+        [sys.executable, str(WRITER), str(model), str(out), str(step), str(ranks), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out / f"global_step_{step}" / "actor"
+
+
+@pytest.fixture(scope="session")
+def verl_run(
+    tmp_path_factory: pytest.TempPathFactory, trained_checkpoint: Path, early_checkpoint: Path
+) -> Path:
+    """`verl/grpo/global_step_{100,300}` saved by verl on 2 ranks from the trained run's steps
+    100 and 300, and `hf/ref_step{100,300}`: the same weights as Hugging Face folders. Built
+    once per test run; read-only."""
+
+    def build(root: Path) -> None:
+        for step, ckpt in ((100, early_checkpoint), (300, trained_checkpoint)):
+            hf = _hf_copy(ckpt, root / "hf" / f"ref_step{step}")
+            verl_save(hf, root / "verl" / "grpo", step, 2)
+
+    return shared_once(tmp_path_factory, "verl-run", build)[0]
+
+
+def listing(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `root` (the watcher's pins aside): its size and mtime."""
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and ".ckpt-watcher-pins" not in p.parts
+    }
+
+
+def tensors(folder: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+# --- what the shards are, by their files -------------------------------------------------------
+
+
+def test_a_verl_steps_model_is_its_hugging_face_weights_else_its_shards_else_its_adapter() -> None:
+    def holds(*paths: str) -> Any:
+        return lambda p: p in {*paths, *(q.rsplit("/", 1)[0] for q in paths if "/" in q)}
+
+    assert model_folder("global_step_5", holds("actor/model_world_size_2_rank_0.pt")) == "actor"
+    weights = holds("actor/model_world_size_2_rank_0.pt", "actor/huggingface/model.safetensors")
+    assert model_folder("global_step_5", weights) == "actor/huggingface"
+    lora = holds("actor/x.pt", "actor/lora_adapter/adapter_config.json")
+    assert model_folder("global_step_5", lora) == "actor/lora_adapter"
+    assert model_folder("global_step_5", holds("policy/model_world_size_1_rank_0.pt")) == "policy"
+    # verl's SFT trainer: the shards and huggingface/ in the step's folder itself
+    assert model_folder("global_step_5", holds("huggingface/config.json")) == ""
+    assert model_folder("global_step_5", holds("data.pt")) is None
+
+
+def test_rank_files_that_disagree_or_never_come_are_invalid_and_one_being_written_waits(
+    tmp_path: Path,
+) -> None:
+    actor = tmp_path / "global_step_5" / "actor"
+    (actor / "huggingface").mkdir(parents=True)
+    (actor / "huggingface" / "config.json").write_text("{}")
+    (actor / "huggingface" / "tokenizer.json").write_text("{}")
+    whole = b"x" * 100 + b"PK\x05\x06" + bytes(18)  # a zip's end record: torch.save is done
+    (actor / "model_world_size_2_rank_0.pt").write_bytes(whole)
+    (actor / "optim_world_size_2_rank_0.pt").write_bytes(b"o" * 50)
+
+    def judge(quiet_for: float | None = None) -> completeness.Completeness:
+        view = LocalFiles(actor)
+        said = completeness.check(view, now=0.0, stable_seconds=30, settle_seconds=0)
+        if quiet_for is None:
+            return said
+        return completeness.check(
+            view,
+            now=quiet_for,
+            stable_seconds=30,
+            settle_seconds=0,
+            unchanged_since=0.0,
+            previous_mark=said.write_mark,
+        )
+
+    said = judge()
+    assert said.state == "incomplete" and "1 of 2 ranks" in said.reason, said
+    said = judge(quiet_for=31)  # rank 1 never came: a broken save, not a model
+    assert said.state == "invalid" and "not whole" in said.reason, said
+    (actor / "model_world_size_2_rank_1.pt").write_bytes(b"x" * 100)  # no end record yet
+    said = judge()
+    assert said.state == "incomplete" and "rank_1.pt: being written" in said.reason, said
+    (actor / "model_world_size_2_rank_1.pt").write_bytes(whole)
+    said = judge()
+    assert said.ready and said.reason == "verl FSDP shards: 2 of 2 ranks whole", said
+    # the files a conversion reads: never the optimizer's
+    assert needed_files(LocalFiles(actor).files) == [
+        "huggingface/config.json",
+        "huggingface/tokenizer.json",
+        "model_world_size_2_rank_0.pt",
+        "model_world_size_2_rank_1.pt",
+    ]
+    (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 4}))
+    said = judge()
+    assert said.state == "invalid" and "world_size 4, the files 2" in said.reason, said
+    (actor / "fsdp_config.json").unlink()
+    (actor / "model_world_size_4_rank_2.pt").write_bytes(whole)
+    said = judge()
+    assert said.state == "invalid" and "world sizes [2, 4]" in said.reason, said
+
+
+def test_a_shard_that_would_run_code_is_refused_without_running_it(tmp_path: Path) -> None:
+    """A `.pt` file is a pickle: loaded with torch.load(weights_only=False), as verl's merger
+    loads it, it can run anything. Ours reads tensors and DTensors only."""
+    ran = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {ran}",))
+
+    path = tmp_path / "model_world_size_1_rank_0.pt"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("archive/data.pkl", pickle.dumps({"w": Payload()}, protocol=2))
+        zf.writestr("archive/byteorder", "little")
+    with pytest.raises(NativeFormatError, match=r"holds a (posix|os)\.system.*not loaded"):
+        read_index(path)
+    assert not ran.exists()
+
+
+# --- verl's own files -------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_verl_shards_convert_to_the_weights_saved_and_to_what_verls_merger_writes(
+    verl_run: Path, tmp_path: Path
+) -> None:
+    import torch
+
+    actor = verl_run / "verl" / "grpo" / "global_step_300" / "actor"
+    fmt = detect(LocalFiles(actor).files)
+    assert fmt is not None and fmt.name == "verl-fsdp"
+    seen: list[tuple[int, int]] = []
+    (tmp_path / "fp32").mkdir()
+    fmt.convert(actor, tmp_path / "fp32", None, lambda done, total: seen.append((done, total)))
+    saved = tensors(verl_run / "hf" / "ref_step300")
+    ours = tensors(tmp_path / "fp32")
+    assert set(ours) == set(saved) and all(torch.equal(ours[k], saved[k]) for k in saved)
+    assert {t.dtype for t in ours.values()} == {torch.float32}  # as saved: fp32 stays fp32
+    assert seen[-1][0] == seen[-1][1] == sum(t.nbytes for t in ours.values())
+    assert sorted(p.name for p in (tmp_path / "fp32").iterdir()) == sorted(
+        [*HF_FILES, "model.safetensors"]
+    )
+    # verl's own merger (bf16 always) on the same folder: the same tensors, cast
+    merged = tmp_path / "merger"
+    r = subprocess.run(
+        [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp"]
+        + ["--local_dir", str(actor), "--target_dir", str(merged)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    (tmp_path / "bf16").mkdir()
+    fmt.convert(actor, tmp_path / "bf16", "bfloat16", lambda done, total: None)
+    theirs, ours = tensors(merged), tensors(tmp_path / "bf16")
+    assert set(theirs) == set(ours) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.e2e
+def test_hsdp_shards_and_inconsistent_sets(trained_checkpoint: Path, tmp_path: Path) -> None:
+    """Under HSDP (`[Replicate(), Shard(0)]` over a 2x2 mesh) one replica's ranks make the
+    model. A set mixing ranks of two saves is refused, never read as a partial model."""
+    import torch
+
+    hf = _hf_copy(trained_checkpoint, tmp_path / "hf")
+    actor = verl_save(hf, tmp_path / "hsdp", 300, 4, "--replicas", "2")
+    fmt = detect(LocalFiles(actor).files)
+    assert fmt is not None
+    (tmp_path / "out").mkdir()
+    fmt.convert(actor, tmp_path / "out", None, lambda done, total: None)
+    saved, ours = tensors(hf), tensors(tmp_path / "out")
+    assert set(ours) == set(saved) and all(torch.equal(ours[k], saved[k]) for k in saved)
+
+    plain = verl_save(hf, tmp_path / "fsdp", 300, 2)
+    shutil.copyfile(actor / "model_world_size_4_rank_1.pt", plain / "model_world_size_2_rank_1.pt")
+    with pytest.raises(NativeFormatError, match="placed otherwise on rank 1"):
+        fmt.convert(plain, tmp_path / "out", None, lambda done, total: None)
+
+
+@pytest.mark.e2e
+def test_a_verl_run_local_and_on_s3_is_evaluated_as_its_hugging_face_copy_scores(
+    verl_run: Path, tmp_path: Path, addition_tasks: Path, s3_endpoint: str, bucket: str
+) -> None:
+    """One daemon over a folder (verl's step 100 as verl saved it, and step 300's weights as a
+    Hugging Face folder) and an S3 prefix (verl's step 300, uploaded with its optimizer
+    states): each native step is converted and scored, step 300 as its Hugging Face copy
+    scores; the trainer's files are untouched; only the model's shards are staged."""
+    from ckpt_watcher.s3client import make_client
+
+    watch = tmp_path / "ckpts"
+    shutil.copytree(
+        verl_run / "verl" / "grpo" / "global_step_100", watch / "grpo" / "global_step_100"
+    )
+    shutil.copytree(verl_run / "hf" / "ref_step300", watch / "ref_step300")
+    client = make_client(s3_endpoint)
+    step300 = verl_run / "verl" / "grpo" / "global_step_300"
+    for f in sorted(step300.rglob("*")):
+        if f.is_file():
+            key = f"remote/grpo_s3/global_step_300/{f.relative_to(step300).as_posix()}"
+            client.upload_file(str(f), bucket, key)
+    before = listing(watch / "grpo")
+    cfg = base_config(tmp_path, watch, addition_tasks)
+    cache = tmp_path / "cache"
+    cfg["sources"].append(s3_source(f"s3://{bucket}/remote/", cache, keep_staged=True))
+    ledgers = tmp_path / "ledgers"
+    (local,) = watcher_once(write_config(tmp_path / "w.yaml", cfg), ledgers, "grpo")
+    (ref,) = read_ledger(ledgers, "ref")
+    (remote,) = read_ledger(ledgers, "grpo_s3")
+    for line in (local, remote):
+        assert line["status"] == "ok" and line["source_format"] == "verl-fsdp", line
+        assert line["convert_seconds"] > 0 and "reused_from" not in line, line
+    assert "source_format" not in ref
+    assert remote["metrics"] == ref["metrics"]  # the same weights, saved by verl and by HF
+    assert local["metrics"] != remote["metrics"]  # step 100: another checkpoint, its own
+    assert listing(watch / "grpo") == before  # the trainer's files: not one byte or time
+    staged = {p.name for p in cache.rglob("*") if p.is_file() and not p.name.startswith(".")}
+    assert staged == {
+        "fsdp_config.json",
+        *HF_FILES,
+        "model_world_size_2_rank_0.pt",
+        "model_world_size_2_rank_1.pt",
+    }, staged  # never the optimizer's or the RNG's
