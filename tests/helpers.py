@@ -62,14 +62,18 @@ def wait_for(
 
 
 @contextmanager
-def watcher_run(config: Path, log: Path, *extra: str) -> Iterator[subprocess.Popen]:
-    """`watcher run -c config` as a real subprocess; killed at the end if still alive."""
+def watcher_run(
+    config: Path, log: Path, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """`watcher run -c config` as a real subprocess (in `env`, default this process's); killed
+    at the end if still alive."""
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [*WATCHER, "--log-json", "run", "-c", str(config), *extra],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=env,
         )
     try:
         yield proc

@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import zipfile
@@ -28,7 +29,7 @@ from ckpt_watcher.formats import detect
 from ckpt_watcher.formats.torchzip import read_index
 
 from .conftest import base_config, read_ledger, s3_source, shared_once, write_config
-from .helpers import watcher_once
+from .helpers import Throttle, running_job, status_json, wait_for, watcher_once, watcher_run
 
 WRITER = Path(__file__).parent / "writers" / "verl_fsdp.py"
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
@@ -275,3 +276,78 @@ def test_a_verl_run_local_and_on_s3_is_evaluated_as_its_hugging_face_copy_scores
         "model_world_size_2_rank_0.pt",
         "model_world_size_2_rank_1.pt",
     }, staged  # never the optimizer's or the RNG's
+
+
+@pytest.mark.e2e
+def test_a_worker_killed_mid_conversion_leaves_nothing_half_written_and_the_next_converts(
+    tmp_path: Path, addition_tasks: Path
+) -> None:
+    """`watcher status` shows the job converting, with the MiB written; the worker is killed -9
+    there (the OOM killer, a preemption): its scratch goes with it, nothing it half wrote is
+    read, and the next attempt converts again and files the step once."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ckpt_watcher.demo.tiny import build_tokenizer
+    from ckpt_watcher.scratch import PREFIX
+
+    # a model big enough (130 MiB of fp32 shards) that a slowed conversion lasts seconds
+    hf = tmp_path / "hf"
+    tok = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=64,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(hf)
+    tok.save_pretrained(hf)
+    watch = tmp_path / "ckpts"
+    verl_save(hf, watch / "big", 7, 2)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    cfg = write_config(
+        tmp_path / "w.yaml", base_config(tmp_path, watch, addition_tasks, limit=4, batch_size=4)
+    )
+    log = tmp_path / "daemon.log"
+    env = {**os.environ, "TMPDIR": str(scratch)}
+
+    def converting() -> dict[str, Any] | None:
+        for path in (tmp_path / "state").glob("jobs/*/attempt-1/progress.json"):
+            try:
+                p = dict(json.loads(path.read_text()))
+            except ValueError:
+                return None
+            assert p["task"] == "converting" and p["done"] < p["total"], p
+            return p
+        return None
+
+    with watcher_run(cfg, log, env=env) as daemon:
+        job = wait_for(
+            lambda: running_job(tmp_path / "state"), 120, "a worker", daemon, log, every=0.02
+        )
+        assert job.pid is not None
+        throttle = Throttle(job.pid, share=0.1)
+        try:
+            wait_for(converting, 120, "the conversion part way", daemon, log, every=0.02)
+        finally:
+            throttle.stop()  # frozen part way
+        code, status = status_json(cfg)
+        assert code == 0 and status is not None
+        progress = status["running"][0]["progress"]
+        assert progress["task"] == "converting" and progress["unit"] == "MiB", progress
+        assert 0 < progress["done"] < progress["total"] >= 100, progress
+        half = [p for p in scratch.rglob("*.partial")]
+        assert half, sorted(scratch.rglob("*"))  # a safetensors file being written, unnamed
+        os.killpg(job.pid, signal.SIGKILL)
+        lines = wait_for(
+            lambda: read_ledger(tmp_path / "ledgers", "big") or None, 300, "a line", daemon, log
+        )
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    (line,) = lines
+    assert line["status"] == "ok" and line["attempt"] == 2 and line["source_format"] == "verl-fsdp"
+    # the killed worker's scratch, half-written copy and all, is gone; so is the second's
+    assert not [p for p in scratch.iterdir() if p.name.startswith(PREFIX)], list(scratch.iterdir())

@@ -1,8 +1,9 @@
 """Write a Hugging Face model's weights as safetensors, one tensor at a time.
 
 The header (every tensor's name, dtype, shape and byte range) is known before any tensor is
-read, so each file's header is written first and each tensor's bytes follow as they are made:
-memory holds one tensor, never the model. Files of at most `MAX_SHARD_BYTES` are named as
+read, so each file's header is written first and each tensor's bytes follow as they are made,
+block by block: memory holds a block (or, where a tensor must be made whole, that tensor), never
+the model. Files of at most `MAX_SHARD_BYTES` are named as
 transformers names them (`model.safetensors`, or `model-0000k-of-0000n.safetensors` with
 `model.safetensors.index.json`), and each is written under a temporary name and renamed, so a
 file there is whole.
@@ -11,7 +12,6 @@ file there is whole.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,12 +62,12 @@ def st_dtype(dtype: str) -> str:
 def write_model(
     out: Path,
     plan: list[Planned],
-    make: Callable[[Planned], Any],
+    make: Callable[[Planned], Iterable[Any]],
     written: Callable[[int], None] = lambda n: None,
 ) -> int:
-    """Write `plan`'s tensors into `out`, each made by `make` (a contiguous CPU tensor of the
-    planned dtype and shape) just before it is written; `written` hears the bytes so far.
-    Returns the bytes of weights written."""
+    """Write `plan`'s tensors into `out`, each made by `make` as it is written: CPU tensors of
+    the planned dtype whose elements, in order, are the tensor's (the tensor itself, or blocks
+    of it); `written` hears the bytes so far. Returns the bytes of weights written."""
     groups = _split(plan)
     total = len(groups)
     names = (
@@ -115,10 +115,12 @@ def _header(group: Iterable[Planned]) -> bytes:
 def _write_file(
     path: Path,
     group: list[Planned],
-    make: Callable[[Planned], Any],
+    make: Callable[[Planned], Iterable[Any]],
     done: int,
     written: Callable[[int], None],
 ) -> int:
+    """One safetensors file, under a temporary name until whole (no fsync: it is scratch, gone
+    with the worker that wrote it)."""
     import torch
 
     tmp = path.with_name(f".{path.name}.partial")
@@ -126,17 +128,16 @@ def _write_file(
     with open(tmp, "wb") as f:
         f.write(len(header).to_bytes(8, "little") + header)
         for p in group:
-            tensor = make(p)
-            if tuple(tensor.shape) != p.shape or str(tensor.dtype) != f"torch.{p.dtype}":
-                raise ValueError(
-                    f"{p.name}: made {tensor.dtype} {tuple(tensor.shape)}, planned {p}"
-                )
-            if tensor.numel():
-                f.write(memoryview(tensor.contiguous().view(torch.uint8).numpy()))
-            done += p.nbytes
-            written(done)
-            del tensor
-        f.flush()
-        os.fsync(f.fileno())
+            wrote = 0
+            for part in make(p):
+                if str(part.dtype) != f"torch.{p.dtype}":
+                    raise ValueError(f"{p.name}: made {part.dtype}, planned torch.{p.dtype}")
+                if part.numel():
+                    f.write(memoryview(part.contiguous().view(torch.uint8).reshape(-1).numpy()))
+                wrote += part.numel() * part.element_size()
+                written(done + wrote)
+            if wrote != p.nbytes:
+                raise ValueError(f"{p.name}: made {wrote} bytes, planned {p.nbytes}")
+            done += wrote
     tmp.rename(path)
     return done

@@ -9,7 +9,8 @@ is refused with its name. A tensor becomes a `LazyTensor` (its storage's key, of
 stride); a DTensor becomes a `Sharded` (its local `LazyTensor`, its placements and the global
 shape its spec records). The device mesh is kept as an inert record and never read (its pickled
 form changed across torch versions). `LazyTensor.read` then reads just that tensor's bytes with
-one positioned read, so memory holds one tensor at a time, not the file.
+one positioned read, and `LazyTensor.blocks` reads them a block at a time, so memory holds a
+tensor, or a block of one, never the file.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import math
 import pickle
 import struct
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -79,28 +81,52 @@ class LazyTensor:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def contiguous(self) -> bool:
+        return self.stride == _contiguous(self.shape)
+
     def read(self) -> Any:
         """The tensor (a fresh CPU tensor of its own): one positioned read of its bytes."""
         import torch
 
         dtype = getattr(torch, self.dtype)
-        item = torch.empty((), dtype=dtype).element_size()
-        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
         if self.numel == 0:
             return torch.empty(self.shape, dtype=dtype)
+        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
         buf = torch.empty(span, dtype=dtype)
         with open(self.path, "rb") as f:
-            start = _member_data(f, self.member) + self.offset * item
-            f.seek(start)
-            got = f.readinto(cast(Any, buf.view(torch.uint8).numpy()))
-        if got != span * item:
+            self._read_into(f, buf, 0)
+        if self.contiguous:
+            return buf.view(self.shape)
+        return buf.as_strided(self.shape, self.stride).contiguous()
+
+    def blocks(self, max_bytes: int) -> Iterator[Any]:
+        """A contiguous tensor's elements in order, as 1-D tensors of at most `max_bytes`:
+        memory holds one block, not the tensor."""
+        import torch
+
+        dtype = getattr(torch, self.dtype)
+        item = torch.empty((), dtype=dtype).element_size()
+        step = max(1, max_bytes // item)
+        with open(self.path, "rb") as f:
+            for at in range(0, self.numel, step):
+                buf = torch.empty(min(step, self.numel - at), dtype=dtype)
+                self._read_into(f, buf, at)
+                yield buf
+
+    def _read_into(self, f: Any, buf: Any, at: int) -> None:
+        """Read `buf`'s worth of this tensor's storage, from its element `at` on."""
+        import torch
+
+        raw = buf.view(torch.uint8)
+        start = _member_data(f, self.member) + (self.offset + at) * buf.element_size()
+        f.seek(start)
+        got = f.readinto(cast(Any, raw.numpy()))
+        if got != raw.numel():
             raise NativeFormatError(
-                f"{self.path.name}: {self.member} ends after {got} of {span * item} bytes "
+                f"{self.path.name}: {self.member} ends after {got} of {raw.numel()} bytes "
                 "(truncated file)"
             )
-        contiguous = self.stride == _contiguous(self.shape)
-        out = buf.view(self.shape) if contiguous else buf.as_strided(self.shape, self.stride)
-        return out if contiguous else out.contiguous()
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from ckpt_watcher.formats.safetensors_out import Planned, write_model
 from ckpt_watcher.formats.torchzip import EOCD_SIZE, LazyTensor, Sharded, read_index, zip_whole
 
 CONFIG = "fsdp_config.json"
+BLOCK_BYTES = 64 << 20  # what a conversion holds of a tensor at a time (cast: up to 1.5 times)
 HF = VERL_FSDP.meta
 LORA_META = "lora_train_meta.json"
 
@@ -189,14 +190,23 @@ def _makes(states: list[dict[str, Any]], key: str, dim: int, group: int) -> bool
     return sum(p[dim] for p in pieces[:group]) == whole[dim]
 
 
-def _make(source: tuple[list[LazyTensor], int], planned: Planned) -> Any:
+def _make(source: tuple[list[LazyTensor], int], planned: Planned) -> Iterator[Any]:
+    """The tensor's elements in order: pieces along dim 0 are the whole tensor's consecutive
+    runs of elements, copied block by block (cast per block); along another dim the pieces
+    are concatenated whole."""
     import torch
 
     pieces, dim = source
+    dtype = getattr(torch, planned.dtype)
+    if dim == 0 and all(p.contiguous for p in pieces):
+        for piece in pieces:
+            for block in piece.blocks(BLOCK_BYTES):
+                yield block.to(dtype)
+        return
     parts = [p.read() for p in pieces]
     whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
     del parts
-    return whole.to(getattr(torch, planned.dtype)).contiguous()
+    yield whole.to(dtype).contiguous()
 
 
 FORMAT = VerlFsdp()
