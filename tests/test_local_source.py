@@ -139,20 +139,28 @@ def test_verl_steps_are_found_by_their_hugging_face_folder_and_never_through_a_l
     assert len(found) == 5, sorted(found)
 
 
-def test_openrlhf_hugging_face_copies_are_checkpoints_and_its_deepspeed_states_are_not(
+def test_openrlhf_hugging_face_copies_are_its_checkpoints_and_its_deepspeed_states_without_one(
     tmp_path: Path,
 ) -> None:
     """OpenRLHF with `--ckpt.save_hf` saves step N's model as `<ckpt.path>/global_step{N}_hf`,
-    its DeepSpeed states under `_actor/global_step{N}` (not loadable by an eval)."""
+    beside its DeepSpeed states under `_actor/global_step{N}`: the copy is the step's checkpoint.
+    A step with its states alone is that (converted with the source's base model)."""
     ckpt = tmp_path / "checkpoints_ppo"
     write_fake_checkpoint(ckpt / "global_step30_hf")
-    states = ckpt / "_actor" / "global_step30"
-    states.mkdir(parents=True)
-    (states / "mp_rank_00_model_states.pt").write_bytes(b"ds")
+    for step in (30, 40):
+        states = ckpt / "_actor" / f"global_step{step}"
+        states.mkdir(parents=True)
+        (states / "mp_rank_00_model_states.pt").write_bytes(b"ds")
     # a DeepSpeed tag folder that does hold a model: of the run above it, not a run `global`
     write_fake_checkpoint(tmp_path / "ds" / "global_step9")
     found = {f.location.removeprefix(f"{tmp_path}/"): f.ident for f in LocalSource(tmp_path).scan()}
-    assert set(found) == {"checkpoints_ppo/global_step30_hf", "ds/global_step9"}
+    assert set(found) == {
+        "checkpoints_ppo/global_step30_hf",
+        "checkpoints_ppo/_actor/global_step40",
+        "ds/global_step9",
+    }
+    states40 = found["checkpoints_ppo/_actor/global_step40"]
+    assert states40 is not None and (states40.run, states40.step) == ("checkpoints_ppo", 40)
     hf, ds = found["checkpoints_ppo/global_step30_hf"], found["ds/global_step9"]
     assert hf is not None and (hf.run, hf.step, hf.label) == (
         "checkpoints_ppo",

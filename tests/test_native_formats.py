@@ -1,6 +1,8 @@
 """Trainers' own checkpoints, evaluated as they write them: verl's FSDP shards (its
 `FSDPCheckpointManager`, run here on gloo CPU ranks by tests/writers/verl_fsdp.py, with verl's
-default `save_contents`: no Hugging Face weights) are judged complete by their own files,
+default `save_contents`: no Hugging Face weights) and DeepSpeed's engine states (its own
+`save_checkpoint`, tests/writers/deepspeed_save.py, as OpenRLHF saves) are judged complete by
+their own files,
 converted in the worker's scratch (never in the trainer's folders) and scored as the same
 weights saved as a Hugging Face folder; the conversion equals verl's own merger; a shard that is
 cut short, missing or not weights is never read as a model.
@@ -27,11 +29,13 @@ from ckpt_watcher.checkpoints.naming import model_folder
 from ckpt_watcher.errors import NativeFormatError
 from ckpt_watcher.formats import detect
 from ckpt_watcher.formats.torchzip import read_index
+from ckpt_watcher.sources.local import LocalSource
 
 from .conftest import base_config, read_ledger, s3_source, shared_once, write_config
 from .helpers import Throttle, running_job, status_json, wait_for, watcher_once, watcher_run
 
 WRITER = Path(__file__).parent / "writers" / "verl_fsdp.py"
+DS_WRITER = Path(__file__).parent / "writers" / "deepspeed_save.py"
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -351,3 +355,86 @@ def test_a_worker_killed_mid_conversion_leaves_nothing_half_written_and_the_next
     assert line["status"] == "ok" and line["attempt"] == 2 and line["source_format"] == "verl-fsdp"
     # the killed worker's scratch, half-written copy and all, is gone; so is the second's
     assert not [p for p in scratch.iterdir() if p.name.startswith(PREFIX)], list(scratch.iterdir())
+
+
+# --- DeepSpeed's own files (OpenRLHF's default) ----------------------------------------------
+
+
+def deepspeed_save(model: Path, out: Path, step: int, stage: int) -> Path:
+    """DeepSpeed's own save of `model` (ZeRO `stage`, bf16, 2 ranks) as OpenRLHF lays it out."""
+    r = subprocess.run(
+        [sys.executable, str(DS_WRITER), str(model), str(out), str(step), str(stage), "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out / "_actor" / f"global_step{step}"
+
+
+def test_deepspeed_states_wait_for_a_base_model_and_model_parallel_ones_are_refused(
+    tmp_path: Path,
+) -> None:
+    whole = b"x" * 100 + b"PK\x05\x06" + bytes(18)
+    tag = tmp_path / "ckpt" / "_actor" / "global_step5"
+    tag.mkdir(parents=True)
+    (tag / "mp_rank_00_model_states.pt").write_bytes(whole)
+    (tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(whole)
+    said = completeness.check(LocalFiles(tag), now=0.0, stable_seconds=0, settle_seconds=0)
+    assert said.state == "incomplete" and "set the source's base_model" in said.reason, said
+    # found as the step of the run above `_actor` (OpenRLHF's layout), not a run `_actor`
+    (found,) = LocalSource(tmp_path).scan()
+    assert found.location == str(tag) and found.ident is not None
+    assert (found.ident.run, found.ident.step) == ("ckpt", 5), found.ident
+    assert needed_files(LocalFiles(tag).files) == ["mp_rank_00_model_states.pt"]  # no optimizer
+    (tag / "mp_rank_01_model_states.pt").write_bytes(whole)
+    said = completeness.check(LocalFiles(tag), now=0.0, stable_seconds=0, settle_seconds=0)
+    assert said.state == "invalid" and "model-parallel" in said.reason, said
+
+
+@pytest.mark.e2e
+def test_openrlhf_deepspeed_states_zero_2_and_3_are_evaluated_with_the_base_models_config(
+    trained_checkpoint: Path, tmp_path: Path, addition_tasks: Path
+) -> None:
+    """DeepSpeed's own saves under ZeRO-2 (the model in bf16 in its model states) and ZeRO-3
+    (fp32 partitions in its optimizer states), as OpenRLHF lays them out: converted with the
+    source's base_model's config and tokenizer, equal to DeepSpeed's own zero_to_fp32.py, and
+    scored as the same weights saved as a Hugging Face folder."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    base = _hf_copy(trained_checkpoint, tmp_path / "base")
+    watch = tmp_path / "ckpts"
+    zero2 = deepspeed_save(base, watch / "oprl", 5, 2)
+    zero3 = deepspeed_save(base, watch / "oprl", 6, 3)
+    ref = _hf_copy(trained_checkpoint, watch / "ref_step5")  # the weights bf16 keeps, in fp32
+    weights = load_file(ref / "model.safetensors")
+    save_file({k: v.bfloat16().float() for k, v in weights.items()}, ref / "model.safetensors")
+    # ZeRO-3: what DeepSpeed's own script reassembles, tensor for tensor
+    fmt = detect(LocalFiles(zero3).files)
+    assert fmt is not None and fmt.name == "deepspeed"
+    (tmp_path / "ours").mkdir()
+    fmt.convert(zero3, tmp_path / "ours", None, lambda done, total: None, base)
+    r = subprocess.run(
+        [sys.executable, str(zero3.parent / "zero_to_fp32.py"), str(zero3.parent)]
+        + [str(tmp_path / "theirs"), "--tag", zero3.name, "--safe_serialization"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    ours, theirs = tensors(tmp_path / "ours"), tensors(tmp_path / "theirs")
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+    before = listing(watch / "oprl")
+    cfg = base_config(tmp_path, watch, addition_tasks)
+    cfg["sources"][0]["base_model"] = str(base)
+    ledgers = tmp_path / "ledgers"
+    lines = watcher_once(write_config(tmp_path / "w.yaml", cfg), ledgers, "oprl")
+    (hf,) = read_ledger(ledgers, "ref")
+    assert sorted(ln["step"] for ln in lines) == [5, 6], lines
+    for line in lines:
+        assert line["status"] == "ok" and line["source_format"] == "deepspeed", line
+        assert line["metrics"] == hf["metrics"], (line, hf)
+    assert {ln["checkpoint"] for ln in lines} == {str(zero2), str(zero3)}
+    assert listing(watch / "oprl") == before

@@ -61,7 +61,8 @@ def test_verl_steps_on_s3_are_found_by_their_hugging_face_prefix_with_one_list_e
     """A verl run synced to S3: `global_step_N/actor/huggingface/` is the checkpoint (one more
     LIST per `global_step` prefix, to see what it holds, and for an `actor/` one of all it
     holds: the model may be a LoRA adapter beside it); run and step from the names above.
-    A step whose model is gone, and DeepSpeed's engine states, are passed by."""
+    A step whose model is gone is passed by; DeepSpeed's engine states are a checkpoint of
+    their own (converted: formats/deepspeed.py)."""
     client = make_client(s3_endpoint)
     ckpt = write_fake_checkpoint(tmp_path / "hf")
     upload_dir(client, ckpt, bucket, "verl/exp1/global_step_10/actor/huggingface/")
@@ -81,6 +82,7 @@ def test_verl_steps_on_s3_are_found_by_their_hugging_face_prefix_with_one_list_e
         "exp1/global_step_10/actor/huggingface/",
         "sft1/global_step_3/huggingface/",
         "plain/global_step_4/",
+        "ds/global_step7/",
     }
     ppo = found["exp1/global_step_10/actor/huggingface/"]
     assert ppo is not None and (ppo.run, ppo.step, ppo.run_path) == ("exp1", 10, "exp1")

@@ -45,6 +45,12 @@ ADAPTER_BASE = (
     "Hugging Face cache (never downloaded). An adapter whose base is found neither way is shown "
     "`invalid` with what to set."
 )
+BASE_MODEL = (
+    "The folder (local) of the model this source's runs trained from. DeepSpeed's engine states "
+    "(OpenRLHF's default `_actor/global_step{N}/`), which carry no config or tokenizer, take "
+    "theirs from it and are then converted and evaluated; unset, they wait saying so. It is "
+    "also `adapter_base`'s default (set one of the two, or both to one folder)."
+)
 
 
 def _model_folder(v: Path | None) -> Path | None:
@@ -60,7 +66,30 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
 
 
-class LocalSource(_Model):
+class _Bases(_Model):
+    """A source's base model: what its adapters merge into, where DeepSpeed's states take their
+    config and tokenizer from (one folder: `base_model` is `adapter_base` by another name)."""
+
+    adapter_base: Path | None = Field(None, description=ADAPTER_BASE)
+    base_model: Path | None = Field(None, description=BASE_MODEL)
+
+    @field_validator("adapter_base", "base_model")
+    @classmethod
+    def _base(cls, v: Path | None) -> Path | None:
+        return _model_folder(v)
+
+    @model_validator(mode="after")
+    def _one_base(self) -> _Bases:
+        if self.base_model is not None and self.adapter_base is None:
+            self.adapter_base = self.base_model
+        elif self.base_model is not None and self.base_model != self.adapter_base:
+            raise ValueError(
+                "base_model and adapter_base name two folders: a source has one base model"
+            )
+        return self
+
+
+class LocalSource(_Bases):
     """A directory tree where a trainer writes checkpoints (local disk, EFS, NFS)."""
 
     kind: Literal["local"] = "local"
@@ -76,24 +105,18 @@ class LocalSource(_Model):
     """How a checkpoint's content fingerprint is taken: `sampled` (sizes, safetensors headers and
     16 blocks of 64 KiB per weight file) or `full` (every byte). A result belongs to the
     fingerprint it was computed on; a checkpoint whose fingerprint changes is evaluated again."""
-    adapter_base: Path | None = Field(None, description=ADAPTER_BASE)
 
     @field_validator("path")
     @classmethod
     def _expand(cls, v: Path) -> Path:
         return v.expanduser()
 
-    @field_validator("adapter_base")
-    @classmethod
-    def _base(cls, v: Path | None) -> Path | None:
-        return _model_folder(v)
-
     @property
     def name(self) -> str:
         return f"local:{self.path}"
 
 
-class S3Source(_Model):
+class S3Source(_Bases):
     """An S3 prefix under which checkpoints are uploaded."""
 
     kind: Literal["s3"] = "s3"
@@ -116,12 +139,6 @@ class S3Source(_Model):
     """How a checkpoint's content fingerprint is taken: `sampled` (sizes, safetensors headers and
     16 blocks of 64 KiB per weight file) or `full` (every byte). A result belongs to the
     fingerprint it was computed on; a checkpoint whose fingerprint changes is evaluated again."""
-    adapter_base: Path | None = Field(None, description=ADAPTER_BASE)
-
-    @field_validator("adapter_base")
-    @classmethod
-    def _base(cls, v: Path | None) -> Path | None:
-        return _model_folder(v)
 
     @field_validator("uri")
     @classmethod

@@ -47,6 +47,7 @@ from ckpt_watcher.checkpoints.files import (
     eval_mark,
 )
 from ckpt_watcher.checkpoints.fingerprint import fingerprint
+from ckpt_watcher.checkpoints.layouts import native_layout
 from ckpt_watcher.checkpoints.naming import checkpoint_folder
 from ckpt_watcher.errors import AdapterError, CheckpointChanged, NamingFixError, WatcherError
 from ckpt_watcher.jobfolder import Stage
@@ -386,6 +387,7 @@ class Discovery:
                 previous_mark=mark,
                 tokenizer_required=self.tokenizer_required,
                 folder_name=checkpoint_folder(location).rsplit("/", 1)[-1],
+                base_model=source.adapter_base,
             )
             observed = self.clock()
             if not verdict.ready:
@@ -651,8 +653,13 @@ def _logged(event: str, fn: Callable[[Any], Any], arg: Any) -> Callable[[], None
 
 def _fingerprint(source: Source, location: str, view: CheckpointFiles) -> str:
     """What a result on this checkpoint is of: its files' fingerprint, and for a LoRA/PEFT
-    adapter saved alone its base's too (raises AdapterError when its base is not found)."""
+    adapter saved alone, or DeepSpeed's states, its base's too (raises AdapterError when an
+    adapter's base is not found)."""
     fp = fingerprint(view, source.fingerprint_mode)
+    layout = native_layout(view.files)
+    if layout is not None and layout.needs_base and source.adapter_base is not None:
+        # DeepSpeed's states: the config and tokenizer are the base model's
+        return adapter.with_base(fp, source.adapter_base, source.fingerprint_mode)
     if not adapter.is_adapter(view.files):
         return fp
     base = adapter.resolve_base(view, source.adapter_base, location)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from pathlib import Path
 
 from ckpt_watcher import formats
 from ckpt_watcher.checkpoints import adapter
@@ -89,6 +90,7 @@ def check(
     previous_mark: str | None = None,
     tokenizer_required: bool = True,
     folder_name: str = "",
+    base_model: Path | None = None,
 ) -> Completeness:
     """Decide whether a checkpoint is complete (see the module's docstring).
 
@@ -104,6 +106,7 @@ def check(
         folder_name=folder_name,
         stable_seconds=stable_seconds,
         settle_seconds=settle_seconds,
+        base_model=base_model,
     )
     if problem is not None and problem.quiet_verdict:
         if quiet is not None and quiet >= stable_seconds:
@@ -132,13 +135,14 @@ def structure(
     folder_name: str,
     stable_seconds: float,
     settle_seconds: float,
+    base_model: Path | None = None,
 ) -> tuple[Completeness | None, str, float]:
     """Whether everything an eval reads is there, whole: (the problem, or None; what proves it
     complete, for the ready verdict's reason; how long its files must then stay unchanged)."""
     names = files.files
     native = formats.detect(names)
     if native is not None:
-        said = native.structure(files, tokenizer_required)
+        said = native.structure(files, tokenizer_required, base_model)
         if isinstance(said, Problem):
             verdict = Completeness(said.state, said.reason, quiet_verdict=said.quiet_verdict)
             return verdict, "", settle_seconds

@@ -33,26 +33,39 @@ _HF_META = frozenset(
 
 @dataclass(frozen=True)
 class Layout:
-    """A native format's files: `weights` matches a file of the model's shards, `also` names the
-    other top-level files a conversion reads, `meta` the folder holding config and tokenizer."""
+    """A native format's files: `weights` matches a file holding the model (or a piece of it),
+    `also` names the other top-level files a conversion reads, `meta` the folder holding config
+    and tokenizer ("": none; they come from the source's base model), `skip` the weight-like
+    files a conversion never reads (optimizer states beside the model's)."""
 
     name: str
     weights: re.Pattern[str]
     also: frozenset[str]
     meta: str
+    skip: re.Pattern[str] | None = None
+
+    @property
+    def needs_base(self) -> bool:
+        """Whether config and tokenizer come from the source's base model."""
+        return not self.meta
 
     def matches(self, names: Collection[str]) -> bool:
         return any(self.weights.match(n) for n in names)
 
     def needed(self, names: Collection[str]) -> list[str]:
         prefix = f"{self.meta}/"
+        skip = self.skip if self.skip is not None and self._skips(names) else None
         return sorted(
             n
             for n in names
-            if self.weights.match(n)
+            if (self.weights.match(n) and not (skip and skip.match(n)))
             or n in self.also
-            or (n.startswith(prefix) and n[len(prefix) :] in _HF_META)
+            or (self.meta and n.startswith(prefix) and n[len(prefix) :] in _HF_META)
         )
+
+    def _skips(self, names: Collection[str]) -> bool:
+        # DeepSpeed: the optimizer states hold the weights only under ZeRO-3 (no full model file)
+        return self.name != DEEPSPEED_NAME or any(_DS_FULL.match(n) for n in names)
 
 
 # verl's FSDP checkpoints (rllm's and SkyRL's too): formats/verl_fsdp.py
@@ -62,7 +75,22 @@ VERL_FSDP = Layout(
     frozenset({"fsdp_config.json"}),
     "huggingface",
 )
-LAYOUTS = (VERL_FSDP,)
+# DeepSpeed's engine states (OpenRLHF's default): formats/deepspeed.py. ZeRO-1/2: the whole
+# model in mp_rank_00_model_states.pt; ZeRO-3: each rank's model states (shapes) and optimizer
+# states (its flat fp32 partition of the weights).
+DEEPSPEED_NAME = "deepspeed"
+_DS_FULL = re.compile(r"^mp_rank_\d{2}_model_states\.pt$")
+DEEPSPEED = Layout(
+    DEEPSPEED_NAME,
+    re.compile(
+        r"^(?:mp_rank_\d{2}_model_states\.pt"
+        r"|(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d{2}_(?:model|optim)_states\.pt)$"
+    ),
+    frozenset(),
+    "",
+    skip=re.compile(r"^(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d{2}_optim_states\.pt$"),
+)
+LAYOUTS = (VERL_FSDP, DEEPSPEED)
 
 
 def native_layout(names: Collection[str]) -> Layout | None:

@@ -50,6 +50,12 @@ _VERL_HF_WEIGHTS = (  # what transformers' save_pretrained writes last: the whol
 # checkpoint only where it holds a Hugging Face model
 _DEEPSPEED_TAG = re.compile(r"^global_step\d{1,12}$")
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+# a DeepSpeed tag folder with rank 0's model states holds a model (formats/deepspeed.py)
+_DEEPSPEED_MODEL_STATES = (
+    "mp_rank_00_model_states.pt",
+    "zero_pp_rank_0_mp_rank_00_model_states.pt",
+)
+OPENRLHF_ACTOR = "_actor"
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,7 @@ def parse_name(
     parent: str,
     trainer_state: Callable[[], bytes | None],
     between: Sequence[str] = (),
+    grandparent: str = "",
 ) -> CheckpointId | None:
     """Identify a checkpoint by its folder name (and its parent's); None if no pattern fits.
 
@@ -92,9 +99,12 @@ def parse_name(
     `global_step{N}_hf` with the parent as run.
     `between` are the folder names from the source root down to the checkpoint's parent: the
     run path is them plus the run (`{run}_step{N}`), or them alone (`checkpoint-{N}`).
+    OpenRLHF keeps DeepSpeed's states in `<ckpt.path>/_actor/`: their run is `grandparent`.
     """
     dirs = [safe_component(d) for d in between]
     if m := _PARENT_STEP.match(name):  # first: `global_step{N}` would read as a run `global`
+        if m["ds"] and parent == OPENRLHF_ACTOR and grandparent:
+            parent, dirs = grandparent, dirs[:-1]  # OpenRLHF's `<ckpt.path>/_actor/global_stepN`
         if not _SAFE_RUN.match(parent):
             return None
         n = int(m["step"] or m["ds"])
@@ -118,7 +128,18 @@ def parse_checkpoint_dir(path: Path, root: Path | None = None) -> CheckpointId |
         except OSError:
             return None
 
-    return parse_name(path.name, path.parent.name, trainer_state, between)
+    return parse_name(path.name, path.parent.name, trainer_state, between, path.parent.parent.name)
+
+
+def has_hf_copy(name: str, parent: str, beside_parent: Callable[[str], bool]) -> bool:
+    """Whether a DeepSpeed tag folder in OpenRLHF's `_actor/` has the Hugging Face copy OpenRLHF
+    saves with `--ckpt.save_hf` (`<ckpt.path>/global_step{N}_hf`, `beside_parent(name)`: a
+    folder of that name beside `_actor/`): the copy is the step's checkpoint, not the states."""
+    return (
+        parent == OPENRLHF_ACTOR
+        and bool(_DEEPSPEED_TAG.match(name))
+        and beside_parent(f"{name}_hf")
+    )
 
 
 def verl_step_folder(name: str) -> bool:
@@ -138,13 +159,14 @@ def model_folder(name: str, holds: Callable[[str], bool]) -> str | None:
     the folder holds (`holds(relative path)`: a file or folder there): `actor/huggingface` when
     it has the weights, else `actor/lora_adapter` when a LoRA adapter is saved, else `actor`
     (the FSDP shards, converted); SkyRL's `policy/` alike; verl's SFT layout: `huggingface` or
-    the step folder. None for a step folder with no model: a `global_step_{N}` whose save has
-    not begun, or whose `actor/` verl's keep-last-k deleted (it leaves the folder, with
-    `data.pt`, for good); DeepSpeed's engine states (`global_step{N}` without `config.json`)."""
+    the step folder; DeepSpeed's tag folder `global_step{N}` itself where it holds model states
+    (converted with the source's base model). None for a step folder with no model: a
+    `global_step_{N}` whose save has not begun, or whose `actor/` verl's keep-last-k deleted (it
+    leaves the folder, with `data.pt`, for good); a DeepSpeed tag with no model states yet."""
     if not contents_decide(name) or holds("config.json"):
         return ""
-    if not verl_step_folder(name):
-        return None
+    if not verl_step_folder(name):  # DeepSpeed's tag: its states, converted (deepspeed.py)
+        return "" if any(holds(f) for f in _DEEPSPEED_MODEL_STATES) else None
     for role in sorted(VERL_ROLES):
         if holds(role):
             if verl_hf_weights(holds, role):

@@ -36,12 +36,20 @@ class Problem:
 class NativeFormat(Protocol):
     name: str  # layouts.py's, in status and the ledger (`source_format`)
 
-    def structure(self, files: CheckpointFiles, tokenizer_required: bool) -> Problem | str:
-        """The problem, or (all there and whole) what proves it complete."""
+    def structure(
+        self, files: CheckpointFiles, tokenizer_required: bool, base: Path | None
+    ) -> Problem | str:
+        """The problem, or (all there and whole) what proves it complete; `base`: the source's
+        base model, where a format keeps no config (layouts.py's `needs_base`)."""
         ...
 
     def convert(
-        self, folder: Path, out: Path, dtype: str | None, progress: Callable[[int, int], None]
+        self,
+        folder: Path,
+        out: Path,
+        dtype: str | None,
+        progress: Callable[[int, int], None],
+        base: Path | None,
     ) -> None:
         """Write the Hugging Face folder of the checkpoint in `folder` into `out` (empty), in
         `dtype` (a torch dtype name; None: as saved); `progress(bytes written, of bytes)`."""
@@ -53,6 +61,6 @@ def detect(names: Collection[str]) -> NativeFormat | None:
     layout = native_layout(names)
     if layout is None:
         return None
-    from ckpt_watcher.formats import verl_fsdp
+    from ckpt_watcher.formats import deepspeed, verl_fsdp
 
-    return {verl_fsdp.FORMAT.name: verl_fsdp.FORMAT}[layout.name]
+    return {f.name: f for f in (verl_fsdp.FORMAT, deepspeed.FORMAT)}[layout.name]

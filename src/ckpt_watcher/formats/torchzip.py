@@ -146,12 +146,12 @@ class Sharded:
     shape: tuple[int, ...]
 
 
-def read_index(path: Path) -> dict[str, Any]:
-    """The state dict saved in `path`: key -> `LazyTensor` or `Sharded` (other values as
-    saved: numbers, strings, None). Raises NativeFormatError for a file that is not a whole
-    torch.save zip of tensors."""
+def read_index(path: Path, data: bytes | None = None) -> dict[str, Any]:
+    """The state dict saved in `path` (or in `data`, that file's bytes): key -> `LazyTensor`
+    or `Sharded` (other values as saved: numbers, strings, None). Raises NativeFormatError for a
+    file that is not a whole torch.save zip of tensors."""
     try:
-        with zipfile.ZipFile(path) as zf:
+        with zipfile.ZipFile(io.BytesIO(data) if data is not None else path) as zf:
             names = zf.namelist()
             pkl = next((n for n in names if n.endswith("/data.pkl")), None)
             if pkl is None:
@@ -216,6 +216,15 @@ class _Record:
 
 class _DTensorMark:
     """What the pickle calls DTensor: a type only, never built."""
+
+
+class _TensorMark:
+    """torch.Tensor as a rebuilt tensor's type (DeepSpeed's flat groups): a type only."""
+
+
+_BUILTINS = {
+    ("builtins", n): t for n, t in (("set", set), ("frozenset", frozenset), ("slice", slice))
+}
 
 
 def _record_class(name: str) -> type:
@@ -318,7 +327,12 @@ class _Unpickler(pickle.Unpickler):
             return _rebuild_from_type_v2
         if (module, name) in _DTENSOR:
             return _DTensorMark
-        if module.startswith("torch.distributed."):  # specs, meshes, placements: inert records
+        if (module, name) == ("torch", "Tensor"):
+            return _TensorMark
+        if (module, name) in _BUILTINS:
+            return _BUILTINS[module, name]
+        # specs, meshes, placements; DeepSpeed's loss scaler and stage enum: inert records
+        if module.startswith(("torch.distributed.", "deepspeed.")):
             return self.records.setdefault(f"{module}.{name}", _record_class(name))
         raise NativeFormatError(
             f"{self.path.name}: holds a {module}.{name}, which a file of weights has no need "

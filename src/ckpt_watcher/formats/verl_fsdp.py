@@ -19,21 +19,19 @@ from the pickled device mesh.
 
 from __future__ import annotations
 
-import json
-import shutil
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from ckpt_watcher.checkpoints.files import NEEDED, TOKENIZER_FILES, CheckpointFiles, read_json
+from ckpt_watcher.checkpoints.files import TOKENIZER_FILES, CheckpointFiles, read_json
 from ckpt_watcher.checkpoints.layouts import VERL_FSDP
 from ckpt_watcher.errors import NativeFormatError
 from ckpt_watcher.formats import Problem
-from ckpt_watcher.formats.safetensors_out import Planned, write_model
+from ckpt_watcher.formats.hf_folder import Pieces, write_hf_folder
+from ckpt_watcher.formats.safetensors_out import Planned
 from ckpt_watcher.formats.torchzip import EOCD_SIZE, LazyTensor, Sharded, read_index, zip_whole
 
 CONFIG = "fsdp_config.json"
-BLOCK_BYTES = 64 << 20  # what a conversion holds of a tensor at a time (cast: up to 1.5 times)
 HF = VERL_FSDP.meta
 LORA_META = "lora_train_meta.json"
 
@@ -41,7 +39,9 @@ LORA_META = "lora_train_meta.json"
 class VerlFsdp:
     name = VERL_FSDP.name
 
-    def structure(self, files: CheckpointFiles, tokenizer_required: bool) -> Problem | str:
+    def structure(
+        self, files: CheckpointFiles, tokenizer_required: bool, base: Path | None = None
+    ) -> Problem | str:
         names = files.files
         if LORA_META in names:
             return Problem(
@@ -82,7 +82,12 @@ class VerlFsdp:
         return f"verl FSDP shards: {world} of {world} ranks whole"
 
     def convert(
-        self, folder: Path, out: Path, dtype: str | None, progress: Callable[[int, int], None]
+        self,
+        folder: Path,
+        out: Path,
+        dtype: str | None,
+        progress: Callable[[int, int], None],
+        base: Path | None = None,
     ) -> None:
         names = [p.name for p in folder.iterdir()]
         ranks = sorted(_ranks(names), key=lambda wr: wr[1])
@@ -90,16 +95,7 @@ class VerlFsdp:
         if not ranks or [r for _, r in ranks] != list(range(world)):
             raise NativeFormatError(f"{folder}: not every rank's model file is there")
         states = [read_index(folder / f"model_world_size_{world}_rank_{r}.pt") for _, r in ranks]
-        config = json.loads((folder / HF / "config.json").read_text())
-        plan, sources = _plan(states, dtype, folder)
-        if config.get("tie_word_embeddings") is True and "lm_head.weight" in sources:
-            del sources["lm_head.weight"]  # transformers saves a tied head once, as embeddings
-            plan = [p for p in plan if p.name != "lm_head.weight"]
-        total = sum(p.nbytes for p in plan)
-        write_model(out, plan, lambda p: _make(sources[p.name], p), lambda n: progress(n, total))
-        for name in sorted(NEEDED - {"model.safetensors.index.json"}):
-            if (folder / HF / name).is_file():
-                shutil.copyfile(folder / HF / name, out / name)
+        write_hf_folder(out, _plan(states, dtype, folder), folder / HF, progress)
 
 
 def _ranks(names: Collection[str]) -> set[tuple[int, int]]:
@@ -108,8 +104,8 @@ def _ranks(names: Collection[str]) -> set[tuple[int, int]]:
 
 def _plan(
     states: list[dict[str, Any]], dtype: str | None, folder: Path
-) -> tuple[list[Planned], dict[str, tuple[list[LazyTensor], int]]]:
-    """What to write (name, dtype, shape) and, per tensor, the pieces it is made of."""
+) -> dict[str, tuple[Planned, Pieces]]:
+    """What to write (name, dtype, shape), and the pieces each tensor is made of."""
     keys = [k for k, v in states[0].items() if isinstance(v, LazyTensor | Sharded)]
     for r, state in enumerate(states[1:], start=1):
         theirs = [k for k, v in state.items() if isinstance(v, LazyTensor | Sharded)]
@@ -117,17 +113,16 @@ def _plan(
             odd = sorted(set(theirs) ^ set(keys))[0]
             raise NativeFormatError(f"{folder}: ranks 0 and {r} hold other tensors ({odd})")
     group = _shard_group(states, keys, folder)
-    plan: list[Planned] = []
-    sources: dict[str, tuple[list[LazyTensor], int]] = {}
+    out: dict[str, tuple[Planned, Pieces]] = {}
     for key in keys:
         first = states[0][key]
         if isinstance(first, Sharded):
-            pieces, dim = [s[key].local for s in states[:group]], _shard_dim(key, first, folder)
+            parts = [s[key].local for s in states[:group]]
+            pieces = Pieces(parts, _shard_dim(key, first, folder))
         else:
-            pieces, dim = [first], 0
-        plan.append(Planned(key, dtype or pieces[0].dtype, tuple(first.shape)))
-        sources[key] = (pieces, dim)
-    return plan, sources
+            pieces = Pieces([first])
+        out[key] = (Planned(key, dtype or pieces.parts[0].dtype, tuple(first.shape)), pieces)
+    return out
 
 
 def _shard_dim(key: str, value: Sharded, folder: Path) -> int:
@@ -188,25 +183,6 @@ def _makes(states: list[dict[str, Any]], key: str, dim: int, group: int) -> bool
     ):
         return False
     return sum(p[dim] for p in pieces[:group]) == whole[dim]
-
-
-def _make(source: tuple[list[LazyTensor], int], planned: Planned) -> Iterator[Any]:
-    """The tensor's elements in order: pieces along dim 0 are the whole tensor's consecutive
-    runs of elements, copied block by block (cast per block); along another dim the pieces
-    are concatenated whole."""
-    import torch
-
-    pieces, dim = source
-    dtype = getattr(torch, planned.dtype)
-    if dim == 0 and all(p.contiguous for p in pieces):
-        for piece in pieces:
-            for block in piece.blocks(BLOCK_BYTES):
-                yield block.to(dtype)
-        return
-    parts = [p.read() for p in pieces]
-    whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-    del parts
-    yield whole.to(dtype).contiguous()
 
 
 FORMAT = VerlFsdp()

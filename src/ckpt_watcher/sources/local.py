@@ -20,6 +20,7 @@ from ckpt_watcher.checkpoints.files import LocalFiles
 from ckpt_watcher.checkpoints.fingerprint import Mode
 from ckpt_watcher.checkpoints.namefix import apply_fix
 from ckpt_watcher.checkpoints.naming import (
+    has_hf_copy,
     looks_like_checkpoint_name,
     model_folder,
     parse_checkpoint_dir,
@@ -136,7 +137,10 @@ class LocalSource:
         name = folder.name
         if looks_like_checkpoint_name(name):
             sub = model_folder(name, lambda sub: os.path.lexists(folder / sub))
-            if sub is None:
+            beside = folder.parent.parent
+            if sub is None or has_hf_copy(
+                name, folder.parent.name, lambda n: (beside / n).is_dir()
+            ):
                 return _NO_MODEL
             if not _is_utf8(str(folder)):
                 return Found(printable(folder), None, None, "path is not valid UTF-8")

@@ -20,6 +20,7 @@ from ckpt_watcher.checkpoints.fingerprint import Mode
 from ckpt_watcher.checkpoints.naming import (
     VERL_ROLES,
     contents_decide,
+    has_hf_copy,
     looks_like_checkpoint_name,
     model_folder,
     parse_name,
@@ -97,6 +98,7 @@ class S3Source:
     def scan(self) -> list[Found]:
         found: list[Found] = []
         stack: list[tuple[str, int]] = [(self.prefix, 0)]
+        listed: dict[str, list[str]] = {}  # prefix -> its sub-prefixes, as this scan saw them
         while stack:
             prefix, depth = stack.pop()
             subs: list[str] = []
@@ -104,6 +106,7 @@ class S3Source:
             for page_subs, objects in list_level(self.client, self.retry, self.bucket, prefix):
                 subs += page_subs
                 keys.update(o["Key"] for o in objects)
+            listed[prefix] = subs
             if depth > 0 and keys & {prefix + "config.json", prefix + "adapter_config.json"}:
                 found.append(Found(f"s3://{self.bucket}/{prefix}", None, None, UNRECOGNISED))
                 continue  # model files under an unknown name: reported, not walked into
@@ -120,12 +123,17 @@ class S3Source:
                         )
                     )
                     continue
+                above = listed.get(f"{path.parent.parent}/", [])
+                beside = {a.rstrip("/").rsplit("/", 1)[-1] for a in above}
+                if has_hf_copy(path.name, path.parent.name, beside.__contains__):
+                    continue  # OpenRLHF's DeepSpeed states beside its Hugging Face copy
                 if looks_like_checkpoint_name(path.name):
                     ident = parse_name(
                         path.name,
                         path.parent.name,
                         partial(self._get_or_none, sub + "trainer_state.json"),
                         parts[:-1],
+                        path.parent.parent.name,
                     )
                     note = "" if ident else "its run (parent prefix) name has unsafe characters"
                     model = self._model_folder(sub, path.name)

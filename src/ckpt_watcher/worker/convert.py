@@ -17,13 +17,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
 from ckpt_watcher import formats
-from ckpt_watcher.checkpoints.files import LocalFiles
-from ckpt_watcher.errors import NativeFormatError
+from ckpt_watcher.checkpoints import adapter
+from ckpt_watcher.checkpoints.files import LocalFiles, needed_files
+from ckpt_watcher.checkpoints.fingerprint import Mode, fingerprint
+from ckpt_watcher.checkpoints.layouts import native_layout
+from ckpt_watcher.errors import CheckpointChanged, NativeFormatError
 
 log = structlog.get_logger("ckpt_watcher.worker.convert")
 
@@ -52,20 +55,37 @@ class Converted:
 
 
 def converted(
-    checkpoint: Path, model_args: dict[str, Any], progress: Callable[[int, int], None]
+    checkpoint: Path,
+    model_args: dict[str, Any],
+    progress: Callable[[int, int], None],
+    base: str | None = None,
+    judged: str | None = None,
 ) -> Converted | None:
     """The Hugging Face copy of `checkpoint` if it is in a trainer's own format (None if it is
-    not); `progress(bytes written, of bytes)` as it is written."""
+    not); `progress(bytes written, of bytes)` as it is written. `base`: the source's base model
+    (DeepSpeed's states take their config and tokenizer from it), which must still be the one
+    the checkpoint was judged with (`judged`, its fingerprint), as a LoRA adapter's base."""
     view = LocalFiles(checkpoint)
     fmt = formats.detect(view.files)
     if fmt is None:
         return None
+    layout = native_layout(view.files)
+    base_path = Path(base) if base is not None and layout and layout.needs_base else None
+    if base_path is not None and judged is not None:
+        mode = cast(Mode, judged.partition(":")[0])
+        if adapter.with_base(fingerprint(view, mode), base_path, mode) != judged:
+            raise CheckpointChanged(
+                f"{checkpoint}: its base model {base_path} is not the one it was judged with "
+                "(its files changed since): the checkpoint is judged again"
+            )
     dtype = _dtype(model_args.get("dtype"))
     out = Path(tempfile.mkdtemp(prefix="converted-"))
     started = time.monotonic()
     try:
-        _room(out, sum(s for n, s in view.files.items() if n.endswith(".pt")), checkpoint)
-        fmt.convert(checkpoint, out, dtype, progress)
+        _room(
+            out, sum(s for n, s in view.files.items() if n in needed_files(view.files)), checkpoint
+        )
+        fmt.convert(checkpoint, out, dtype, progress, base_path)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise

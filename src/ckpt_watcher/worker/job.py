@@ -167,7 +167,13 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
     made: list[Path] = []  # copies of our own, removed when the job ends
     try:
         try:  # a trainer's own format is converted first, into a Hugging Face folder
-            native = converted(Path(req.checkpoint), req.model_args, _converting(folder))
+            native = converted(
+                Path(req.checkpoint),
+                req.model_args,
+                _converting(folder),
+                req.adapter_base,
+                spec.fingerprint,
+            )
             if native is not None:
                 made.append(native.path)
                 req = dataclasses.replace(req, checkpoint=str(native.path))

@@ -1,0 +1,60 @@
+"""DeepSpeed's own `engine.save_checkpoint` of a Hugging Face model over gloo ranks on the CPU,
+as OpenRLHF saves its actor by default: ZeRO stage 1, 2 or 3 with bf16 (OpenRLHF's default
+precision), into `<out>/_actor/global_step<N>/`, DeepSpeed writing its `latest` file last.
+
+Usage: python tests/writers/deepspeed_save.py MODEL OUT STEP STAGE RANKS
+
+No optimizer step is taken: the saved weights are MODEL's (ZeRO-1/2 keep them in bf16 in the
+model states, ZeRO-3 in fp32 in its optimizer states' flat partitions).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+
+def _rank(
+    rank: int, model_dir: str, out: str, step: int, stage: int, world: int, port: int
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        DS_ACCELERATOR="cpu",
+    )
+    import deepspeed
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "bf16": {"enabled": True},
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    engine.save_checkpoint(str(Path(out) / "_actor"), tag=f"global_step{step}")
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    model_dir, out, step, stage, world = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(model_dir, out, step, stage, world, port), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()
