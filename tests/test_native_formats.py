@@ -47,15 +47,24 @@ def _hf_copy(src: Path, out: Path) -> Path:
     return out
 
 
-def verl_save(model: Path, out: Path, step: int, ranks: int, *extra: str) -> Path:
+def saved(*commands: list[str]) -> None:
+    """Run the writers' commands side by side (each is a few processes that mostly import)."""
+    procs = [
+        subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for c in commands
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+
+
+def verl_command(model: Path, out: Path, step: int, ranks: int, *extra: str) -> list[str]:
     """verl's own save of `model`'s weights as step `step` of the run in `out`."""
-    r = subprocess.run(
-        [sys.executable, str(WRITER), str(model), str(out), str(step), str(ranks), *extra],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    return [sys.executable, str(WRITER), str(model), str(out), str(step), str(ranks), *extra]
+
+
+def verl_save(model: Path, out: Path, step: int, ranks: int, *extra: str) -> Path:
+    saved(verl_command(model, out, step, ranks, *extra))
     return out / f"global_step_{step}" / "actor"
 
 
@@ -68,9 +77,14 @@ def verl_run(
     once per test run; read-only."""
 
     def build(root: Path) -> None:
-        for step, ckpt in ((100, early_checkpoint), (300, trained_checkpoint)):
-            hf = _hf_copy(ckpt, root / "hf" / f"ref_step{step}")
-            verl_save(hf, root / "verl" / "grpo", step, 2)
+        saved(
+            *(
+                verl_command(
+                    _hf_copy(ckpt, root / "hf" / f"ref_step{step}"), root / "verl" / "grpo", step, 2
+                )
+                for step, ckpt in ((100, early_checkpoint), (300, trained_checkpoint))
+            )
+        )
 
     return shared_once(tmp_path_factory, "verl-run", build)[0]
 
@@ -217,7 +231,9 @@ def test_verl_shards_convert_to_the_weights_saved_and_to_what_verls_merger_write
 
 
 @pytest.mark.e2e
-def test_hsdp_shards_and_inconsistent_sets(trained_checkpoint: Path, tmp_path: Path) -> None:
+def test_hsdp_shards_and_inconsistent_sets(
+    trained_checkpoint: Path, verl_run: Path, tmp_path: Path
+) -> None:
     """Under HSDP (`[Replicate(), Shard(0)]` over a 2x2 mesh) one replica's ranks make the
     model. A set mixing ranks of two saves is refused, never read as a partial model."""
     import torch
@@ -231,7 +247,8 @@ def test_hsdp_shards_and_inconsistent_sets(trained_checkpoint: Path, tmp_path: P
     saved, ours = tensors(hf), tensors(tmp_path / "out")
     assert set(ours) == set(saved) and all(torch.equal(ours[k], saved[k]) for k in saved)
 
-    plain = verl_save(hf, tmp_path / "fsdp", 300, 2)
+    plain = tmp_path / "fsdp" / "actor"
+    shutil.copytree(verl_run / "verl" / "grpo" / "global_step_300" / "actor", plain)
     shutil.copyfile(actor / "model_world_size_4_rank_1.pt", plain / "model_world_size_2_rank_1.pt")
     with pytest.raises(NativeFormatError, match="placed otherwise on rank 1"):
         fmt.convert(plain, tmp_path / "out", None, lambda done, total: None)
@@ -360,16 +377,10 @@ def test_a_worker_killed_mid_conversion_leaves_nothing_half_written_and_the_next
 # --- DeepSpeed's own files (OpenRLHF's default) ----------------------------------------------
 
 
-def deepspeed_save(model: Path, out: Path, step: int, stage: int) -> Path:
-    """DeepSpeed's own save of `model` (ZeRO `stage`, bf16, 2 ranks) as OpenRLHF lays it out."""
-    r = subprocess.run(
-        [sys.executable, str(DS_WRITER), str(model), str(out), str(step), str(stage), "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out / "_actor" / f"global_step{step}"
+def deepspeed_command(model: Path, out: Path, step: int, stage: int) -> list[str]:
+    """DeepSpeed's own save of `model` (ZeRO `stage`, bf16, 2 ranks) as OpenRLHF lays it out:
+    `out/_actor/global_step<step>`."""
+    return [sys.executable, str(DS_WRITER), str(model), str(out), str(step), str(stage), "2"]
 
 
 def test_deepspeed_states_wait_for_a_base_model_and_model_parallel_ones_are_refused(
@@ -405,8 +416,12 @@ def test_openrlhf_deepspeed_states_zero_2_and_3_are_evaluated_with_the_base_mode
 
     base = _hf_copy(trained_checkpoint, tmp_path / "base")
     watch = tmp_path / "ckpts"
-    zero2 = deepspeed_save(base, watch / "oprl", 5, 2)
-    zero3 = deepspeed_save(base, watch / "oprl", 6, 3)
+    zero2, zero3 = (watch / "oprl" / "_actor" / f"global_step{n}" for n in (5, 6))
+    saved(
+        deepspeed_command(base, watch / "oprl", 5, 2),
+        deepspeed_command(base, tmp_path / "z3", 6, 3),
+    )
+    shutil.copytree(tmp_path / "z3" / "_actor" / zero3.name, zero3)  # one save at a time per folder
     ref = _hf_copy(trained_checkpoint, watch / "ref_step5")  # the weights bf16 keeps, in fp32
     weights = load_file(ref / "model.safetensors")
     save_file({k: v.bfloat16().float() for k, v in weights.items()}, ref / "model.safetensors")
