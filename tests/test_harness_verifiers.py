@@ -193,7 +193,7 @@ def yaml_of(path: Path) -> dict[str, Any]:
 
 
 @pytest.mark.e2e
-def test_rewards_equal_traces_a_swapped_server_equals_a_fresh_one_and_kill_9s_resume(
+def test_rewards_equal_traces_a_swapped_server_equals_a_fresh_one_and_a_kill_9_resumes(
     tmp_path: Path, checkpoints: list[Path]
 ) -> None:
     # an uninterrupted run of two checkpoints by one warm worker, which keeps its model server
@@ -252,10 +252,11 @@ def test_rewards_equal_traces_a_swapped_server_equals_a_fresh_one_and_kill_9s_re
     swapped = replies(ref / "ledgers" / "run1", line)
     assert swapped != replies(ref / "ledgers" / "run1", sums[0])  # step 100 answers otherwise
     # step 300 again, in a fresh server: its vLLM server killed -9 half way through the
-    # rollouts (the attempt fails, and heals), then the worker of the next attempt killed -9
+    # rollouts (the attempt fails, and heals); the next attempt resumes from the journal (a
+    # worker killed -9 resumes from the same journal: test_resume.py, on lm-eval's)
     run = tmp_path / "killed"
     shutil.copytree(checkpoints[-1], run / "ckpts" / checkpoints[-1].name)
-    cfg = config(run, run / "ckpts", max_attempts=3)
+    cfg = config(run, run / "ckpts", max_attempts=2)
     log = run / "daemon.log"
 
     def answered() -> int:
@@ -268,20 +269,13 @@ def test_rewards_equal_traces_a_swapped_server_equals_a_fresh_one_and_kill_9s_re
         (job,) = running_jobs(run / "state")
         os.kill(server_of(job.pid), signal.SIGKILL)
         first = answered()
-        # the next attempt: a new server, the journal's answers replayed, then new ones
-        wait_for(
-            lambda: answered() >= first + 2, 300, "attempt 2's answers", daemon, log, every=0.1
-        )
-        (job,) = running_jobs(run / "state")
-        assert job.attempt == 2
-        os.kill(job.pid, signal.SIGKILL)
         lines = wait_for(
             lambda: read_ledger(run / "ledgers", "run1"), 400, "the result", daemon, log
         )
     (resumed,) = lines
     assert resumed["status"] == "ok", resumed
-    assert resumed["attempt"] == 3
-    assert resumed["resumed"] >= first + 2  # both attempts' answers, from the journal
+    assert resumed["attempt"] == 2
+    assert resumed["resumed"] >= first  # the first attempt's answers, from the journal
     assert resumed["engine"] == "cold"
     # identical to the uninterrupted run, whose server had the weights swapped in
     assert resumed["metrics"] == line["metrics"]
