@@ -1,8 +1,9 @@
 """Trainers' own checkpoints, evaluated as they write them: verl's FSDP shards (its
 `FSDPCheckpointManager`, run here on gloo CPU ranks by tests/writers/verl_fsdp.py, with verl's
-default `save_contents`: no Hugging Face weights) and DeepSpeed's engine states (its own
-`save_checkpoint`, tests/writers/deepspeed_save.py, as OpenRLHF saves) are judged complete by
-their own files,
+default `save_contents`: no Hugging Face weights), DeepSpeed's engine states (its own
+`save_checkpoint`, tests/writers/deepspeed_save.py, as OpenRLHF saves) and NeMo-RL's sharded
+safetensors (torch's own HuggingFaceStorageWriter, tests/writers/nemo_rl.py) are judged
+complete by their own files,
 converted in the worker's scratch (never in the trainer's folders) and scored as the same
 weights saved as a Hugging Face folder; the conversion equals verl's own merger; a shard that is
 cut short, missing or not weights is never read as a model.
@@ -36,6 +37,7 @@ from .helpers import Throttle, running_job, status_json, wait_for, watcher_once,
 
 WRITER = Path(__file__).parent / "writers" / "verl_fsdp.py"
 DS_WRITER = Path(__file__).parent / "writers" / "deepspeed_save.py"
+NEMO_WRITER = Path(__file__).parent / "writers" / "nemo_rl.py"
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -453,3 +455,67 @@ def test_openrlhf_deepspeed_states_zero_2_and_3_are_evaluated_with_the_base_mode
         assert line["metrics"] == hf["metrics"], (line, hf)
     assert {ln["checkpoint"] for ln in lines} == {str(zero2), str(zero3)}
     assert listing(watch / "oprl") == before
+
+
+# --- NeMo-RL's DTensor policy (torch's own Hugging Face storage writer) --------------------
+
+
+def test_a_nemo_rl_steps_model_is_its_policys_shards_or_its_consolidated_copy(
+    tmp_path: Path,
+) -> None:
+    def holds(*paths: str) -> Any:
+        every = {p.rsplit("/", i)[0] for p in paths for i in range(p.count("/") + 1)}
+        return lambda p: p in every
+
+    shards = "policy/weights/model/shard-00001-model-00001-of-00001.safetensors"
+    assert model_folder("step_40", holds(shards)) == "policy"
+    both = holds(shards, "policy/weights/model/consolidated/config.json")
+    assert model_folder("step_40", both) == "policy/weights/model/consolidated"
+    assert model_folder("step_40", holds("config.json", "model.safetensors")) == ""  # prime-rl's
+    # a step being written (`tmp_step_N`, renamed once whole) is not looked into
+    (tmp_path / "run" / "tmp_step_50" / "policy" / "weights" / "model" / ".hf_metadata").mkdir(
+        parents=True
+    )
+    (
+        tmp_path
+        / "run"
+        / "tmp_step_50"
+        / "policy"
+        / "weights"
+        / "model"
+        / ".hf_metadata"
+        / "config.json"
+    ).write_text("{}")
+    assert LocalSource(tmp_path).scan() == []
+
+
+@pytest.mark.e2e
+def test_a_nemo_rl_step_is_evaluated_as_its_hugging_face_copy_scores(
+    verl_run: Path, tmp_path: Path, addition_tasks: Path
+) -> None:
+    """NeMo-RL's default save (each rank's slices, torch's HuggingFaceStorageWriter; config in
+    `.hf_metadata/`, tokenizer in `tokenizer/`; `tmp_step_N` renamed `step_N`): converted to the
+    weights saved, and scored as the same weights saved as a Hugging Face folder."""
+    import torch
+
+    hf = verl_run / "hf" / "ref_step300"
+    watch = tmp_path / "ckpts"
+    saved([sys.executable, str(NEMO_WRITER), str(hf), str(watch / "nemo"), "300", "2"])
+    policy = watch / "nemo" / "step_300" / "policy"
+    fmt = detect(LocalFiles(policy).files)
+    assert fmt is not None and fmt.name == "nemo-rl"
+    (tmp_path / "out").mkdir()
+    fmt.convert(policy, tmp_path / "out", None, lambda done, total: None)
+    ours, saved_weights = tensors(tmp_path / "out"), tensors(hf)
+    assert set(ours) == set(saved_weights)
+    assert all(torch.equal(ours[k], saved_weights[k]) for k in saved_weights)
+    shutil.copytree(hf, watch / "ref_step300")
+    before = listing(watch / "nemo")
+    ledgers = tmp_path / "ledgers"
+    cfg = write_config(tmp_path / "w.yaml", base_config(tmp_path, watch, addition_tasks))
+    (line,) = watcher_once(cfg, ledgers, "nemo")
+    (ref,) = read_ledger(ledgers, "ref")
+    assert line["status"] == "ok" and line["source_format"] == "nemo-rl", line
+    assert (line["step"], line["checkpoint"]) == (300, str(policy))
+    assert line["metrics"] == ref["metrics"]
+    assert listing(watch / "nemo") == before

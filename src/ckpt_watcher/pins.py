@@ -125,7 +125,7 @@ class Pins:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
             for name in names:
-                (partial / name).parent.mkdir(exist_ok=True)
+                (partial / name).parent.mkdir(parents=True, exist_ok=True)
                 os.link(folder / name, partial / name)
             check_unchanged(LocalFiles(partial), write_mark, location)
             shutil.rmtree(dest, ignore_errors=True)  # one an earlier daemon left half-released

@@ -19,7 +19,7 @@ import structlog
 import tenacity
 
 from ckpt_watcher.checkpoints.files import MARK_VERSION
-from ckpt_watcher.checkpoints.layouts import native_layout
+from ckpt_watcher.checkpoints.layouts import listing
 from ckpt_watcher.errors import S3Error
 
 log = structlog.get_logger("ckpt_watcher.s3")
@@ -218,13 +218,10 @@ class S3Files:
 
     @cached_property
     def files(self) -> dict[str, int]:
-        out = self._level(self.prefix)
-        layout = native_layout(out)
-        if layout is not None:  # and its config folder's (checkpoints/layouts.py)
-            out.update(self._level(f"{self.prefix}{layout.meta}/"))
-        return out
+        return listing(self._level)  # and a native format's folders (checkpoints/layouts.py)
 
-    def _level(self, prefix: str) -> dict[str, int]:
+    def _level(self, sub: str) -> dict[str, int]:
+        prefix = self.prefix + sub
         out: dict[str, int] = {}
         for _, objects in list_level(self.client, self.retry, self.bucket, prefix):
             for obj in objects:

@@ -9,7 +9,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
-from ckpt_watcher.checkpoints.layouts import native_layout
+from ckpt_watcher.checkpoints.layouts import listing, native_layout
 from ckpt_watcher.errors import CheckpointChanged
 
 # What an eval reads of a checkpoint (besides its weights): staged from S3, and fingerprinted.
@@ -85,13 +85,11 @@ class LocalFiles:
 
     @cached_property
     def files(self) -> dict[str, int]:
-        out = self._level(self.root, "")
-        layout = native_layout(out)
-        if layout is not None:
-            out.update(self._level(self.root / layout.meta, f"{layout.meta}/"))
-        return out
+        return listing(self._level)
 
-    def _level(self, folder: Path, prefix: str) -> dict[str, int]:
+    def _level(self, prefix: str) -> dict[str, int]:
+        """The files of the folder `prefix` ("" or `<relative path>/`) names, as `prefix<name>`."""
+        folder = self.root / prefix
         out: dict[str, int] = {}
         try:
             entries = list(os.scandir(folder))

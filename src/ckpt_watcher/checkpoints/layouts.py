@@ -7,7 +7,7 @@ reads a file; reading and converting are formats/.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 # What an eval reads of a Hugging Face folder besides its weights (files.py's NEEDED), as a
@@ -33,34 +33,42 @@ _HF_META = frozenset(
 
 @dataclass(frozen=True)
 class Layout:
-    """A native format's files: `weights` matches a file holding the model (or a piece of it),
-    `also` names the other top-level files a conversion reads, `meta` the folder holding config
-    and tokenizer ("": none; they come from the source's base model), `skip` the weight-like
-    files a conversion never reads (optimizer states beside the model's)."""
+    """A native format's files, named relative to the checkpoint's folder: `weights` matches a
+    file holding the model (or a piece of it), `also` names the other files a conversion
+    reads, `config` and `tokenizer` the folders holding those ("": none, they come from the
+    source's base model), `probe` the folder its weights are in when not at the top, `skip`
+    the weight-like files a conversion never reads (optimizer states beside the model's)."""
 
     name: str
     weights: re.Pattern[str]
     also: frozenset[str]
-    meta: str
+    config: str
+    tokenizer: str
+    probe: str = ""
     skip: re.Pattern[str] | None = None
 
     @property
     def needs_base(self) -> bool:
         """Whether config and tokenizer come from the source's base model."""
-        return not self.meta
+        return not self.config
+
+    @property
+    def folders(self) -> list[str]:
+        """The folders whose files are part of the checkpoint, besides its own."""
+        return sorted({f for f in (self.probe, self.config, self.tokenizer) if f})
 
     def matches(self, names: Collection[str]) -> bool:
         return any(self.weights.match(n) for n in names)
 
     def needed(self, names: Collection[str]) -> list[str]:
-        prefix = f"{self.meta}/"
         skip = self.skip if self.skip is not None and self._skips(names) else None
+        meta = {f"{f}/" for f in (self.config, self.tokenizer) if f}
         return sorted(
             n
             for n in names
             if (self.weights.match(n) and not (skip and skip.match(n)))
             or n in self.also
-            or (self.meta and n.startswith(prefix) and n[len(prefix) :] in _HF_META)
+            or any(n.startswith(m) and n[len(m) :] in _HF_META for m in meta)
         )
 
     def _skips(self, names: Collection[str]) -> bool:
@@ -73,7 +81,8 @@ VERL_FSDP = Layout(
     "verl-fsdp",
     re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$"),
     frozenset({"fsdp_config.json"}),
-    "huggingface",
+    config="huggingface",
+    tokenizer="huggingface",
 )
 # DeepSpeed's engine states (OpenRLHF's default): formats/deepspeed.py. ZeRO-1/2: the whole
 # model in mp_rank_00_model_states.pt; ZeRO-3: each rank's model states (shapes) and optimizer
@@ -87,12 +96,42 @@ DEEPSPEED = Layout(
         r"|(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d{2}_(?:model|optim)_states\.pt)$"
     ),
     frozenset(),
-    "",
+    config="",
+    tokenizer="",
     skip=re.compile(r"^(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d{2}_optim_states\.pt$"),
 )
-LAYOUTS = (VERL_FSDP, DEEPSPEED)
+# NeMo-RL's DTensor policy (`step_N/policy/`): each rank's slice of every tensor in its own
+# safetensors file, written by torch's HuggingFaceStorageWriter: formats/nemo_rl.py
+NEMO_RL = Layout(
+    "nemo-rl",
+    re.compile(r"^weights/model/shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors$"),
+    frozenset(),
+    config="weights/model/.hf_metadata",
+    tokenizer="tokenizer",
+    probe="weights/model",
+)
+LAYOUTS = (VERL_FSDP, DEEPSPEED, NEMO_RL)
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def native_layout(names: Collection[str]) -> Layout | None:
-    """The native format whose files these top-level names are, if any."""
+    """The native format whose files these are (names relative to the folder), if any."""
     return next((lay for lay in LAYOUTS if lay.matches(names)), None)
+
+
+def listing(level: Callable[[str], dict[str, int]]) -> dict[str, int]:
+    """A checkpoint folder's files (names -> sizes): its own (`level("")`), and for a native
+    format those of its folders (`level("<folder>/")`, named `<folder>/<name>`). A folder with
+    no weights of its own is probed for the formats that keep them below it."""
+    out = level("")
+    layout = native_layout(out)
+    if layout is None and not any(n.endswith(_WEIGHTS) for n in out):
+        for probed in (lay for lay in LAYOUTS if lay.probe):
+            below = level(f"{probed.probe}/")
+            if probed.matches(below):
+                layout = probed
+                break
+    if layout is not None:
+        for folder in layout.folders:
+            out.update(level(f"{folder}/"))
+    return out

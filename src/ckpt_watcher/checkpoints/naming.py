@@ -40,6 +40,14 @@ VERL_MODEL_FOLDERS = (
     "huggingface",
     *sorted(VERL_ROLES),
 )
+# NeMo-RL saves step N as `step_{N}/` (written as `tmp_step_{N}` and renamed once whole): the
+# policy's model in `policy/weights/model/` (its ranks' shards, converted:
+# formats/nemo_rl.py), and with `save_consolidated: true` a Hugging Face copy in its
+# `consolidated/` too
+_NEMO_STEP = re.compile(r"^step_\d{1,12}$")
+_NEMO_WRITING = re.compile(r"^tmp_step_\d{1,12}$")
+NEMO_CONSOLIDATED = "policy/weights/model/consolidated"
+_STEP_MODEL_FOLDERS = (NEMO_CONSOLIDATED, *VERL_MODEL_FOLDERS)
 _VERL_HF_WEIGHTS = (  # what transformers' save_pretrained writes last: the whole model is there
     "model.safetensors",
     "model.safetensors.index.json",
@@ -142,6 +150,12 @@ def has_hf_copy(name: str, parent: str, beside_parent: Callable[[str], bool]) ->
     )
 
 
+def being_written(name: str) -> bool:
+    """A folder a trainer writes a step into before naming it (NeMo-RL's `tmp_step_{N}`): not
+    looked into (its model folders would read as checkpoints of unknown names)."""
+    return bool(_NEMO_WRITING.match(name))
+
+
 def verl_step_folder(name: str) -> bool:
     """True for verl's name of a step's folder, `global_step_{N}`."""
     return bool(_VERL_STEP.match(name))
@@ -149,8 +163,9 @@ def verl_step_folder(name: str) -> bool:
 
 def contents_decide(name: str) -> bool:
     """True for the step folders whose contents say where their model is, or whether they hold
-    one (`model_folder`): verl's `global_step_{N}`, DeepSpeed's `global_step{N}`."""
-    return verl_step_folder(name) or bool(_DEEPSPEED_TAG.match(name))
+    one (`model_folder`): verl's `global_step_{N}`, DeepSpeed's `global_step{N}`, NeMo-RL's
+    `step_{N}`."""
+    return verl_step_folder(name) or bool(_DEEPSPEED_TAG.match(name) or _NEMO_STEP.match(name))
 
 
 def model_folder(name: str, holds: Callable[[str], bool]) -> str | None:
@@ -165,6 +180,10 @@ def model_folder(name: str, holds: Callable[[str], bool]) -> str | None:
     leaves the folder, with `data.pt`, for good); a DeepSpeed tag with no model states yet."""
     if not contents_decide(name) or holds("config.json"):
         return ""
+    if _NEMO_STEP.match(name):
+        if holds(f"{NEMO_CONSOLIDATED}/config.json"):
+            return NEMO_CONSOLIDATED
+        return "policy" if holds("policy/weights") else ""
     if not verl_step_folder(name):  # DeepSpeed's tag: its states, converted (deepspeed.py)
         return "" if any(holds(f) for f in _DEEPSPEED_MODEL_STATES) else None
     for role in sorted(VERL_ROLES):
@@ -188,9 +207,10 @@ def verl_hf_weights(holds: Callable[[str], bool], role: str = "actor") -> bool:
 def checkpoint_folder(location: str) -> str:
     """The folder a checkpoint is named by: its location, less verl's model folder inside it."""
     path = location.rstrip("/")
-    for sub in VERL_MODEL_FOLDERS:
+    for sub in _STEP_MODEL_FOLDERS:
         head, _, tail = path.rpartition("/" + sub)
-        if not tail and head and verl_step_folder(head.rsplit("/", 1)[-1]):
+        step = head.rsplit("/", 1)[-1]
+        if not tail and head and (verl_step_folder(step) or _NEMO_STEP.match(step)):
             return head
     return path
 

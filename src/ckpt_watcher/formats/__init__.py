@@ -61,6 +61,6 @@ def detect(names: Collection[str]) -> NativeFormat | None:
     layout = native_layout(names)
     if layout is None:
         return None
-    from ckpt_watcher.formats import deepspeed, verl_fsdp
+    from ckpt_watcher.formats import deepspeed, nemo_rl, verl_fsdp
 
-    return {f.name: f for f in (verl_fsdp.FORMAT, deepspeed.FORMAT)}[layout.name]
+    return {f.name: f for f in (verl_fsdp.FORMAT, deepspeed.FORMAT, nemo_rl.FORMAT)}[layout.name]

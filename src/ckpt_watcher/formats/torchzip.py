@@ -68,14 +68,15 @@ def zip_whole(tail: bytes) -> bool:
 
 @dataclass(frozen=True)
 class LazyTensor:
-    """A tensor in a torch.save file, not yet read."""
+    """A tensor in a torch.save file (or a safetensors file), not yet read."""
 
     path: Path
-    member: str  # the zip member holding its storage
+    member: str  # the zip member holding its storage ("": `at` says where it is)
     dtype: str  # torch's name of its dtype
     offset: int  # in elements, into its storage
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    at: int = 0  # where its storage begins in the file, when it is no zip member (safetensors)
 
     @property
     def numel(self) -> int:
@@ -119,7 +120,8 @@ class LazyTensor:
         import torch
 
         raw = buf.view(torch.uint8)
-        start = _member_data(f, self.member) + (self.offset + at) * buf.element_size()
+        begins = _member_data(f, self.member) if self.member else self.at
+        start = begins + (self.offset + at) * buf.element_size()
         f.seek(start)
         got = f.readinto(cast(Any, raw.numpy()))
         if got != raw.numel():

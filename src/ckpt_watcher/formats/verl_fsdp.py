@@ -32,7 +32,7 @@ from ckpt_watcher.formats.safetensors_out import Planned
 from ckpt_watcher.formats.torchzip import EOCD_SIZE, LazyTensor, Sharded, read_index, zip_whole
 
 CONFIG = "fsdp_config.json"
-HF = VERL_FSDP.meta
+HF = VERL_FSDP.config
 LORA_META = "lora_train_meta.json"
 
 

@@ -20,6 +20,7 @@ from ckpt_watcher.checkpoints.files import LocalFiles
 from ckpt_watcher.checkpoints.fingerprint import Mode
 from ckpt_watcher.checkpoints.namefix import apply_fix
 from ckpt_watcher.checkpoints.naming import (
+    being_written,
     has_hf_copy,
     looks_like_checkpoint_name,
     model_folder,
@@ -116,6 +117,8 @@ class LocalSource:
                     continue
                 if not entry.is_dir(follow_symlinks=False) or entry.name == PIN_FOLDER:
                     continue  # files; and the watcher's own pinned copies (pins.py)
+                if being_written(entry.name):
+                    continue  # a step not named yet: seen once its trainer renames it
                 item = self._classify(child)
                 if item is _NO_MODEL:
                     continue

@@ -19,6 +19,7 @@ from typing import Any
 from ckpt_watcher.checkpoints.fingerprint import Mode
 from ckpt_watcher.checkpoints.naming import (
     VERL_ROLES,
+    being_written,
     contents_decide,
     has_hf_copy,
     looks_like_checkpoint_name,
@@ -125,7 +126,9 @@ class S3Source:
                     continue
                 above = listed.get(f"{path.parent.parent}/", [])
                 beside = {a.rstrip("/").rsplit("/", 1)[-1] for a in above}
-                if has_hf_copy(path.name, path.parent.name, beside.__contains__):
+                if being_written(path.name) or has_hf_copy(
+                    path.name, path.parent.name, beside.__contains__
+                ):
                     continue  # OpenRLHF's DeepSpeed states beside its Hugging Face copy
                 if looks_like_checkpoint_name(path.name):
                     ident = parse_name(

@@ -129,7 +129,7 @@ def _stage_into(
         kept = target.is_file() and target.stat().st_size == size and etags.get(name) == etag
         if kept and _verified(dest, name, size):
             continue  # staged before, from this very object (a retry of the same job)
-        target.parent.mkdir(exist_ok=True)  # a native format's config folder
+        target.parent.mkdir(parents=True, exist_ok=True)  # a native format's folders
         tmp = target.with_name(f".{target.name}.part")
         retry(
             partial(_fetch, client, bucket, key + name, tmp, etag, transfer, location),
