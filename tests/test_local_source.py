@@ -168,3 +168,16 @@ def test_openrlhf_hugging_face_copies_are_its_checkpoints_and_its_deepspeed_stat
         "global_step30_hf",
     )
     assert ds is not None and (ds.run, ds.step, ds.run_path) == ("ds", 9, "ds")
+
+
+def test_areal_and_skyrl_hugging_face_folders_are_steps_of_their_runs(tmp_path: Path) -> None:
+    """AReaL names a step's Hugging Face folder `epoch{E}epochstep{S}globalstep{G}` (step G);
+    SkyRL's export puts it in `global_step_N/policy/`, where its FSDP shards would be."""
+    write_fake_checkpoint(tmp_path / "areal" / "exp1" / "epoch1epochstep20globalstep120")
+    write_fake_checkpoint(tmp_path / "skyrl" / "exp2" / "global_step_30" / "policy")
+    found = {f.location.removeprefix(f"{tmp_path}/"): f.ident for f in LocalSource(tmp_path).scan()}
+    areal = found["areal/exp1/epoch1epochstep20globalstep120"]
+    assert areal is not None and (areal.run, areal.step) == ("exp1", 120), areal
+    skyrl = found["skyrl/exp2/global_step_30/policy"]
+    assert skyrl is not None and (skyrl.run, skyrl.step) == ("exp2", 30), skyrl
+    assert len(found) == 2, found

@@ -20,9 +20,11 @@ _RUN_FINAL = re.compile(rf"^(?P<run>{_RUN_RE})_final$")
 # the parent folder is the run: HF Trainer, verl, prime-rl/open-instruct, DeepSpeed's tags
 # (`global_step{N}`: not a run named `global`) and OpenRLHF's Hugging Face copies
 # (`--ckpt.save_hf`: `<ckpt.path>/global_step{N}_hf`, beside its DeepSpeed states)
+# (AReaL's Hugging Face folders: `epoch{E}epochstep{S}globalstep{G}`, step G)
 _PARENT_STEP = re.compile(
     r"^(?:(?:checkpoint-|global_step_|step_)(?P<step>\d{1,12})"
-    r"|global_step(?P<ds>\d{1,12})(?:_hf)?)$"
+    r"|global_step(?P<ds>\d{1,12})(?:_hf)?"
+    r"|epoch\d{1,9}epochstep\d{1,12}globalstep(?P<areal>\d{1,12}))$"
 )
 _SAFE_RUN = re.compile(rf"^{_RUN_RE}$")
 _VERL_STEP = re.compile(r"^global_step_\d{1,12}$")
@@ -104,7 +106,7 @@ def parse_name(
 
     `{run}_step{N}`, `{run}_final` (step from trainer_state.json, read through `trainer_state`,
     if present), or `checkpoint-{N}` / `global_step_{N}` / `step_{N}` / `global_step{N}` /
-    `global_step{N}_hf` with the parent as run.
+    `global_step{N}_hf` / `epoch{E}epochstep{S}globalstep{N}` with the parent as run.
     `between` are the folder names from the source root down to the checkpoint's parent: the
     run path is them plus the run (`{run}_step{N}`), or them alone (`checkpoint-{N}`).
     OpenRLHF keeps DeepSpeed's states in `<ckpt.path>/_actor/`: their run is `grandparent`.
@@ -115,7 +117,7 @@ def parse_name(
             parent, dirs = grandparent, dirs[:-1]  # OpenRLHF's `<ckpt.path>/_actor/global_stepN`
         if not _SAFE_RUN.match(parent):
             return None
-        n = int(m["step"] or m["ds"])
+        n = int(m["step"] or m["ds"] or m["areal"])
         return CheckpointId(run=parent, step=n, label=name, run_path="/".join(dirs))
     if m := _RUN_STEP.match(name):
         run_path = "/".join([*dirs, m["run"]])
