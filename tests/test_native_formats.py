@@ -38,6 +38,7 @@ from .helpers import Throttle, running_job, status_json, wait_for, watcher_once,
 WRITER = Path(__file__).parent / "writers" / "verl_fsdp.py"
 DS_WRITER = Path(__file__).parent / "writers" / "deepspeed_save.py"
 NEMO_WRITER = Path(__file__).parent / "writers" / "nemo_rl.py"
+ACCELERATE_WRITER = Path(__file__).parent / "writers" / "accelerate_fsdp2.py"
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -519,3 +520,46 @@ def test_a_nemo_rl_step_is_evaluated_as_its_hugging_face_copy_scores(
     assert (line["step"], line["checkpoint"]) == (300, str(policy))
     assert line["metrics"] == ref["metrics"]
     assert listing(watch / "nemo") == before
+
+
+# --- formats only the trainer's converter reads: the source's convert command -----------------
+
+
+def test_a_distributed_checkpoint_without_a_convert_command_is_invalid_naming_converters(
+    tmp_path: Path,
+) -> None:
+    ckpt = tmp_path / "run" / "checkpoint-5"
+    (ckpt / "pytorch_model_fsdp_0").mkdir(parents=True)
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+        (ckpt / "pytorch_model_fsdp_0" / name).write_bytes(b"d")
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "trainer_state.json").write_text("{}")
+    said = completeness.check(LocalFiles(ckpt), now=0.0, stable_seconds=0, settle_seconds=0)
+    assert said.state == "invalid" and "accelerate merge-weights" in said.reason, said
+    said = completeness.check(
+        LocalFiles(ckpt), now=0.0, stable_seconds=0, settle_seconds=0, convert=["x", "{output}"]
+    )
+    assert said.ready and "pytorch_model_fsdp_0/.metadata" in said.reason, said
+
+
+@pytest.mark.e2e
+def test_accelerate_fsdp2_shards_are_evaluated_through_the_sources_convert_command(
+    verl_run: Path, tmp_path: Path, addition_tasks: Path
+) -> None:
+    """A Trainer's checkpoint under accelerate's FSDP2 (a DCP folder, no Hugging Face weights),
+    converted by the command the source names, accelerate's own `merge-weights`: scored as the
+    same weights saved as a Hugging Face folder, the config and tokenizer taken from beside."""
+    hf = verl_run / "hf" / "ref_step300"
+    watch = tmp_path / "ckpts"
+    saved([sys.executable, str(ACCELERATE_WRITER), str(hf), str(watch / "trl"), "300", "2"])
+    shutil.copytree(hf, watch / "ref_step300")
+    cfg = base_config(tmp_path, watch, addition_tasks)
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    cfg["sources"][0]["convert"] = [
+        accelerate, "merge-weights", "{input}/pytorch_model_fsdp_0", "{output}"
+    ]  # fmt: skip
+    ledgers = tmp_path / "ledgers"
+    (line,) = watcher_once(write_config(tmp_path / "w.yaml", cfg), ledgers, "trl")
+    (ref,) = read_ledger(ledgers, "ref")
+    assert line["status"] == "ok" and line["source_format"] == "dcp", line
+    assert line["metrics"] == ref["metrics"]

@@ -45,6 +45,14 @@ ADAPTER_BASE = (
     "Hugging Face cache (never downloaded). An adapter whose base is found neither way is shown "
     "`invalid` with what to set."
 )
+CONVERT = (
+    "The trainer's own converter, for the checkpoints whose conversion needs the model's "
+    "architecture (torch distributed checkpoints: accelerate under FSDP2, NeMo-RL's "
+    "`torch_save` format, torchtitan, Megatron): an argv (no shell) in which `{input}` is the "
+    "checkpoint's folder, `{output}` an empty folder in the worker's scratch to write a Hugging "
+    "Face folder into, `{base_model}` this source's base model. Unset, such checkpoints are "
+    "`invalid`, saying so."
+)
 BASE_MODEL = (
     "The folder (local) of the model this source's runs trained from. DeepSpeed's engine states "
     "(OpenRLHF's default `_actor/global_step{N}/`), which carry no config or tokenizer, take "
@@ -68,10 +76,28 @@ class _Model(BaseModel):
 
 class _Bases(_Model):
     """A source's base model: what its adapters merge into, where DeepSpeed's states take their
-    config and tokenizer from (one folder: `base_model` is `adapter_base` by another name)."""
+    config and tokenizer from (one folder: `base_model` is `adapter_base` by another name); and
+    its trainer's converter, for the formats only it can read."""
 
     adapter_base: Path | None = Field(None, description=ADAPTER_BASE)
     base_model: Path | None = Field(None, description=BASE_MODEL)
+    convert: list[str] | None = Field(None, min_length=1, description=CONVERT)
+
+    @field_validator("convert")
+    @classmethod
+    def _convert(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not any("{output}" in arg for arg in v):
+            raise ValueError("the convert command must write into {output}: name it in its argv")
+        if v is not None:
+            for arg in v:
+                try:
+                    arg.format(input="", output="", base_model="")
+                except (KeyError, IndexError, ValueError) as e:
+                    raise ValueError(
+                        f"{arg!r}: only {{input}}, {{output}} and {{base_model}} are filled in "
+                        f"({e})"
+                    ) from None
+        return v
 
     @field_validator("adapter_base", "base_model")
     @classmethod

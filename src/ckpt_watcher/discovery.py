@@ -181,6 +181,11 @@ class Discovery:
         base = src.adapter_base if src is not None else None
         return str(base) if base is not None else None
 
+    def convert(self, source_name: str) -> list[str] | None:
+        """Its source's converter, for the formats only a trainer's converter reads."""
+        src = self.source_named(source_name)
+        return src.convert if src is not None else None
+
     def exists(self, source_name: str, location: str) -> Future[bool] | None:
         """Ask (on the source's lane) whether a checkpoint is still there; None if its source
         left the config."""
@@ -388,6 +393,7 @@ class Discovery:
                 tokenizer_required=self.tokenizer_required,
                 folder_name=checkpoint_folder(location).rsplit("/", 1)[-1],
                 base_model=source.adapter_base,
+                convert=source.convert,
             )
             observed = self.clock()
             if not verdict.ready:

@@ -125,6 +125,7 @@ class EvalRequest:
         None  # where compiled kernels are kept (evaluators/compile_cache.py)
     )
     adapter_base: str | None = None  # the source's `adapter_base` (worker/merge.py)
+    convert: list[str] | None = None  # the source's converter (formats/command.py)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ MARKERS = (".checkpoint_complete", "STABLE", ".metadata")
 TRAINER_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth")
 TRAINER_STATE = "trainer_state.json"
 DEFAULT_SETTLE_SECONDS = 0.5
+_NO_TRAINER_STATE = f"HF Trainer folder without {TRAINER_STATE} yet (it writes it last)"
 _HF_TRAINER_FOLDER = re.compile(r"^checkpoint-\d+$")
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.safetensors$")
 _OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.distcp")
@@ -91,6 +92,7 @@ def check(
     tokenizer_required: bool = True,
     folder_name: str = "",
     base_model: Path | None = None,
+    convert: list[str] | None = None,
 ) -> Completeness:
     """Decide whether a checkpoint is complete (see the module's docstring).
 
@@ -107,6 +109,7 @@ def check(
         stable_seconds=stable_seconds,
         settle_seconds=settle_seconds,
         base_model=base_model,
+        convert=convert,
     )
     if problem is not None and problem.quiet_verdict:
         if quiet is not None and quiet >= stable_seconds:
@@ -136,16 +139,20 @@ def structure(
     stable_seconds: float,
     settle_seconds: float,
     base_model: Path | None = None,
+    convert: list[str] | None = None,
 ) -> tuple[Completeness | None, str, float]:
     """Whether everything an eval reads is there, whole: (the problem, or None; what proves it
     complete, for the ready verdict's reason; how long its files must then stay unchanged)."""
     names = files.files
     native = formats.detect(names)
     if native is not None:
-        said = native.structure(files, tokenizer_required, base_model)
+        said = native.structure(files, tokenizer_required, base_model, convert)
         if isinstance(said, Problem):
             verdict = Completeness(said.state, said.reason, quiet_verdict=said.quiet_verdict)
             return verdict, "", settle_seconds
+        if TRAINER_STATE not in names and _hf_trainer_folder(names, folder_name):
+            # accelerate's FSDP2 shards in a Trainer's folder: the Trainer still writes
+            return Completeness("incomplete", _NO_TRAINER_STATE), "", settle_seconds
         return None, said, settle_seconds
     marker = next((m for m in MARKERS if m in names), None)
     shards = sorted(n for n in names if n.endswith(".safetensors"))
@@ -190,13 +197,7 @@ def structure(
             window,
         )
     if TRAINER_STATE not in names and _hf_trainer_folder(names, folder_name):
-        return (
-            Completeness(
-                "incomplete", f"HF Trainer folder without {TRAINER_STATE} yet (it writes it last)"
-            ),
-            "",
-            window,
-        )
+        return Completeness("incomplete", _NO_TRAINER_STATE), "", window
     return None, evidence, window
 
 

@@ -36,26 +36,28 @@ class Layout:
     """A native format's files, named relative to the checkpoint's folder: `weights` matches a
     file holding the model (or a piece of it), `also` names the other files a conversion
     reads, `config` and `tokenizer` the folders holding those ("": none, they come from the
-    source's base model), `probe` the folder its weights are in when not at the top, `skip`
-    the weight-like files a conversion never reads (optimizer states beside the model's)."""
+    source's base model), `probes` the folders its weights may be in when not at the top,
+    `skip` the weight-like files a conversion never reads (optimizer states beside the
+    model's), `top_meta`: the folder's own config and tokenizer files count too."""
 
     name: str
     weights: re.Pattern[str]
     also: frozenset[str]
     config: str
     tokenizer: str
-    probe: str = ""
+    probes: tuple[str, ...] = ()
     skip: re.Pattern[str] | None = None
+    top_meta: bool = False
 
     @property
     def needs_base(self) -> bool:
         """Whether config and tokenizer come from the source's base model."""
-        return not self.config
+        return not self.config and not self.top_meta
 
     @property
     def folders(self) -> list[str]:
         """The folders whose files are part of the checkpoint, besides its own."""
-        return sorted({f for f in (self.probe, self.config, self.tokenizer) if f})
+        return sorted({f for f in (*self.probes, self.config, self.tokenizer) if f})
 
     def matches(self, names: Collection[str]) -> bool:
         return any(self.weights.match(n) for n in names)
@@ -69,6 +71,7 @@ class Layout:
             if (self.weights.match(n) and not (skip and skip.match(n)))
             or n in self.also
             or any(n.startswith(m) and n[len(m) :] in _HF_META for m in meta)
+            or (self.top_meta and n in _HF_META)
         )
 
     def _skips(self, names: Collection[str]) -> bool:
@@ -108,15 +111,38 @@ NEMO_RL = Layout(
     frozenset(),
     config="weights/model/.hf_metadata",
     tokenizer="tokenizer",
-    probe="weights/model",
+    probes=("weights/model",),
 )
-LAYOUTS = (VERL_FSDP, DEEPSPEED, NEMO_RL)
-_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
+# torch distributed checkpoints (DCP: `.metadata` written last, `__R_I.distcp` data): accelerate
+# under FSDP2 (`checkpoint-N/pytorch_model_fsdp_0/`, config and tokenizer beside it), NeMo-RL's
+# `model_save_format: torch_save` (`policy/weights/`), torchtitan's `step-N/`, Megatron's dist
+# checkpoints. Their keys need the trainer's own mapping: converted by the source's `convert`
+# command (formats/command.py)
+DCP = Layout(
+    "dcp",
+    re.compile(r"^(?:(?:pytorch_model_fsdp_\d+|weights)/)?__\d+_\d+\.distcp$"),
+    frozenset({".metadata", "pytorch_model_fsdp_0/.metadata", "weights/.metadata", "common.pt"}),
+    config="",
+    tokenizer="",
+    probes=("pytorch_model_fsdp_0", "weights"),
+    top_meta=True,
+)
+LAYOUTS = (VERL_FSDP, DEEPSPEED, NEMO_RL, DCP)
 
 
 def native_layout(names: Collection[str]) -> Layout | None:
-    """The native format whose files these are (names relative to the folder), if any."""
+    """The native format whose files these are (names relative to the folder), if any: none
+    where Hugging Face weights are there too (they are what an eval reads)."""
+    if any(_hf_weights(n) for n in names if "/" not in n):
+        return None
     return next((lay for lay in LAYOUTS if lay.matches(names)), None)
+
+
+def _hf_weights(name: str) -> bool:
+    """A Hugging Face weights file (not a Trainer's `training_args.bin` or optimizer states)."""
+    return name.endswith(".safetensors") or (
+        name.startswith(("pytorch_model", "adapter_model")) and name.endswith(".bin")
+    )
 
 
 def listing(level: Callable[[str], dict[str, int]]) -> dict[str, int]:
@@ -125,12 +151,10 @@ def listing(level: Callable[[str], dict[str, int]]) -> dict[str, int]:
     no weights of its own is probed for the formats that keep them below it."""
     out = level("")
     layout = native_layout(out)
-    if layout is None and not any(n.endswith(_WEIGHTS) for n in out):
-        for probed in (lay for lay in LAYOUTS if lay.probe):
-            below = level(f"{probed.probe}/")
-            if probed.matches(below):
-                layout = probed
-                break
+    if layout is None and not any(_hf_weights(n) for n in out):
+        layout = next(
+            (lay for lay in LAYOUTS for p in lay.probes if lay.matches(level(f"{p}/"))), None
+        )
     if layout is not None:
         for folder in layout.folders:
             out.update(level(f"{folder}/"))

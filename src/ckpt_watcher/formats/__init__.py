@@ -37,10 +37,15 @@ class NativeFormat(Protocol):
     name: str  # layouts.py's, in status and the ledger (`source_format`)
 
     def structure(
-        self, files: CheckpointFiles, tokenizer_required: bool, base: Path | None
+        self,
+        files: CheckpointFiles,
+        tokenizer_required: bool,
+        base: Path | None = None,
+        command: list[str] | None = None,
     ) -> Problem | str:
         """The problem, or (all there and whole) what proves it complete; `base`: the source's
-        base model, where a format keeps no config (layouts.py's `needs_base`)."""
+        base model, where a format keeps no config (layouts.py's `needs_base`); `command`: the
+        source's convert command, for the formats only a trainer's converter reads."""
         ...
 
     def convert(
@@ -49,7 +54,8 @@ class NativeFormat(Protocol):
         out: Path,
         dtype: str | None,
         progress: Callable[[int, int], None],
-        base: Path | None,
+        base: Path | None = None,
+        command: list[str] | None = None,
     ) -> None:
         """Write the Hugging Face folder of the checkpoint in `folder` into `out` (empty), in
         `dtype` (a torch dtype name; None: as saved); `progress(bytes written, of bytes)`."""
@@ -61,6 +67,7 @@ def detect(names: Collection[str]) -> NativeFormat | None:
     layout = native_layout(names)
     if layout is None:
         return None
-    from ckpt_watcher.formats import deepspeed, nemo_rl, verl_fsdp
+    from ckpt_watcher.formats import command, deepspeed, nemo_rl, verl_fsdp
 
-    return {f.name: f for f in (verl_fsdp.FORMAT, deepspeed.FORMAT, nemo_rl.FORMAT)}[layout.name]
+    every = (verl_fsdp.FORMAT, deepspeed.FORMAT, nemo_rl.FORMAT, command.FORMAT)
+    return {f.name: f for f in every}[layout.name]

@@ -48,10 +48,16 @@ class DeepSpeed:
     name = DEEPSPEED.name
 
     def structure(
-        self, files: CheckpointFiles, tokenizer_required: bool, base: Path | None
+        self,
+        files: CheckpointFiles,
+        tokenizer_required: bool,
+        base: Path | None = None,
+        command: list[str] | None = None,
     ) -> Problem | str:
         names = files.files
         if any((m := _MP.match(n)) and m[1] != "00" for n in names):
+            if command:  # the trainer's converter reads them (formats/command.py)
+                return "DeepSpeed model-parallel states, converted by the source's command"
             return Problem("invalid", MODEL_PARALLEL)
         if base is None:
             return Problem("incomplete", NO_BASE)
@@ -83,8 +89,13 @@ class DeepSpeed:
         out: Path,
         dtype: str | None,
         progress: Callable[[int, int], None],
-        base: Path | None,
+        base: Path | None = None,
+        command: list[str] | None = None,
     ) -> None:
+        if command and (folder / "mp_rank_01_model_states.pt").is_file():
+            from ckpt_watcher.formats.command import FORMAT as by_command
+
+            return by_command.convert(folder, out, dtype, progress, base, command)
         if base is None:
             raise NativeFormatError(f"{folder}: {NO_BASE}")
         if (folder / FULL).is_file():

@@ -44,7 +44,11 @@ class NemoRl:
     name = NEMO_RL.name
 
     def structure(
-        self, files: CheckpointFiles, tokenizer_required: bool, base: Path | None = None
+        self,
+        files: CheckpointFiles,
+        tokenizer_required: bool,
+        base: Path | None = None,
+        command: list[str] | None = None,
     ) -> Problem | str:
         names = files.files
         series: dict[int, tuple[int, set[int]]] = {}
@@ -81,6 +85,7 @@ class NemoRl:
         dtype: str | None,
         progress: Callable[[int, int], None],
         base: Path | None = None,
+        command: list[str] | None = None,
     ) -> None:
         slices: dict[str, list[tuple[list[int], LazyTensor]]] = {}
         for name in sorted(n for n in LocalFiles(folder).files if _SHARD.match(n)):

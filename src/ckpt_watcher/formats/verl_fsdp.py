@@ -40,7 +40,11 @@ class VerlFsdp:
     name = VERL_FSDP.name
 
     def structure(
-        self, files: CheckpointFiles, tokenizer_required: bool, base: Path | None = None
+        self,
+        files: CheckpointFiles,
+        tokenizer_required: bool,
+        base: Path | None = None,
+        command: list[str] | None = None,
     ) -> Problem | str:
         names = files.files
         if LORA_META in names:
@@ -88,6 +92,7 @@ class VerlFsdp:
         dtype: str | None,
         progress: Callable[[int, int], None],
         base: Path | None = None,
+        command: list[str] | None = None,
     ) -> None:
         names = [p.name for p in folder.iterdir()]
         ranks = sorted(_ranks(names), key=lambda wr: wr[1])

@@ -227,6 +227,7 @@ class Dispatcher:
             tensor_parallel_size=ev.tensor_parallel_size,
             compile_cache=str(ev.compile_cache_dir or self.cfg.state_dir / "compile-cache"),
             adapter_base=self.discovery.adapter_base(self.book.source_name(job)),
+            convert=self.discovery.convert(self.book.source_name(job)),
         )
         stage = self.discovery.stage_spec(self.book.source_name(job), job.location)
         return JobSpec(

@@ -28,6 +28,7 @@ def build_sources(cfg: WatcherConfig) -> list[Source]:
                     s.inotify,
                     fingerprint=s.fingerprint,
                     adapter_base=s.adapter_base,
+                    convert=s.convert,
                 )
             )
         else:
@@ -42,6 +43,7 @@ def build_sources(cfg: WatcherConfig) -> list[Source]:
                     request_timeout=s.request_timeout_seconds,
                     fingerprint=s.fingerprint,
                     adapter_base=s.adapter_base,
+                    convert=s.convert,
                 )
             )
     if cfg.baseline is not None and cfg.baseline.checkpoint is not None:

@@ -37,6 +37,7 @@ class Source(Protocol):
     fingerprint_mode: Mode  # how checkpoints' content fingerprints are taken
     recheck_per_scan: int | None  # evaluated checkpoints re-examined per scan (None: all)
     adapter_base: Path | None  # the base model its LoRA/PEFT adapters merge into (adapter.py)
+    convert: list[str] | None  # its trainer's converter (formats/command.py)
 
     def owns(self, location: str) -> bool:
         """True if `location` is one of this source's (under its root or prefix)."""

@@ -38,6 +38,7 @@ class BaselineSource:
         self.fingerprint_mode = inner.fingerprint_mode
         self.recheck_per_scan = inner.recheck_per_scan
         self.adapter_base = inner.adapter_base
+        self.convert = inner.convert
 
     def owns(self, location: str) -> bool:
         return location == self.location

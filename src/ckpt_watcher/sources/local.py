@@ -78,10 +78,12 @@ class LocalSource:
         scandir: Callable[[Path], Iterable[Any]] = os.scandir,
         fingerprint: Mode = "sampled",
         adapter_base: Path | None = None,
+        convert: list[str] | None = None,
     ) -> None:
         self.root = root
         self.fingerprint_mode: Mode = fingerprint
         self.adapter_base = adapter_base
+        self.convert = convert
         self.recheck_per_scan: int | None = None  # a stat per file: every evaluated one, every scan
         self.name = f"local:{root}"
         self.poll_seconds = poll_seconds

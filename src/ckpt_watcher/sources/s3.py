@@ -61,10 +61,12 @@ class S3Source:
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         fingerprint: Mode = "sampled",
         adapter_base: Path | None = None,
+        convert: list[str] | None = None,
     ) -> None:
         self.uri = uri
         self.fingerprint_mode: Mode = fingerprint
         self.adapter_base = adapter_base
+        self.convert = convert
         # a listing per evaluated checkpoint: this many per scan, in turn (see Discovery)
         self.recheck_per_scan: int | None = RECHECK_PER_SCAN
         self.name = uri

@@ -60,6 +60,7 @@ def converted(
     progress: Callable[[int, int], None],
     base: str | None = None,
     judged: str | None = None,
+    command: list[str] | None = None,
 ) -> Converted | None:
     """The Hugging Face copy of `checkpoint` if it is in a trainer's own format (None if it is
     not); `progress(bytes written, of bytes)` as it is written. `base`: the source's base model
@@ -70,8 +71,8 @@ def converted(
     if fmt is None:
         return None
     layout = native_layout(view.files)
-    base_path = Path(base) if base is not None and layout and layout.needs_base else None
-    if base_path is not None and judged is not None:
+    base_path = Path(base) if base is not None else None
+    if base_path is not None and layout is not None and layout.needs_base and judged is not None:
         mode = cast(Mode, judged.partition(":")[0])
         if adapter.with_base(fingerprint(view, mode), base_path, mode) != judged:
             raise CheckpointChanged(
@@ -85,7 +86,7 @@ def converted(
         _room(
             out, sum(s for n, s in view.files.items() if n in needed_files(view.files)), checkpoint
         )
-        fmt.convert(checkpoint, out, dtype, progress, base_path)
+        fmt.convert(checkpoint, out, dtype, progress, base_path, command)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise

@@ -173,6 +173,7 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
                 _converting(folder),
                 req.adapter_base,
                 spec.fingerprint,
+                req.convert,
             )
             if native is not None:
                 made.append(native.path)
