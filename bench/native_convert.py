@@ -8,7 +8,9 @@ each rank's `torch.save` of its DTensors), with `fsdp_config.json` and `huggingf
 a tokenizer). verl's merger always writes bf16; ours writes what was
 saved (fp32) unless told, so ours is timed both ways.
 
-Prints per world size: seconds and peak RSS of each, and the ratios.
+Prints per world size: seconds and peak RSS of each, and the ratios. The shards are read once
+before the three are timed, so each reads them from the page cache (the first to run would
+otherwise pay the disk alone).
 Usage: python bench/native_convert.py [--ranks 2 8] [--shape qwen3-0.6b|tiny] [--work /tmp/bench-native]
 """
 
@@ -109,6 +111,10 @@ def main() -> None:
             print(f"saved {args.shape} over {world} ranks in {time.monotonic() - t:.0f}s")
         shards = sum(p.stat().st_size for p in src.glob("model_world_size_*.pt")) / 2**30
         print(f"W={world}: model shards {shards:.2f} GiB (fp32)")
+        for p in src.glob("model_world_size_*.pt"):  # all three read them from the page cache
+            with open(p, "rb") as f:
+                while f.read(64 << 20):
+                    pass
         results = {}
         for label, code, dtype in (
             ("ours fp32", OURS, ""),
