@@ -258,51 +258,6 @@ def test_hsdp_shards_and_inconsistent_sets(
 
 
 @pytest.mark.e2e
-def test_a_verl_run_local_and_on_s3_is_evaluated_as_its_hugging_face_copy_scores(
-    verl_run: Path, tmp_path: Path, addition_tasks: Path, s3_endpoint: str, bucket: str
-) -> None:
-    """One daemon over a folder (verl's step 100 as verl saved it, and step 300's weights as a
-    Hugging Face folder) and an S3 prefix (verl's step 300, uploaded with its optimizer
-    states): each native step is converted and scored, step 300 as its Hugging Face copy
-    scores; the trainer's files are untouched; only the model's shards are staged."""
-    from ckpt_watcher.s3client import make_client
-
-    watch = tmp_path / "ckpts"
-    shutil.copytree(
-        verl_run / "verl" / "grpo" / "global_step_100", watch / "grpo" / "global_step_100"
-    )
-    shutil.copytree(verl_run / "hf" / "ref_step300", watch / "ref_step300")
-    client = make_client(s3_endpoint)
-    step300 = verl_run / "verl" / "grpo" / "global_step_300"
-    for f in sorted(step300.rglob("*")):
-        if f.is_file():
-            key = f"remote/grpo_s3/global_step_300/{f.relative_to(step300).as_posix()}"
-            client.upload_file(str(f), bucket, key)
-    before = listing(watch / "grpo")
-    cfg = base_config(tmp_path, watch, addition_tasks)
-    cache = tmp_path / "cache"
-    cfg["sources"].append(s3_source(f"s3://{bucket}/remote/", cache, keep_staged=True))
-    ledgers = tmp_path / "ledgers"
-    (local,) = watcher_once(write_config(tmp_path / "w.yaml", cfg), ledgers, "grpo")
-    (ref,) = read_ledger(ledgers, "ref")
-    (remote,) = read_ledger(ledgers, "grpo_s3")
-    for line in (local, remote):
-        assert line["status"] == "ok" and line["source_format"] == "verl-fsdp", line
-        assert line["convert_seconds"] > 0 and "reused_from" not in line, line
-    assert "source_format" not in ref
-    assert remote["metrics"] == ref["metrics"]  # the same weights, saved by verl and by HF
-    assert local["metrics"] != remote["metrics"]  # step 100: another checkpoint, its own
-    assert listing(watch / "grpo") == before  # the trainer's files: not one byte or time
-    staged = {p.name for p in cache.rglob("*") if p.is_file() and not p.name.startswith(".")}
-    assert staged == {
-        "fsdp_config.json",
-        *HF_FILES,
-        "model_world_size_2_rank_0.pt",
-        "model_world_size_2_rank_1.pt",
-    }, staged  # never the optimizer's or the RNG's
-
-
-@pytest.mark.e2e
 def test_a_worker_killed_mid_conversion_leaves_nothing_half_written_and_the_next_converts(
     tmp_path: Path, addition_tasks: Path
 ) -> None:
@@ -406,58 +361,6 @@ def test_deepspeed_states_wait_for_a_base_model_and_model_parallel_ones_are_refu
     assert said.state == "invalid" and "model-parallel" in said.reason, said
 
 
-@pytest.mark.e2e
-def test_openrlhf_deepspeed_states_zero_2_and_3_are_evaluated_with_the_base_models_config(
-    trained_checkpoint: Path, tmp_path: Path, addition_tasks: Path
-) -> None:
-    """DeepSpeed's own saves under ZeRO-2 (the model in bf16 in its model states) and ZeRO-3
-    (fp32 partitions in its optimizer states), as OpenRLHF lays them out: converted with the
-    source's base_model's config and tokenizer, equal to DeepSpeed's own zero_to_fp32.py, and
-    scored as the same weights saved as a Hugging Face folder."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    base = _hf_copy(trained_checkpoint, tmp_path / "base")
-    watch = tmp_path / "ckpts"
-    zero2, zero3 = (watch / "oprl" / "_actor" / f"global_step{n}" for n in (5, 6))
-    saved(
-        deepspeed_command(base, watch / "oprl", 5, 2),
-        deepspeed_command(base, tmp_path / "z3", 6, 3),
-    )
-    shutil.copytree(tmp_path / "z3" / "_actor" / zero3.name, zero3)  # one save at a time per folder
-    ref = _hf_copy(trained_checkpoint, watch / "ref_step5")  # the weights bf16 keeps, in fp32
-    weights = load_file(ref / "model.safetensors")
-    save_file({k: v.bfloat16().float() for k, v in weights.items()}, ref / "model.safetensors")
-    # ZeRO-3: what DeepSpeed's own script reassembles, tensor for tensor
-    fmt = detect(LocalFiles(zero3).files)
-    assert fmt is not None and fmt.name == "deepspeed"
-    (tmp_path / "ours").mkdir()
-    fmt.convert(zero3, tmp_path / "ours", None, lambda done, total: None, base)
-    r = subprocess.run(
-        [sys.executable, str(zero3.parent / "zero_to_fp32.py"), str(zero3.parent)]
-        + [str(tmp_path / "theirs"), "--tag", zero3.name, "--safe_serialization"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    ours, theirs = tensors(tmp_path / "ours"), tensors(tmp_path / "theirs")
-    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
-
-    before = listing(watch / "oprl")
-    cfg = base_config(tmp_path, watch, addition_tasks)
-    cfg["sources"][0]["base_model"] = str(base)
-    ledgers = tmp_path / "ledgers"
-    lines = watcher_once(write_config(tmp_path / "w.yaml", cfg), ledgers, "oprl")
-    (hf,) = read_ledger(ledgers, "ref")
-    assert sorted(ln["step"] for ln in lines) == [5, 6], lines
-    for line in lines:
-        assert line["status"] == "ok" and line["source_format"] == "deepspeed", line
-        assert line["metrics"] == hf["metrics"], (line, hf)
-    assert {ln["checkpoint"] for ln in lines} == {str(zero2), str(zero3)}
-    assert listing(watch / "oprl") == before
-
-
 # --- NeMo-RL's DTensor policy (torch's own Hugging Face storage writer) --------------------
 
 
@@ -490,38 +393,6 @@ def test_a_nemo_rl_steps_model_is_its_policys_shards_or_its_consolidated_copy(
     assert LocalSource(tmp_path).scan() == []
 
 
-@pytest.mark.e2e
-def test_a_nemo_rl_step_is_evaluated_as_its_hugging_face_copy_scores(
-    verl_run: Path, tmp_path: Path, addition_tasks: Path
-) -> None:
-    """NeMo-RL's default save (each rank's slices, torch's HuggingFaceStorageWriter; config in
-    `.hf_metadata/`, tokenizer in `tokenizer/`; `tmp_step_N` renamed `step_N`): converted to the
-    weights saved, and scored as the same weights saved as a Hugging Face folder."""
-    import torch
-
-    hf = verl_run / "hf" / "ref_step300"
-    watch = tmp_path / "ckpts"
-    saved([sys.executable, str(NEMO_WRITER), str(hf), str(watch / "nemo"), "300", "2"])
-    policy = watch / "nemo" / "step_300" / "policy"
-    fmt = detect(LocalFiles(policy).files)
-    assert fmt is not None and fmt.name == "nemo-rl"
-    (tmp_path / "out").mkdir()
-    fmt.convert(policy, tmp_path / "out", None, lambda done, total: None)
-    ours, saved_weights = tensors(tmp_path / "out"), tensors(hf)
-    assert set(ours) == set(saved_weights)
-    assert all(torch.equal(ours[k], saved_weights[k]) for k in saved_weights)
-    shutil.copytree(hf, watch / "ref_step300")
-    before = listing(watch / "nemo")
-    ledgers = tmp_path / "ledgers"
-    cfg = write_config(tmp_path / "w.yaml", base_config(tmp_path, watch, addition_tasks))
-    (line,) = watcher_once(cfg, ledgers, "nemo")
-    (ref,) = read_ledger(ledgers, "ref")
-    assert line["status"] == "ok" and line["source_format"] == "nemo-rl", line
-    assert (line["step"], line["checkpoint"]) == (300, str(policy))
-    assert line["metrics"] == ref["metrics"]
-    assert listing(watch / "nemo") == before
-
-
 # --- formats only the trainer's converter reads: the source's convert command -----------------
 
 
@@ -542,24 +413,106 @@ def test_a_distributed_checkpoint_without_a_convert_command_is_invalid_naming_co
     assert said.ready and "pytorch_model_fsdp_0/.metadata" in said.reason, said
 
 
+# --- every format in one daemon, as a deployment runs them ------------------------------------
+
+
 @pytest.mark.e2e
-def test_accelerate_fsdp2_shards_are_evaluated_through_the_sources_convert_command(
-    verl_run: Path, tmp_path: Path, addition_tasks: Path
+def test_every_trainers_format_local_and_on_s3_in_one_daemon_scores_as_its_hugging_face_copy(
+    verl_run: Path,
+    trained_checkpoint: Path,
+    tmp_path: Path,
+    addition_tasks: Path,
+    s3_endpoint: str,
+    bucket: str,
 ) -> None:
-    """A Trainer's checkpoint under accelerate's FSDP2 (a DCP folder, no Hugging Face weights),
-    converted by the command the source names, accelerate's own `merge-weights`: scored as the
-    same weights saved as a Hugging Face folder, the config and tokenizer taken from beside."""
+    """One daemon over three folders and an S3 prefix, each step as its trainer writes it by
+    default: verl's shards (step 100 in a folder; step 300 on S3, uploaded with its optimizer
+    states), NeMo-RL's slices, DeepSpeed's ZeRO-2 and ZeRO-3 states (OpenRLHF's layout, with the
+    source's base_model), accelerate's FSDP2 DCP (through the source's convert command:
+    accelerate's own merge-weights), and step 300's weights as a Hugging Face folder. Every
+    native step is converted and filed with its format; each of step 300 scores as the Hugging
+    Face copy; the trainers' files are untouched; only the model's shards are staged; ZeRO-3's
+    tensors are those of DeepSpeed's own zero_to_fp32.py."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from ckpt_watcher.s3client import make_client
+
     hf = verl_run / "hf" / "ref_step300"
-    watch = tmp_path / "ckpts"
-    saved([sys.executable, str(ACCELERATE_WRITER), str(hf), str(watch / "trl"), "300", "2"])
+    base = _hf_copy(trained_checkpoint, tmp_path / "base")
+    watch, ds, trl = tmp_path / "ckpts", tmp_path / "ds", tmp_path / "trl"
+    shutil.copytree(
+        verl_run / "verl" / "grpo" / "global_step_100", watch / "grpo" / "global_step_100"
+    )
     shutil.copytree(hf, watch / "ref_step300")
+    bf16 = _hf_copy(trained_checkpoint, watch / "bf16_step300")  # what bf16 keeps, in fp32
+    weights = load_file(bf16 / "model.safetensors")
+    save_file({k: v.bfloat16().float() for k, v in weights.items()}, bf16 / "model.safetensors")
+    saved(
+        [sys.executable, str(NEMO_WRITER), str(hf), str(watch / "nemo"), "300", "2"],
+        [sys.executable, str(ACCELERATE_WRITER), str(hf), str(trl / "sft"), "300", "2"],
+        deepspeed_command(base, ds / "oprl", 300, 2),
+        deepspeed_command(base, tmp_path / "z3", 301, 3),
+    )
+    zero3 = ds / "oprl" / "_actor" / "global_step301"
+    shutil.copytree(tmp_path / "z3" / "_actor" / zero3.name, zero3)  # one save per folder
+    client = make_client(s3_endpoint)
+    step300 = verl_run / "verl" / "grpo" / "global_step_300"
+    for f in sorted(step300.rglob("*")):
+        if f.is_file():
+            key = f"remote/grpo_s3/global_step_300/{f.relative_to(step300).as_posix()}"
+            client.upload_file(str(f), bucket, key)
+    before = {root: listing(root) for root in (watch / "grpo", watch / "nemo", ds, trl)}
+
     cfg = base_config(tmp_path, watch, addition_tasks)
     accelerate = str(Path(sys.executable).parent / "accelerate")
-    cfg["sources"][0]["convert"] = [
-        accelerate, "merge-weights", "{input}/pytorch_model_fsdp_0", "{output}"
-    ]  # fmt: skip
+    merge = [accelerate, "merge-weights", "{input}/pytorch_model_fsdp_0", "{output}"]
+    cache = tmp_path / "cache"
+    cfg["sources"] += [
+        {"kind": "local", "path": str(ds), "poll_seconds": 1, "base_model": str(base)},
+        {"kind": "local", "path": str(trl), "poll_seconds": 1, "convert": merge},
+        s3_source(f"s3://{bucket}/remote/", cache, keep_staged=True),
+    ]
     ledgers = tmp_path / "ledgers"
-    (line,) = watcher_once(write_config(tmp_path / "w.yaml", cfg), ledgers, "trl")
+    watcher_once(write_config(tmp_path / "w.yaml", cfg), ledgers, "grpo")
     (ref,) = read_ledger(ledgers, "ref")
-    assert line["status"] == "ok" and line["source_format"] == "dcp", line
-    assert line["metrics"] == ref["metrics"]
+    (ref_bf16,) = read_ledger(ledgers, "bf16")
+    assert "source_format" not in ref
+    (local,) = read_ledger(ledgers, "grpo")
+    lines = {
+        "grpo_s3": ("verl-fsdp", ref),
+        "nemo": ("nemo-rl", ref),
+        "sft": ("dcp", ref),
+        "oprl": ("deepspeed", ref_bf16),
+    }
+    for run, (source_format, expected) in lines.items():
+        for line in read_ledger(ledgers, run):
+            assert line["status"] == "ok" and line["source_format"] == source_format, line
+            assert line["convert_seconds"] > 0 and "reused_from" not in line, line
+            assert line["metrics"] == expected["metrics"], (line, expected)  # the same weights
+    assert sorted(ln["step"] for ln in read_ledger(ledgers, "oprl")) == [300, 301]
+    assert local["source_format"] == "verl-fsdp" and local["status"] == "ok", local
+    assert local["metrics"] != ref["metrics"]  # step 100: another checkpoint, its own
+    assert {root: listing(root) for root in before} == before  # not one byte or time
+    staged = {p.name for p in cache.rglob("*") if p.is_file() and not p.name.startswith(".")}
+    assert staged == {
+        "fsdp_config.json",
+        *HF_FILES,
+        "model_world_size_2_rank_0.pt",
+        "model_world_size_2_rank_1.pt",
+    }, staged  # never the optimizer's or the RNG's
+    # ZeRO-3: what DeepSpeed's own script reassembles, tensor for tensor
+    fmt = detect(LocalFiles(zero3).files)
+    assert fmt is not None and fmt.name == "deepspeed"
+    (tmp_path / "ours").mkdir()
+    fmt.convert(zero3, tmp_path / "ours", None, lambda done, total: None, base)
+    r = subprocess.run(
+        [sys.executable, str(zero3.parent / "zero_to_fp32.py"), str(zero3.parent)]
+        + [str(tmp_path / "theirs"), "--tag", zero3.name, "--safe_serialization"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    ours, theirs = tensors(tmp_path / "ours"), tensors(tmp_path / "theirs")
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)

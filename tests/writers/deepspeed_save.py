@@ -11,9 +11,10 @@ model states, ZeRO-3 in fp32 in its optimizer states' flat partitions).
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
+
+from spawn import spawn
 
 
 def _rank(
@@ -47,13 +48,8 @@ def _rank(
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
-
     model_dir, out, step, stage, world = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(model_dir, out, step, stage, world, port), nprocs=world, join=True)
+    spawn(_rank, world, model_dir, out, step, stage, world)
 
 
 if __name__ == "__main__":

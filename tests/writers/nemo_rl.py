@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
+
+from spawn import spawn
 
 
 def _rank(rank: int, model_dir: str, out: str, step: int, world: int, port: int) -> None:
@@ -55,13 +56,8 @@ def _rank(rank: int, model_dir: str, out: str, step: int, world: int, port: int)
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
-
     model_dir, out, step, world = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(model_dir, out, step, world, port), nprocs=world, join=True)
+    spawn(_rank, world, model_dir, out, step, world)
 
 
 if __name__ == "__main__":

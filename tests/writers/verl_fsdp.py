@@ -17,14 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from spawn import spawn
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -75,9 +70,7 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.0)
     args = p.parse_args()
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank, args=(args, _free_port()), nprocs=args.ranks, join=True)
+    spawn(_rank, args.ranks, args)
 
 
 if __name__ == "__main__":

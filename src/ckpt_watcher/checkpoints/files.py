@@ -9,28 +9,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
-from ckpt_watcher.checkpoints.layouts import listing, native_layout
+from ckpt_watcher.checkpoints.layouts import HF_META, listing, native_layout
 from ckpt_watcher.errors import CheckpointChanged
 
 # What an eval reads of a checkpoint (besides its weights): staged from S3, and fingerprinted.
-NEEDED = frozenset(
-    {
-        "config.json",
-        "generation_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "tokenizer.model",
-        "special_tokens_map.json",
-        "added_tokens.json",
-        "vocab.json",
-        "vocab.txt",
-        "merges.txt",
-        "chat_template.jinja",
-        "chat_template.json",
-        "preprocessor_config.json",
-        "model.safetensors.index.json",
-    }
-)
+NEEDED = HF_META | {"model.safetensors.index.json"}
 # Any one of these is a tokenizer that transformers can load (with tokenizer_config.json or not).
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -10,9 +10,9 @@ import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-# What an eval reads of a Hugging Face folder besides its weights (files.py's NEEDED), as a
-# native format's config folder holds them
-_HF_META = frozenset(
+# What an eval reads of a Hugging Face folder besides its weights and index (files.py's
+# NEEDED): config, generation config, tokenizer and chat template
+HF_META = frozenset(
     {
         "config.json",
         "generation_config.json",
@@ -70,8 +70,8 @@ class Layout:
             for n in names
             if (self.weights.match(n) and not (skip and skip.match(n)))
             or n in self.also
-            or any(n.startswith(m) and n[len(m) :] in _HF_META for m in meta)
-            or (self.top_meta and n in _HF_META)
+            or any(n.startswith(m) and n[len(m) :] in HF_META for m in meta)
+            or (self.top_meta and n in HF_META)
         )
 
     def _skips(self, names: Collection[str]) -> bool:
