@@ -262,12 +262,12 @@ def test_a_worker_killed_mid_conversion_leaves_nothing_half_written_and_the_next
     tmp_path: Path, addition_tasks: Path
 ) -> None:
     """`watcher status` shows the job converting, with the MiB written; the worker is killed -9
-    there (the OOM killer, a preemption): its scratch goes with it, nothing it half wrote is
-    read, and the next attempt converts again and files the step once."""
+    there (the OOM killer, a preemption): nothing it half wrote is read, the next attempt
+    converts again and files the step once, and no copy is left behind."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from ckpt_watcher.demo.tiny import build_tokenizer
-    from ckpt_watcher.scratch import PREFIX
+    from ckpt_watcher.scratch import CONVERTED, PREFIX
 
     # a model big enough (130 MiB of fp32 shards) that a slowed conversion lasts seconds
     hf = tmp_path / "hf"
@@ -328,8 +328,9 @@ def test_a_worker_killed_mid_conversion_leaves_nothing_half_written_and_the_next
         assert daemon.wait(timeout=60) == 0
     (line,) = lines
     assert line["status"] == "ok" and line["attempt"] == 2 and line["source_format"] == "verl-fsdp"
-    # the killed worker's scratch, half-written copy and all, is gone; so is the second's
+    # the killed worker's scratch and half-made copy are gone; so is the second's finished one
     assert not [p for p in scratch.iterdir() if p.name.startswith(PREFIX)], list(scratch.iterdir())
+    assert not [p for p in (scratch / CONVERTED).iterdir() if p.is_dir()]
 
 
 # --- DeepSpeed's own files (OpenRLHF's default) ----------------------------------------------

@@ -6,7 +6,8 @@ are timed out, given back to training or preempted gathered thousands of them in
 worker makes `<tmp>/ckpt-watcher-worker-<pid>` its TMPDIR before anything else runs (what it
 starts, engine processes and model servers, inherits it), and whoever sees the worker's process
 group end removes the folder: the daemon when it reaps the group, the worker itself on a clean
-exit, and a daemon's start for workers that ended while no daemon watched (`sweep`). On a Ray
+exit, and a daemon's start for workers that ended while no daemon watched (`sweep`), with the
+converted copies no job uses any more (shared_copies.py). On a Ray
 node the task's job folder, named after the process that runs the task, goes the same way: the
 next task on that node sweeps those of tasks that were killed.
 
@@ -22,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from ckpt_watcher.proctable import process_alive
+from ckpt_watcher.shared_copies import sweep_unused
 
 PREFIX = "ckpt-watcher-worker-"
 TASK_PREFIX = "ckpt-watcher-task-"  # a Ray task's job folder on its node: `task_prefix`
@@ -58,6 +60,18 @@ def enter() -> Path | None:
     return path
 
 
+CONVERTED = (
+    "ckpt-watcher-converted"  # conversions shared by a checkpoint's jobs (worker/convert.py)
+)
+
+
+def shared_root() -> Path:
+    """Beside the workers' own folders (in the daemon's TMPDIR, on local disk): what a
+    checkpoint's jobs on several devices share (converted copies)."""
+    here = Path(tempfile.gettempdir())
+    return (here.parent if here.name.startswith(PREFIX) else here) / CONVERTED
+
+
 def leave(path: Path | None) -> None:
     """In a worker, last thing: its folder goes (`enter`'s; what killed engine processes of its
     left there too). After a kill, the daemon's `remove` does it."""
@@ -86,4 +100,5 @@ def sweep() -> list[int]:
             shutil.rmtree(root / name, ignore_errors=True)
             if not (root / name).exists():  # another user's stays theirs
                 removed.append(pid)
+    sweep_unused(root / CONVERTED)
     return removed

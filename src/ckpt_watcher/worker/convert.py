@@ -1,8 +1,10 @@
 """A checkpoint in a trainer's own format (verl's FSDP shards, ...: formats/) becomes a Hugging
-Face folder before anything reads it: converted in the worker's temporary folder on local disk
+Face folder before anything reads it: converted on local disk beside the workers' own folders
 (scratch.py), then evaluated like any other checkpoint by every backend and harness. The
-trainer's folders are only read. The copy goes when the job ends, and with the worker's folder
-if the worker is killed, so a later attempt converts again and never reads a half-written one.
+trainer's folders are only read. One copy per content and dtype: the checkpoint's jobs on
+other devices (a split job, a helper) use the copy the first one made, and the last job to end
+removes it (shared_copies.py). A worker killed while converting leaves a half-made copy that is never
+read: the next job converts again.
 
 The converted weights keep the dtype they were saved in (verl's fp32 stays fp32) unless
 `eval.model_args.dtype` names one. While it runs, `watcher status` shows the job converting,
@@ -11,8 +13,8 @@ with the bytes written of the total.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,12 +23,13 @@ from typing import Any, cast
 
 import structlog
 
-from ckpt_watcher import formats
+from ckpt_watcher import formats, scratch
 from ckpt_watcher.checkpoints import adapter
 from ckpt_watcher.checkpoints.files import LocalFiles, needed_files
 from ckpt_watcher.checkpoints.fingerprint import Mode, fingerprint
 from ckpt_watcher.checkpoints.layouts import native_layout
 from ckpt_watcher.errors import CheckpointChanged, NativeFormatError
+from ckpt_watcher.shared_copies import Shared
 
 log = structlog.get_logger("ckpt_watcher.worker.convert")
 
@@ -51,7 +54,8 @@ class Converted:
 
     path: Path
     source_format: str
-    seconds: float
+    seconds: float  # to convert it, or to find it converted by another job of the checkpoint
+    release: Callable[[], None]  # this job is done with it (the last one removes it)
 
 
 def converted(
@@ -80,25 +84,26 @@ def converted(
                 "(its files changed since): the checkpoint is judged again"
             )
     dtype = _dtype(model_args.get("dtype"))
-    out = Path(tempfile.mkdtemp(prefix="converted-"))
+    estimate = sum(s for n, s in view.files.items() if n in needed_files(view.files))
+
+    def make(into: Path) -> None:
+        _room(into, estimate, checkpoint)
+        fmt.convert(checkpoint, into, dtype, progress, base_path, command)
+
+    # one copy per content and dtype, shared by the checkpoint's jobs on other devices
+    key = hashlib.sha256(f"{judged or checkpoint}|{dtype}|{fmt.name}".encode()).hexdigest()[:24]
+    shared = Shared(scratch.shared_root(), key)
     started = time.monotonic()
-    try:
-        _room(
-            out, sum(s for n, s in view.files.items() if n in needed_files(view.files)), checkpoint
-        )
-        fmt.convert(checkpoint, out, dtype, progress, base_path, command)
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
+    out, made = shared.get(make)
     seconds = round(time.monotonic() - started, 3)
     log.info(
-        "worker.converted",
+        "worker.converted" if made else "worker.conversion_shared",
         checkpoint=str(checkpoint),
         format=fmt.name,
         into=str(out),
         seconds=seconds,
     )
-    return Converted(out, fmt.name, seconds)
+    return Converted(out, fmt.name, seconds, shared.release)
 
 
 def _dtype(asked: Any) -> str | None:

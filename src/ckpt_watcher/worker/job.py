@@ -165,6 +165,7 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
         log.info("worker.staged", location=spec.stage.location, path=str(local))
         req = dataclasses.replace(req, checkpoint=str(local))
     made: list[Path] = []  # copies of our own, removed when the job ends
+    native = None
     try:
         try:  # a trainer's own format is converted first, into a Hugging Face folder
             native = converted(
@@ -176,7 +177,6 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
                 req.convert,
             )
             if native is not None:
-                made.append(native.path)
                 req = dataclasses.replace(req, checkpoint=str(native.path))
             # a LoRA/PEFT adapter saved alone is evaluated as the model it makes
             merge = merged(Path(req.checkpoint), req.adapter_base, spec.fingerprint)
@@ -191,6 +191,8 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
     finally:
         for path in made:
             shutil.rmtree(path, ignore_errors=True)
+        if native is not None:
+            native.release()
 
 
 def _converting(folder: JobFolder) -> Callable[[int, int], None]:
