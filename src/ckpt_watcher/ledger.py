@@ -78,7 +78,8 @@ FIELDS: dict[str, str] = {
     "engine_seconds": "Seconds to have the model ready for this job (load, or swap and check).",
     "source_format": "The trainer's own format the checkpoint was converted from before the "
     "eval (`verl-fsdp`); absent for a Hugging Face checkpoint.",
-    "convert_seconds": "Seconds the conversion into a Hugging Face folder took.",
+    "convert_seconds": "Seconds the conversion into a Hugging Face folder took (for a job "
+    "that used the copy another job of the checkpoint made: the wait for it).",
     "resumed": "Units (responses, likelihood requests) answered from the task's journal "
     "after an interruption instead of computed again.",
     "results_file": "The harness's results file, relative to the ledger's folder.",
