@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from pathlib import Path
+from typing import cast
 
 from ckpt_watcher.checkpoints.files import (
     ADAPTER_CONFIG,
@@ -28,7 +29,7 @@ from ckpt_watcher.checkpoints.files import (
     read_json,
 )
 from ckpt_watcher.checkpoints.fingerprint import Mode, fingerprint
-from ckpt_watcher.errors import AdapterError
+from ckpt_watcher.errors import AdapterError, CheckpointChanged
 
 # peft types whose weights merge into the base's (prompt and prefix tuning add virtual tokens:
 # the model they make is not a set of weights)
@@ -116,3 +117,15 @@ def with_base(adapter_fingerprint: str, base: Path, mode: Mode) -> str:
             _base_fingerprints[key] = base_fp
     both = hashlib.sha256(f"{adapter_fingerprint}+{base_fp}".encode()).hexdigest()[:32]
     return f"{mode}:{both}"
+
+
+def check_base(view: CheckpointFiles, base: Path, judged: str, what: str) -> None:
+    """Raise CheckpointChanged unless `view` over `base` still gives the fingerprint `judged`
+    (`with_base`'s): a base rewritten since sends `what` (the adapter, the checkpoint whose
+    config is the base's) to be judged again, as its own files would."""
+    mode = cast(Mode, judged.partition(":")[0])
+    if with_base(fingerprint(view, mode), base, mode) != judged:
+        raise CheckpointChanged(
+            f"{what}: its base model {base} is not the one it was judged with (its files "
+            "changed since): it is judged again"
+        )

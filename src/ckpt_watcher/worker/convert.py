@@ -19,16 +19,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import structlog
 
 from ckpt_watcher import formats, scratch
 from ckpt_watcher.checkpoints import adapter
 from ckpt_watcher.checkpoints.files import LocalFiles, needed_files
-from ckpt_watcher.checkpoints.fingerprint import Mode, fingerprint
 from ckpt_watcher.checkpoints.layouts import native_layout
-from ckpt_watcher.errors import CheckpointChanged, NativeFormatError
+from ckpt_watcher.errors import NativeFormatError
 from ckpt_watcher.shared_copies import Shared
 
 log = structlog.get_logger("ckpt_watcher.worker.convert")
@@ -77,14 +76,9 @@ def converted(
     layout = native_layout(view.files)
     base_path = Path(base) if base is not None else None
     if base_path is not None and layout is not None and layout.needs_base and judged is not None:
-        mode = cast(Mode, judged.partition(":")[0])
-        if adapter.with_base(fingerprint(view, mode), base_path, mode) != judged:
-            raise CheckpointChanged(
-                f"{checkpoint}: its base model {base_path} is not the one it was judged with "
-                "(its files changed since): the checkpoint is judged again"
-            )
+        adapter.check_base(view, base_path, judged, str(checkpoint))
     dtype = _dtype(model_args.get("dtype"))
-    estimate = sum(s for n, s in view.files.items() if n in needed_files(view.files))
+    estimate = sum(view.files[n] for n in needed_files(view.files))  # listed once
 
     def make(into: Path) -> None:
         _room(into, estimate, checkpoint)

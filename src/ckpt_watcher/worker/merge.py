@@ -18,14 +18,12 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import cast
 
 import structlog
 
 from ckpt_watcher.checkpoints import adapter
 from ckpt_watcher.checkpoints.files import NEEDED, LocalFiles
-from ckpt_watcher.checkpoints.fingerprint import Mode, fingerprint
-from ckpt_watcher.errors import AdapterError, CheckpointChanged
+from ckpt_watcher.errors import AdapterError
 
 log = structlog.get_logger("ckpt_watcher.worker.merge")
 
@@ -47,12 +45,7 @@ def merged(checkpoint: Path, adapter_base: str | None, judged: str | None = None
     override = Path(adapter_base) if adapter_base is not None else None
     base = adapter.resolve_base(view, override, str(checkpoint))
     if judged is not None:
-        mode = cast(Mode, judged.partition(":")[0])
-        if adapter.with_base(fingerprint(view, mode), base, mode) != judged:
-            raise CheckpointChanged(
-                f"{checkpoint}: its base model {base} is not the one it was judged with (its "
-                "files changed since): the adapter is judged again"
-            )
+        adapter.check_base(view, base, judged, str(checkpoint))
     out = Path(tempfile.mkdtemp(prefix="merged-"))
     started = time.monotonic()
     try:
