@@ -480,3 +480,54 @@ def hf_reference(
     ref, line = shared_once(tmp_path_factory, "hf-reference", build)
     assert line["status"] == "ok" and line["resumed"] == 0, line
     return ref, line
+
+
+# --- trainers' own saves (tests/writers/) ---------------------------------------------------
+
+VERL_WRITER = Path(__file__).parent / "writers" / "verl_fsdp.py"
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def hf_copy(src: Path, out: Path) -> Path:
+    """The checkpoint's weights, config and tokenizer as a plain Hugging Face folder."""
+    out.mkdir(parents=True)
+    for name in (*HF_FILES, "model.safetensors"):
+        shutil.copyfile(src / name, out / name)
+    return out
+
+
+def saved(*commands: list[str]) -> None:
+    """Run the writers' commands side by side (each is a few processes that mostly import)."""
+    procs = [
+        subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for c in commands
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+
+
+def verl_command(model: Path, out: Path, step: int, ranks: int, *extra: str) -> list[str]:
+    """verl's own save of `model`'s weights as step `step` of the run in `out`."""
+    return [sys.executable, str(VERL_WRITER), str(model), str(out), str(step), str(ranks), *extra]
+
+
+@pytest.fixture(scope="session")
+def verl_run(
+    tmp_path_factory: pytest.TempPathFactory, trained_checkpoint: Path, early_checkpoint: Path
+) -> Path:
+    """`verl/grpo/global_step_{100,300}` saved by verl on 2 ranks from the trained run's steps
+    100 and 300, and `hf/ref_step{100,300}`: the same weights as Hugging Face folders. Built
+    once per test run; read-only."""
+
+    def build(root: Path) -> None:
+        saved(
+            *(
+                verl_command(
+                    hf_copy(ckpt, root / "hf" / f"ref_step{step}"), root / "verl" / "grpo", step, 2
+                )
+                for step, ckpt in ((100, early_checkpoint), (300, trained_checkpoint))
+            )
+        )
+
+    return shared_once(tmp_path_factory, "verl-run", build)[0]

@@ -139,14 +139,16 @@ def test_marker_wins_and_trainer_folder_waits_for_trainer_state(tmp_path: Path) 
     assert "trainer_state.json" in check(ck).reason
     (ck / "trainer_state.json").write_text("{}")
     assert check(ck).ready
-    dcp = tmp_path / "step_9"  # a torch DCP: converted by the source's command, else invalid
+    dcp = tmp_path / "step_9"  # a torch DCP: its .metadata comes last, and says who reads it
     dcp.mkdir()
     (dcp / "__0_0.distcp").write_bytes(b"x" * 10)
     (dcp / "config.json").write_text("{}")
-    assert "set the source's convert command" in check(dcp).reason
     command = ["convert", "{input}", "{output}"]
-    assert check(dcp, convert=command).state == "incomplete"
-    (dcp / ".metadata").write_bytes(b"m")
+    for convert in (None, command):
+        v = check(dcp, convert=convert)
+        assert v.state == "incomplete" and "no .metadata yet" in v.reason, v
+    (dcp / ".metadata").write_bytes(b"m")  # not a model's state dict: the trainer's converter
+    assert "set the source's convert command" in check(dcp).reason
     v = check(dcp, convert=command)
     assert v.ready and ".metadata" in v.reason
 

@@ -32,64 +32,26 @@ from ckpt_watcher.formats import detect
 from ckpt_watcher.formats.torchzip import read_index
 from ckpt_watcher.sources.local import LocalSource
 
-from .conftest import base_config, read_ledger, s3_source, shared_once, write_config
+from .conftest import (
+    HF_FILES,
+    base_config,
+    hf_copy,
+    read_ledger,
+    s3_source,
+    saved,
+    verl_command,
+    write_config,
+)
 from .helpers import Throttle, running_job, status_json, wait_for, watcher_once, watcher_run
 
-WRITER = Path(__file__).parent / "writers" / "verl_fsdp.py"
 DS_WRITER = Path(__file__).parent / "writers" / "deepspeed_save.py"
 NEMO_WRITER = Path(__file__).parent / "writers" / "nemo_rl.py"
 ACCELERATE_WRITER = Path(__file__).parent / "writers" / "accelerate_fsdp2.py"
-HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
-
-
-def _hf_copy(src: Path, out: Path) -> Path:
-    """The checkpoint's weights, config and tokenizer as a plain Hugging Face folder."""
-    out.mkdir(parents=True)
-    for name in (*HF_FILES, "model.safetensors"):
-        shutil.copyfile(src / name, out / name)
-    return out
-
-
-def saved(*commands: list[str]) -> None:
-    """Run the writers' commands side by side (each is a few processes that mostly import)."""
-    procs = [
-        subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for c in commands
-    ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-3000:]
-
-
-def verl_command(model: Path, out: Path, step: int, ranks: int, *extra: str) -> list[str]:
-    """verl's own save of `model`'s weights as step `step` of the run in `out`."""
-    return [sys.executable, str(WRITER), str(model), str(out), str(step), str(ranks), *extra]
 
 
 def verl_save(model: Path, out: Path, step: int, ranks: int, *extra: str) -> Path:
     saved(verl_command(model, out, step, ranks, *extra))
     return out / f"global_step_{step}" / "actor"
-
-
-@pytest.fixture(scope="session")
-def verl_run(
-    tmp_path_factory: pytest.TempPathFactory, trained_checkpoint: Path, early_checkpoint: Path
-) -> Path:
-    """`verl/grpo/global_step_{100,300}` saved by verl on 2 ranks from the trained run's steps
-    100 and 300, and `hf/ref_step{100,300}`: the same weights as Hugging Face folders. Built
-    once per test run; read-only."""
-
-    def build(root: Path) -> None:
-        saved(
-            *(
-                verl_command(
-                    _hf_copy(ckpt, root / "hf" / f"ref_step{step}"), root / "verl" / "grpo", step, 2
-                )
-                for step, ckpt in ((100, early_checkpoint), (300, trained_checkpoint))
-            )
-        )
-
-    return shared_once(tmp_path_factory, "verl-run", build)[0]
 
 
 def listing(root: Path) -> dict[str, tuple[int, int]]:
@@ -241,7 +203,7 @@ def test_hsdp_shards_and_inconsistent_sets(
     model. A set mixing ranks of two saves is refused, never read as a partial model."""
     import torch
 
-    hf = _hf_copy(trained_checkpoint, tmp_path / "hf")
+    hf = hf_copy(trained_checkpoint, tmp_path / "hf")
     actor = verl_save(hf, tmp_path / "hsdp", 300, 4, "--replicas", "2")
     fmt = detect(LocalFiles(actor).files)
     assert fmt is not None
@@ -342,7 +304,7 @@ def deepspeed_command(model: Path, out: Path, step: int, stage: int) -> list[str
     return [sys.executable, str(DS_WRITER), str(model), str(out), str(step), str(stage), "2"]
 
 
-def test_deepspeed_states_wait_for_a_base_model_and_model_parallel_ones_are_refused(
+def test_deepspeed_states_wait_for_a_base_model_model_parallel_ones_are_refused_and_a_lora_copy_wins(
     tmp_path: Path,
 ) -> None:
     whole = b"x" * 100 + b"PK\x05\x06" + bytes(18)
@@ -360,6 +322,18 @@ def test_deepspeed_states_wait_for_a_base_model_and_model_parallel_ones_are_refu
     (tag / "mp_rank_01_model_states.pt").write_bytes(whole)
     said = completeness.check(LocalFiles(tag), now=0.0, stable_seconds=0, settle_seconds=0)
     assert said.state == "invalid" and "model-parallel" in said.reason, said
+    # with LoRA under ZeRO-3 and --ckpt.save_hf, OpenRLHF's copy is the adapter alone, its
+    # tensors in adapter_model.bin: that copy is the step (an adapter, merged into its base)
+    copy = tmp_path / "ckpt" / "global_step5_hf"
+    copy.mkdir()
+    (copy / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    (copy / "adapter_model.bin").write_bytes(whole)
+    (copy / "tokenizer.json").write_text("{}")
+    (found,) = LocalSource(tmp_path).scan()
+    assert found.location == str(copy) and found.ident is not None
+    assert (found.ident.run, found.ident.step) == ("ckpt", 5), found.ident
+    said = completeness.check(LocalFiles(copy), now=0.0, stable_seconds=0, settle_seconds=0)
+    assert said.ready and "LoRA/PEFT adapter" in said.reason, said
 
 
 # --- NeMo-RL's DTensor policy (torch's own Hugging Face storage writer) --------------------
@@ -397,21 +371,76 @@ def test_a_nemo_rl_steps_model_is_its_policys_shards_or_its_consolidated_copy(
 # --- formats only the trainer's converter reads: the source's convert command -----------------
 
 
-def test_a_distributed_checkpoint_without_a_convert_command_is_invalid_naming_converters(
+def dcp_save(state_dict: dict[str, Any], folder: Path) -> None:
+    """torch's own DCP save, in this process (one writer, no process group)."""
+    import torch.distributed.checkpoint as dist_cp
+
+    dist_cp.save(state_dict, storage_writer=dist_cp.FileSystemWriter(str(folder)), no_dist=True)
+
+
+def test_a_dcp_of_a_models_hugging_face_names_is_read_and_one_of_other_names_needs_a_converter(
     tmp_path: Path,
 ) -> None:
-    ckpt = tmp_path / "run" / "checkpoint-5"
-    (ckpt / "pytorch_model_fsdp_0").mkdir(parents=True)
-    for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
-        (ckpt / "pytorch_model_fsdp_0" / name).write_bytes(b"d")
-    (ckpt / "config.json").write_text("{}")
-    (ckpt / "trainer_state.json").write_text("{}")
+    """accelerate's layout (`{"model": state_dict}` in `pytorch_model_fsdp_0/`, the config and
+    tokenizer beside it) converts to the very tensors saved, with no convert command; torchtitan's
+    (its own names at the top level) is invalid, naming the converters, until the source sets
+    one; a data file cut short waits, then is invalid; a `.metadata` that would run code is
+    refused without running it."""
+    import torch
+
+    weights = {
+        "model.embed_tokens.weight": torch.randn(18, 8),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(16, 8).bfloat16(),
+        "model.norm.weight": torch.ones(8),
+    }
+    ckpt = tmp_path / "sft" / "checkpoint-5"
+    ckpt.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "trainer_state.json"):
+        (ckpt / name).write_text("{}")
+    dcp_save({"model": weights}, ckpt / "pytorch_model_fsdp_0")
+    fmt = detect(LocalFiles(ckpt).files)
+    assert fmt is not None and fmt.name == "dcp"
     said = completeness.check(LocalFiles(ckpt), now=0.0, stable_seconds=0, settle_seconds=0)
-    assert said.state == "invalid" and "accelerate merge-weights" in said.reason, said
+    assert said.ready and "Hugging Face names under `model.`" in said.reason, said
+    (tmp_path / "out").mkdir()
+    fmt.convert(ckpt, tmp_path / "out", None, lambda done, total: None)
+    got = tensors(tmp_path / "out")
+    assert set(got) == set(weights) and all(torch.equal(got[k], weights[k]) for k in weights)
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
+        ckpt / "tokenizer.json"
+    ).read_bytes()
+
+    data = next((ckpt / "pytorch_model_fsdp_0").glob("*.distcp"))
+    whole = data.read_bytes()
+    data.write_bytes(whole[: len(whole) // 2])
+    said = completeness.check(LocalFiles(ckpt), now=0.0, stable_seconds=5, settle_seconds=0)
+    assert said.state == "incomplete" and "places pieces up to byte" in said.reason, said
+    mark = said.write_mark
     said = completeness.check(
-        LocalFiles(ckpt), now=0.0, stable_seconds=0, settle_seconds=0, convert=["x", "{output}"]
+        LocalFiles(ckpt), now=9.0, stable_seconds=5, settle_seconds=0, previous_mark=mark,
+        unchanged_since=0.0,
+    )  # fmt: skip
+    assert said.state == "invalid", said
+
+    titan = tmp_path / "titan" / "step-5"
+    dcp_save({f"layers.{k}": v for k, v in weights.items()}, titan)
+    said = completeness.check(LocalFiles(titan), now=0.0, stable_seconds=0, settle_seconds=0)
+    assert said.state == "invalid" and "accelerate merge-weights" in said.reason, said
+    assert "no model state dict under `model.`" in said.reason, said
+    said = completeness.check(
+        LocalFiles(titan), now=0.0, stable_seconds=0, settle_seconds=0, convert=["x", "{output}"]
     )
-    assert said.ready and "pytorch_model_fsdp_0/.metadata" in said.reason, said
+    assert said.ready and "by the source's convert command" in said.reason, said
+
+    ran = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {ran}",))
+
+    (titan / ".metadata").write_bytes(pickle.dumps(Payload(), protocol=2))
+    said = completeness.check(LocalFiles(titan), now=0.0, stable_seconds=0, settle_seconds=0)
+    assert said.state == "invalid" and "not loaded" in said.reason and not ran.exists(), said
 
 
 # --- every format in one daemon, as a deployment runs them ------------------------------------
@@ -429,8 +458,9 @@ def test_every_trainers_format_local_and_on_s3_in_one_daemon_scores_as_its_huggi
     """One daemon over three folders and an S3 prefix, each step as its trainer writes it by
     default: verl's shards (step 100 in a folder; step 300 on S3, uploaded with its optimizer
     states), NeMo-RL's slices, DeepSpeed's ZeRO-2 and ZeRO-3 states (OpenRLHF's layout, with the
-    source's base_model), accelerate's FSDP2 DCP (through the source's convert command:
-    accelerate's own merge-weights), and step 300's weights as a Hugging Face folder. Every
+    source's base_model), accelerate's FSDP2 DCP (read as it is; step 100's through the
+    source's convert command: accelerate's own merge-weights), and step 300's weights as a
+    Hugging Face folder. Every
     native step is converted and filed with its format; each of step 300 scores as the Hugging
     Face copy; the trainers' files are untouched; only the model's shards are staged; ZeRO-3's
     tensors are those of DeepSpeed's own zero_to_fp32.py."""
@@ -440,18 +470,20 @@ def test_every_trainers_format_local_and_on_s3_in_one_daemon_scores_as_its_huggi
     from ckpt_watcher.s3client import make_client
 
     hf = verl_run / "hf" / "ref_step300"
-    base = _hf_copy(trained_checkpoint, tmp_path / "base")
+    base = hf_copy(trained_checkpoint, tmp_path / "base")
     watch, ds, trl = tmp_path / "ckpts", tmp_path / "ds", tmp_path / "trl"
     shutil.copytree(
         verl_run / "verl" / "grpo" / "global_step_100", watch / "grpo" / "global_step_100"
     )
     shutil.copytree(hf, watch / "ref_step300")
-    bf16 = _hf_copy(trained_checkpoint, watch / "bf16_step300")  # what bf16 keeps, in fp32
+    bf16 = hf_copy(trained_checkpoint, watch / "bf16_step300")  # what bf16 keeps, in fp32
     weights = load_file(bf16 / "model.safetensors")
     save_file({k: v.bfloat16().float() for k, v in weights.items()}, bf16 / "model.safetensors")
     saved(
         [sys.executable, str(NEMO_WRITER), str(hf), str(watch / "nemo"), "300", "2"],
         [sys.executable, str(ACCELERATE_WRITER), str(hf), str(trl / "sft"), "300", "2"],
+        [sys.executable, str(ACCELERATE_WRITER), str(verl_run / "hf" / "ref_step100")]
+        + [str(tmp_path / "trl_cmd" / "sft_cmd"), "100", "2"],
         deepspeed_command(base, ds / "oprl", 300, 2),
         deepspeed_command(base, tmp_path / "z3", 301, 3),
     )
@@ -471,7 +503,8 @@ def test_every_trainers_format_local_and_on_s3_in_one_daemon_scores_as_its_huggi
     cache = tmp_path / "cache"
     cfg["sources"] += [
         {"kind": "local", "path": str(ds), "poll_seconds": 1, "base_model": str(base)},
-        {"kind": "local", "path": str(trl), "poll_seconds": 1, "convert": merge},
+        {"kind": "local", "path": str(trl), "poll_seconds": 1},
+        {"kind": "local", "path": str(tmp_path / "trl_cmd"), "poll_seconds": 1, "convert": merge},
         s3_source(f"s3://{bucket}/remote/", cache, keep_staged=True),
     ]
     ledgers = tmp_path / "ledgers"
@@ -494,6 +527,9 @@ def test_every_trainers_format_local_and_on_s3_in_one_daemon_scores_as_its_huggi
     assert sorted(ln["step"] for ln in read_ledger(ledgers, "oprl")) == [300, 301]
     assert local["source_format"] == "verl-fsdp" and local["status"] == "ok", local
     assert local["metrics"] != ref["metrics"]  # step 100: another checkpoint, its own
+    (cmd,) = read_ledger(ledgers, "sft_cmd")  # step 100's weights, through accelerate's converter
+    assert cmd["source_format"] == "dcp" and cmd["metrics"] == local["metrics"], cmd
+    assert cmd["convert_seconds"] > 0 and "reused_from" not in cmd, cmd
     assert {root: listing(root) for root in before} == before  # not one byte or time
     staged = {p.name for p in cache.rglob("*") if p.is_file() and not p.name.startswith(".")}
     assert staged == {

@@ -116,8 +116,9 @@ NEMO_RL = Layout(
 # torch distributed checkpoints (DCP: `.metadata` written last, `__R_I.distcp` data): accelerate
 # under FSDP2 (`checkpoint-N/pytorch_model_fsdp_0/`, config and tokenizer beside it), NeMo-RL's
 # `model_save_format: torch_save` (`policy/weights/`), torchtitan's `step-N/`, Megatron's dist
-# checkpoints. Their keys need the trainer's own mapping: converted by the source's `convert`
-# command (formats/command.py)
+# checkpoints. Those whose keys are Hugging Face names under `model.` are read as they are
+# (formats/dcp.py); the others need the trainer's own mapping, the source's `convert` command
+# (formats/command.py)
 DCP = Layout(
     "dcp",
     re.compile(r"^(?:(?:pytorch_model_fsdp_\d+|weights)/)?__\d+_\d+\.distcp$"),

@@ -67,7 +67,7 @@ def detect(names: Collection[str]) -> NativeFormat | None:
     layout = native_layout(names)
     if layout is None:
         return None
-    from ckpt_watcher.formats import command, deepspeed, nemo_rl, verl_fsdp
+    from ckpt_watcher.formats import dcp, deepspeed, nemo_rl, verl_fsdp
 
-    every = (verl_fsdp.FORMAT, deepspeed.FORMAT, nemo_rl.FORMAT, command.FORMAT)
+    every = (verl_fsdp.FORMAT, deepspeed.FORMAT, nemo_rl.FORMAT, dcp.FORMAT)
     return {f.name: f for f in every}[layout.name]

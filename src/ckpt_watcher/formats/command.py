@@ -1,13 +1,15 @@
-"""Checkpoints whose conversion needs the model's architecture (torch distributed checkpoints:
-accelerate under FSDP2, NeMo-RL's `torch_save` format, torchtitan, Megatron): converted by the
-trainer's own converter, named per source as `convert` (an argv, no shell: `{input}` is the
-checkpoint's folder, `{output}` an empty folder in the worker's scratch where it must write a
-Hugging Face folder, `{base_model}` the source's base model).
+"""A source's `convert` command: the trainer's own converter, for checkpoints whose conversion
+needs the model's architecture (torch distributed checkpoints with the trainer's own key names:
+torchtitan, Megatron). An argv, no shell: `{input}` is the checkpoint's folder, `{output}` an
+empty folder in the worker's scratch where it must write a Hugging Face folder, `{base_model}`
+the source's base model. Where set, it converts every DCP of its source (dcp.py reads those
+with Hugging Face names itself).
 
-Without a `convert` command such a checkpoint is `invalid` once, saying which converter to set,
-never left waiting. With one, it is complete once the DCP's `.metadata` (written last) is there
-and nothing moves. The output is checked: a `config.json` and weights; config and tokenizer
-files the command did not write are taken from the checkpoint's folder, else the base model.
+Without a `convert` command a DCP that dcp.py cannot read is `invalid` once, saying which
+converter to set, never left waiting. With one, it is complete once the DCP's `.metadata`
+(written last) is there and nothing moves. The output is checked: a `config.json` and weights;
+config and tokenizer files the command did not write are taken from the checkpoint's folder,
+else the base model.
 """
 
 from __future__ import annotations

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpt_watcher.checkpoints.files import NEEDED
+from ckpt_watcher.errors import NativeFormatError
 from ckpt_watcher.formats.safetensors_out import Planned, write_model
 from ckpt_watcher.formats.torchzip import LazyTensor
 
@@ -31,6 +32,31 @@ class Pieces:
     parts: list[LazyTensor]
     dim: int = 0
     numel: int | None = None
+
+
+def tiled(
+    key: str,
+    found: Sequence[tuple[Sequence[int], LazyTensor]],
+    shape: tuple[int, ...],
+    where: Path,
+    converter: str,
+) -> Pieces:
+    """A tensor of `shape` from its slices (each with its offsets in it): FSDP's slices, whole
+    in every dim but the first and end to end along it, else NativeFormatError naming the
+    trainer's `converter`."""
+    ordered = sorted(found, key=lambda op: tuple(op[0]))
+    row = 0
+    for offsets, piece in ordered:
+        if offsets[0] != row or any(offsets[1:]) or piece.shape[1:] != shape[1:]:
+            raise NativeFormatError(
+                f"{where}: {key}'s slices (offsets {[list(o) for o, _ in ordered]}) do not lie end "
+                "to end along dim 0: only FSDP's slices are reassembled here; set the source's "
+                f"convert command to {converter}"
+            )
+        row += piece.shape[0]
+    if row != shape[0]:
+        raise NativeFormatError(f"{where}: {key}'s slices make {row} of {shape[0]} rows")
+    return Pieces([p for _, p in ordered])
 
 
 def write_hf_folder(

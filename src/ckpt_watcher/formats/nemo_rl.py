@@ -29,7 +29,7 @@ from ckpt_watcher.checkpoints.layouts import NEMO_RL
 from ckpt_watcher.checkpoints.safetensors_header import read_header
 from ckpt_watcher.errors import HeaderUnreadable, NativeFormatError
 from ckpt_watcher.formats import Problem
-from ckpt_watcher.formats.hf_folder import Pieces, write_hf_folder
+from ckpt_watcher.formats.hf_folder import Pieces, tiled, write_hf_folder
 from ckpt_watcher.formats.safetensors_out import Planned
 from ckpt_watcher.formats.torchzip import LazyTensor
 
@@ -93,13 +93,11 @@ class NemoRl:
                 slices.setdefault(key, []).append((offsets, piece))
         tensors: dict[str, tuple[Planned, Pieces]] = {}
         for key, found in slices.items():
-            found.sort(key=lambda op: op[0])
             shape = tuple(
                 max(o[d] + p.shape[d] for o, p in found) for d in range(len(found[0][1].shape))
             )
-            _check_tiles(key, found, shape, folder)
-            parts = [p for _, p in found]
-            tensors[key] = (Planned(key, dtype or parts[0].dtype, shape), Pieces(parts))
+            pieces = tiled(key, found, shape, folder, "NeMo-RL's converter")
+            tensors[key] = (Planned(key, dtype or pieces.parts[0].dtype, shape), pieces)
         write_hf_folder(out, tensors, folder / NEMO_RL.config, progress)
         for name in LocalFiles(folder / NEMO_RL.tokenizer).files:  # the tokenizer's own files
             shutil.copyfile(folder / NEMO_RL.tokenizer / name, out / name)
@@ -123,23 +121,6 @@ def _slices(path: Path) -> dict[str, tuple[list[int], LazyTensor]]:
         item = LazyTensor(path, "", dtype, 0, shape, stride, at=8 + n + entry["data_offsets"][0])
         out[key] = (list(info[key]["saved_offsets"]), item)
     return out
-
-
-def _check_tiles(
-    key: str, found: list[tuple[list[int], LazyTensor]], shape: tuple[int, ...], folder: Path
-) -> None:
-    """The slices must be FSDP's: whole in every dim but the first, end to end along it."""
-    row = 0
-    for offsets, piece in found:
-        if offsets[0] != row or any(offsets[1:]) or piece.shape[1:] != shape[1:]:
-            raise NativeFormatError(
-                f"{folder}: {key}'s slices (offsets {[o for o, _ in found]}) do not lie end to end "
-                "along dim 0: only FSDP's slices are reassembled here; set the source's convert "
-                "command to NeMo-RL's converter"
-            )
-        row += piece.shape[0]
-    if row != shape[0]:
-        raise NativeFormatError(f"{folder}: {key}'s slices make {row} of {shape[0]} rows")
 
 
 FORMAT = NemoRl()

@@ -11,6 +11,10 @@ shape its spec records). The device mesh is kept as an inert record and never re
 form changed across torch versions). `LazyTensor.read` then reads just that tensor's bytes with
 one positioned read, and `LazyTensor.blocks` reads them a block at a time, so memory holds a
 tensor, or a block of one, never the file.
+
+`read_embedded` reads an archive that lies inside a bigger file (a distributed checkpoint's
+data files are such archives end to end), and `read_pickle` a plain pickle (its `.metadata`),
+with the same restrictions.
 """
 
 from __future__ import annotations
@@ -152,8 +156,32 @@ def read_index(path: Path, data: bytes | None = None) -> dict[str, Any]:
     """The state dict saved in `path` (or in `data`, that file's bytes): key -> `LazyTensor`
     or `Sharded` (other values as saved: numbers, strings, None). Raises NativeFormatError for a
     file that is not a whole torch.save zip of tensors."""
+    loaded = _load(path, io.BytesIO(data) if data is not None else path)
+    if not isinstance(loaded, dict):
+        raise NativeFormatError(f"{path.name}: holds a {type(loaded).__name__}, not a state dict")
+    return {str(k): v for k, v in loaded.items()}
+
+
+def read_embedded(path: Path, start: int, length: int) -> Any:
+    """What the torch.save archive at `start` (`length` bytes) of `path` holds, its tensors as
+    `LazyTensor`s that say where their bytes lie in `path` (a torch distributed checkpoint's
+    data file is such archives end to end, one per tensor piece). Only the archive's directory
+    and pickle are read."""
+    with open(path, "rb") as f:
+        window = _Window(f, start, length)
+        loaded = _load(path, cast(Any, window))
+        return _placed(loaded, window)
+
+
+def read_pickle(name: str, data: bytes) -> Any:
+    """A plain pickle (a distributed checkpoint's `.metadata`) read as `read_index` reads one:
+    torch's distributed classes become inert records, anything that could run code is refused."""
+    return _unpickle(io.BytesIO(data), Path(name), "")
+
+
+def _load(path: Path, source: Any) -> Any:
     try:
-        with zipfile.ZipFile(io.BytesIO(data) if data is not None else path) as zf:
+        with zipfile.ZipFile(source) as zf:
             names = zf.namelist()
             pkl = next((n for n in names if n.endswith("/data.pkl")), None)
             if pkl is None:
@@ -169,10 +197,68 @@ def read_index(path: Path, data: bytes | None = None) -> dict[str, Any]:
             raw = zf.read(pkl)
     except (zipfile.BadZipFile, OSError, KeyError) as e:
         raise NativeFormatError(f"{path.name}: not a whole torch.save file ({e})") from None
-    loaded = _Unpickler(io.BytesIO(raw), path, archive).load()
-    if not isinstance(loaded, dict):
-        raise NativeFormatError(f"{path.name}: holds a {type(loaded).__name__}, not a state dict")
-    return {str(k): v for k, v in loaded.items()}
+    return _unpickle(io.BytesIO(raw), path, archive)
+
+
+def _unpickle(raw: io.BytesIO, path: Path, archive: str) -> Any:
+    try:
+        return _Unpickler(raw, path, archive).load()
+    except NativeFormatError:
+        raise
+    except Exception as e:  # a damaged pickle fails in any of pickle's own ways
+        raise NativeFormatError(f"{path.name}: not a readable pickle ({e})") from None
+
+
+class _Window(io.RawIOBase):
+    """`length` bytes of an open file from `start` on, as a file of their own (for zipfile)."""
+
+    def __init__(self, f: Any, start: int, length: int) -> None:
+        super().__init__()
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        left = max(0, self.length - self.pos)
+        size = left if size is None or size < 0 else min(size, left)
+        self.f.seek(self.start + self.pos)
+        data = cast(bytes, self.f.read(size))
+        self.pos += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
+def _placed(loaded: Any, window: _Window) -> Any:
+    """`loaded`'s LazyTensors (one, or a dict's values) told where their bytes lie in the file
+    the window is of, by absolute position (`at`) rather than by zip member."""
+    members: dict[str, int] = {}
+
+    def place(t: Any) -> Any:
+        if not isinstance(t, LazyTensor) or not t.member:
+            return t
+        if t.member not in members:
+            members[t.member] = window.start + _member_data(window, t.member)
+        return LazyTensor(t.path, "", t.dtype, t.offset, t.shape, t.stride, at=members[t.member])
+
+    if isinstance(loaded, dict):
+        return {k: place(v) for k, v in loaded.items()}
+    return place(loaded)
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -227,6 +313,9 @@ class _TensorMark:
 _BUILTINS = {
     ("builtins", n): t for n, t in (("set", set), ("frozenset", frozenset), ("slice", slice))
 }
+
+
+_PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"}
 
 
 def _record_class(name: str) -> type:
@@ -333,6 +422,8 @@ class _Unpickler(pickle.Unpickler):
             return _TensorMark
         if (module, name) in _BUILTINS:
             return _BUILTINS[module, name]
+        if module == "pathlib" and name in _PATHS:  # where a distributed checkpoint was saved
+            return self.records.setdefault(f"{module}.{name}", _record_class(name))
         # specs, meshes, placements; DeepSpeed's loss scaler and stage enum: inert records
         if module.startswith(("torch.distributed.", "deepspeed.")):
             return self.records.setdefault(f"{module}.{name}", _record_class(name))
