@@ -2,7 +2,8 @@
 `FSDPCheckpointManager`, run here on gloo CPU ranks by tests/writers/verl_fsdp.py, with verl's
 default `save_contents`: no Hugging Face weights), DeepSpeed's engine states (its own
 `save_checkpoint`, tests/writers/deepspeed_save.py, as OpenRLHF saves) and NeMo-RL's sharded
-safetensors (torch's own HuggingFaceStorageWriter, tests/writers/nemo_rl.py) are judged
+safetensors (torch's own HuggingFaceStorageWriter, tests/writers/nemo_rl.py) and accelerate's
+FSDP2 distributed checkpoints (torch's DCP save, tests/writers/accelerate_fsdp2.py) are judged
 complete by their own files,
 converted in the worker's scratch (never in the trainer's folders) and scored as the same
 weights saved as a Hugging Face folder; the conversion equals verl's own merger; a shard that is
