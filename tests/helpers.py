@@ -22,12 +22,17 @@ from .conftest import WATCHER, read_ledger
 
 
 def watcher_once(
-    config: Path, ledgers: Path, run: str, expect: int = 0, env: dict[str, str] | None = None
+    config: Path,
+    ledgers: Path,
+    run: str,
+    expect: int = 0,
+    env: dict[str, str] | None = None,
+    extra: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
-    """`watcher once -c config` (in `env`, default this process's); the run's ledger lines.
-    Fails, quoting stderr and the lines' errors, unless it exits `expect`."""
+    """`watcher once -c config [extra...]` (in `env`, default this process's); the run's ledger
+    lines. Fails, quoting stderr and the lines' errors, unless it exits `expect`."""
     r = subprocess.run(
-        [*WATCHER, "--log-json", "once", "-c", str(config)],
+        [*WATCHER, "--log-json", "once", "-c", str(config), *extra],
         capture_output=True,
         text=True,
         timeout=600,

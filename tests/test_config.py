@@ -36,8 +36,12 @@ def test_example_configs_in_repo_are_valid() -> None:
     cfg = load_config(Path(__file__).parents[1] / "configs" / "example.yaml")
     assert [t.task for t in cfg.eval.tasks] == ["gsm8k", "mbpp"]
     assert cfg.eval.tasks[1].allow_code_execution is True
-    sidecar = load_config(Path(__file__).parents[1] / "configs" / "sagemaker-sidecar.yaml")
+    path = Path(__file__).parents[1] / "configs" / "sagemaker-sidecar.yaml"
+    sidecar = load_config(path)
     assert sidecar.devices.gpus == [6, 7] and sidecar.ledger_mirror
+    # the recipe's last `watcher once`, once training has ended: every GPU (the idle rule holds)
+    at_end = load_config(path, ["devices.gpus=all"])
+    assert at_end.devices.gpus == "all" and at_end.devices.idle_memory_mib == 1024
 
 
 @pytest.mark.parametrize(

@@ -12,28 +12,38 @@ from typing import Any
 import pytest
 
 from .conftest import HF, WATCHER, base_config, idle_config, read_ledger, write_config
-from .helpers import alive, status_json, wait_for, watcher_run
+from .helpers import alive, status_json, wait_for, watcher_once, watcher_run
 from .test_resume import _cut_mid_task, _same_as_uninterrupted
 
 
-def fake_nvml(path: Path, foreign: list[list[int]]) -> None:
-    gpus = [{"index": 6, "uuid": "GPU-6-aaaa", "foreign": foreign}]
+def fake_nvml(
+    path: Path, foreign: list[list[int]], others: dict[int, list[list[int]]] | None = None
+) -> None:
+    """GPU 6 with `foreign` processes, and the GPUs `others` names with theirs."""
+    gpus = [{"index": i, "uuid": f"GPU-{i}-bbbb", "foreign": f} for i, f in (others or {}).items()]
+    gpus += [{"index": 6, "uuid": "GPU-6-aaaa", "foreign": foreign}]  # after: not first choice
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"gpus": gpus}))
     tmp.replace(path)
 
 
 @pytest.mark.e2e
-def test_gpu_held_by_training_is_skipped_then_used_once_freed(
+def test_gpu_held_by_training_is_skipped_then_used_once_freed_and_all_once_training_ends(
     tmp_path: Path, addition_tasks: Path, copy_checkpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The SageMaker sidecar's day on two GPUs: training on 0 and, for a while, on 6; the
+    watcher on `gpus: [6]`. It waits for 6, never touches 0; once training has ended, the
+    recipe's final `watcher once --set devices.gpus=all` evaluates the last step on 0 (6 is
+    someone else's by then: the idle rule still holds). `devices.gpus` selects from the fake
+    inventory as it does from NVML."""
     nvml = tmp_path / "nvml.json"
-    fake_nvml(nvml, [[4242, 30000, 97]])  # training holds 30 GB at 97%
+    training = [[4242, 30000, 97]]  # training holds 30 GB at 97%
+    fake_nvml(nvml, training, {0: []})  # 0 looks idle for a moment: still training's
     monkeypatch.setenv("CKPT_WATCHER_FAKE_NVML", str(nvml))
     watch = tmp_path / "ckpts"
     copy_checkpoint(watch / "g_step1")
     raw = base_config(tmp_path, watch, addition_tasks)
-    raw["devices"] = {"gpus": "all", "cpu_slots": 0}
+    raw["devices"] = {"gpus": [6], "cpu_slots": 0}
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
@@ -45,13 +55,26 @@ def test_gpu_held_by_training_is_skipped_then_used_once_freed(
             lambda: status_json(cfg)[1]["sources"][0]["last_scan_at"] != scans, 10, "another scan"
         )
         st = status_json(cfg)[1]
-        assert st["running"] == [] and len(st["queue"]) == 1  # the only GPU is training's
-        fake_nvml(nvml, [])  # training ended
+        assert st["running"] == [] and len(st["queue"]) == 1  # its only GPU is training's
+        (started,) = [
+            e
+            for e in map(json.loads, log.read_text().splitlines())
+            if e.get("event") == "daemon.started"
+        ]
+        assert started["devices"] == ["cuda:6"], started
+        fake_nvml(nvml, [], {0: [[4241, 30000, 97]]})  # training leaves 6
         wait_for(lambda: read_ledger(tmp_path / "ledgers", "g"), 120, "a result", daemon, log)
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=60) == 0
     (line,) = read_ledger(tmp_path / "ledgers", "g")
     assert line["status"] == "ok" and line["device"] == "cuda:6"
+    # training ends with a last save; 6 now holds someone's notebook
+    copy_checkpoint(watch / "g_step2")
+    fake_nvml(nvml, [[5151, 20000, 50]], {0: []})
+    lines = watcher_once(cfg, tmp_path / "ledgers", "g", extra=("--set", "devices.gpus=all"))
+    assert sorted(ln["step"] for ln in lines) == [1, 2]  # step 1 not evaluated again
+    last = next(ln for ln in lines if ln["step"] == 2)
+    assert last["status"] == "ok" and last["device"] == "cuda:0", last
 
 
 @pytest.mark.e2e

@@ -131,20 +131,40 @@ class FakeInventory:
         ]
 
 
+def select_gpus(
+    present: list[tuple[int, str]], wanted: str | list[int | str]
+) -> list[tuple[int, str]]:
+    """The GPUs (index, UUID) of `present` that `devices.gpus` names: `all`, or a list of
+    indexes and UUIDs (one that is not here is an error)."""
+    if wanted == "all":
+        return present
+    chosen = []
+    for w in wanted:
+        match = [g for g in present if g[0] == w or g[1] == w]
+        if not match:
+            raise ValueError(f"devices.gpus names {w!r}, but this machine has GPUs {present}")
+        chosen.extend(match)
+    return chosen
+
+
 class FileInventory:
     """A fake NVML read from a JSON file on every call, so a test can change it live:
-    {"gpus": [{"index": 6, "uuid": "GPU-a", "foreign": [[pid, mib, util], ...]}]}.
-    Selected with CKPT_WATCHER_FAKE_NVML=<file> (testing and demos only)."""
+    {"gpus": [{"index": 6, "uuid": "GPU-a", "foreign": [[pid, mib, util], ...]}]}, of which
+    `devices.gpus` selects as it does of the real ones. Selected with
+    CKPT_WATCHER_FAKE_NVML=<file> (testing and demos only)."""
 
-    def __init__(self, path: Path, cpu: int = 0) -> None:
+    def __init__(self, path: Path, cpu: int = 0, gpus: str | list[int | str] = "all") -> None:
         self.path = path
         self.cpu = cpu
+        self.wanted = gpus
 
     def _load(self) -> FakeInventory:
         data = json.loads(self.path.read_text())
+        chosen = set(select_gpus([(g["index"], g["uuid"]) for g in data["gpus"]], self.wanted))
         gpus = [
             FakeGpu(g["index"], g["uuid"], [tuple(x) for x in g.get("foreign", [])])
             for g in data["gpus"]
+            if (g["index"], g["uuid"]) in chosen
         ]
         return FakeInventory(gpus, self.cpu)
 
@@ -173,15 +193,7 @@ class NvmlInventory:
             h = self._nvml.nvmlDeviceGetHandleByIndex(i)
             uuid = self._nvml.nvmlDeviceGetUUID(h)
             all_gpus.append((i, uuid.decode() if isinstance(uuid, bytes) else uuid))
-        if wanted == "all":
-            return all_gpus
-        chosen = []
-        for w in wanted:
-            match = [g for g in all_gpus if g[0] == w or g[1] == w]
-            if not match:
-                raise ValueError(f"devices.gpus names {w!r}, but this machine has GPUs {all_gpus}")
-            chosen.extend(match)
-        return chosen
+        return select_gpus(all_gpus, wanted)
 
     def devices(self) -> list[Device]:
         gpus = [Device(f"gpu:{u}", "cuda", u, f"cuda:{i}") for i, u in self._gpus]
@@ -211,7 +223,7 @@ def build_inventory(cfg: DevicesConfig) -> tuple[Inventory, list[str]]:
     fake = os.environ.get("CKPT_WATCHER_FAKE_NVML")
     if fake:
         warnings.append(f"using the fake GPU inventory in {fake} (CKPT_WATCHER_FAKE_NVML)")
-        return FileInventory(Path(fake), cfg.cpu_slots), warnings
+        return FileInventory(Path(fake), cfg.cpu_slots, cfg.gpus), warnings
     if cfg.gpus == [] or cfg.gpus is None:
         return FakeInventory(cpu=cfg.cpu_slots), warnings
     try:
