@@ -343,15 +343,18 @@ class Throttle:
     task is done in under a second, between two progress reports). `stop()` leaves the group
     stopped, for the test to kill or to let stay frozen."""
 
-    def __init__(self, pgid: int, share: float = 0.25, period: float = 0.1) -> None:
-        self.pgid, self.share, self.period = pgid, share, period
+    def __init__(
+        self, pgid: int, share: float = 0.25, period: float = 0.1, group: bool = True
+    ) -> None:
+        """`group` False: `pgid` is one process (a worker in its parent's group: a Ray task's)."""
+        self.pgid, self.share, self.period, self.group = pgid, share, period, group
         self._quit = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _signal(self, sig: int) -> bool:
         try:
-            os.killpg(self.pgid, sig)
+            (os.killpg if self.group else os.kill)(self.pgid, sig)
             return True
         except ProcessLookupError:
             return False

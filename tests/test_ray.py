@@ -16,13 +16,29 @@ import pytest
 
 from ckpt_watcher import scratch
 
-from .conftest import base_config, read_ledger, write_config
-from .helpers import status_json, wait_for, watcher_run
+from .conftest import CHUNK, HF, RESPONSES, base_config, read_ledger, write_config
+from .helpers import Throttle, status_json, wait_for, watcher_run
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray not installed"),
 ]
+
+
+def ray_task_worker(job_prefix: str) -> tuple[int, int] | None:
+    """(our worker, the Ray worker process running it) for the job whose id starts with
+    `job_prefix` (its scratch folder is named after the job), and no other process here."""
+    r = subprocess.run(
+        ["pgrep", "-f", f"ckpt-watcher-task-[0-9]+-{job_prefix}"], capture_output=True, text=True
+    )
+    for pid in r.stdout.split():
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if Path(f"/proc/{parent}/cmdline").read_bytes().startswith(b"ray::"):
+                return int(pid), parent
+        except OSError:
+            continue
+    return None
 
 
 def test_two_checkpoints_run_concurrently_on_two_ray_gpus_and_a_killed_worker_is_retried(
@@ -50,22 +66,9 @@ def test_two_checkpoints_run_concurrently_on_two_ray_gpus_and_a_killed_worker_is
         # a third checkpoint: kill the Ray worker process that runs its eval
         copy_checkpoint(watch / "ray_step3")
 
-        def ray_worker_of_step3() -> int | None:
-            """The Ray worker process running step 3's eval (the parent of our worker, whose
-            scratch folder is named after the job), and no other process on this machine."""
-            r = subprocess.run(
-                ["pgrep", "-f", "ckpt-watcher-task-[0-9]+-ray-3-"], capture_output=True, text=True
-            )
-            for pid in r.stdout.split():
-                try:
-                    parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                    if Path(f"/proc/{parent}/cmdline").read_bytes().startswith(b"ray::"):
-                        return parent
-                except OSError:
-                    continue
-            return None
-
-        victim = wait_for(ray_worker_of_step3, 120, "the third eval to start", daemon, log)
+        _, victim = wait_for(
+            lambda: ray_task_worker("ray-3-"), 120, "the third eval to start", daemon, log
+        )
         st = wait_for(
             lambda: (s := status_json(cfg)[1]) and s["running"] and s["running"][0]["node"] and s,
             30,
@@ -106,3 +109,49 @@ def test_two_checkpoints_run_concurrently_on_two_ray_gpus_and_a_killed_worker_is
     assert third["attempt"] == 2
     # the killed task's job folder on the node was swept by the next task there (its retry)
     assert not list(Path(tempfile.gettempdir()).glob(f"{scratch.TASK_PREFIX}{victim}-*"))
+
+
+def journaled(root: Path) -> int:
+    """Responses kept in the journals under `root` (each file's lines but its header)."""
+    return sum(
+        max(0, len(f.read_bytes().splitlines()) - 1) for f in root.glob("*/journals/*/*.jsonl")
+    )
+
+
+def test_a_ray_task_killed_part_way_resumes_from_its_journal_in_the_shared_folder(
+    tmp_path: Path, ray_cluster: str, addition_tasks: Path, copy_checkpoint, hf_reference
+) -> None:
+    """A Ray task's journal lives in `executor.shared_dir` (EFS, in a deployment), where the
+    retry reads it on whichever node Ray places it: the task killed part way resumes with only
+    the chunk in flight redone, and scores as the uninterrupted run. Nothing of it is left in
+    the state folder or the shared one once its line is in the ledger."""
+    _, reference = hf_reference
+    watch, shared = tmp_path / "ckpts", tmp_path / "efs"
+    copy_checkpoint(watch / "r_step300", same_content=True)
+    raw = base_config(tmp_path, watch, addition_tasks, **HF)
+    raw["executor"] = {"kind": "ray", "address": ray_cluster, "shared_dir": str(shared)}
+    raw["devices"] = {"gpus": [], "cpu_slots": 0}
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        worker, task = wait_for(lambda: ray_task_worker("r-300-"), 300, "the task", daemon, log)
+        throttle = Throttle(worker, group=False)  # its own process only: Ray's is its parent
+        try:
+            done = wait_for(
+                lambda: (n := journaled(shared)) > CHUNK and n, 300, "part done", daemon, log
+            )
+        finally:
+            throttle.stop()
+        assert done < RESPONSES, done
+        os.kill(task, signal.SIGKILL)  # the node's Ray worker, and so the task, lost
+        os.kill(worker, signal.SIGKILL)
+        (line,) = wait_for(
+            lambda: read_ledger(tmp_path / "ledgers", "r"), 300, "the resumed result", daemon, log
+        )
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    assert line["status"] == "ok" and line["attempt"] == 2, line
+    assert 0 < line["resumed"] < RESPONSES and line["resumed"] >= done - CHUNK, (line, done)
+    assert line["metrics"] == reference["metrics"]
+    assert not list((tmp_path / "state" / "journals").glob("*/*"))  # never there
+    assert journaled(shared) == 0  # removed once the line is in the ledger

@@ -209,6 +209,11 @@ class ExecutorConfig(_Model):
     """local: one subprocess per job on this host; ray: one Ray task per job (multi-node)."""
     address: str = "auto"
     """Ray cluster address, for kind: ray."""
+    shared_dir: Path | None = None
+    """A folder every node sees (EFS, NFS), for kind: ray: the tasks' response journals live
+    there (under a folder of this daemon's own), so a task killed or lost with its
+    node resumes on any node from what it had done. Unset: journals stay under `state_dir`,
+    which only this host's tasks see (a task retried on another node starts from zero)."""
     preload: bool = True
     """kind: local: fork each worker, warm ones too, from a process that imported torch,
     transformers and lm-eval once (10 to 30 s a worker otherwise). Off: every worker is a fresh

@@ -137,7 +137,7 @@ class Daemon:
         self.journals = Journals(
             self.book,
             self.state,
-            cfg.state_dir,
+            self.book.journal_home,
             int(max_journal * 2**30) if max_journal is not None else None,
         )
         self.supervisor = Supervisor(
@@ -245,6 +245,7 @@ class Daemon:
         )
         for w in self.inventory_warnings:
             log.warning("devices.warning", message=w)
+        self._check_journal_home()
         history: list[dict[str, Any]] = []
         self.ledger.load(each=history.append)
         runs = list(iter_runs(self.cfg.ledger_dir))
@@ -447,6 +448,26 @@ class Daemon:
             f"{word}: {counts.get('queued', 0)} queued, {counts.get('running', 0)} running, "
             f"{counts.get('ok', 0)} done, {counts.get('failed', 0)} failed"
         )
+
+    def _check_journal_home(self) -> None:
+        """The journals' folder must be writable; under Ray, say where a retried task resumes."""
+        home = self.book.journal_home
+        try:
+            (home / "journals").mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"config field executor.shared_dir: cannot create {home / 'journals'} ({e}); "
+                "name a folder every node can write (EFS, NFS)"
+            ) from None
+        if self.cfg.executor.kind == "ray" and self.cfg.executor.shared_dir is None:
+            log.warning(
+                "executor.journals_on_this_host",
+                message="the tasks' journals are under state_dir, which other nodes do not "
+                "see: a task retried on another node starts from zero; set executor.shared_dir "
+                "to a folder every node sees (EFS) to resume it there",
+            )
+        else:
+            log.info("executor.journals", folder=str(home / "journals"))
 
     def _save_resolved_config(self) -> None:
         """The settings this daemon runs with, beside the ledgers (for the reader's record; a

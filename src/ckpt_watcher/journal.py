@@ -55,8 +55,19 @@ _SUFFIX = ".jsonl"
 CLAIMS_FOLDER = "claims"
 
 
-def journals_root(state_dir: Path) -> Path:
-    return state_dir / "journals"
+def journals_root(home: Path) -> Path:
+    """Where the journals are: under `home` (the state folder, or `journal_home`'s)."""
+    return home / "journals"
+
+
+def journal_home(state_dir: Path, shared_dir: Path | None) -> Path:
+    """The folder whose `journals/` holds this daemon's journals: `state_dir`, or with a shared
+    folder (executor.shared_dir, seen by every node) a folder of its own there, named after
+    this host and state folder, so two daemons sharing it never sweep each other's."""
+    if shared_dir is None:
+        return state_dir
+    owner = f"{socket.gethostname()}:{state_dir.resolve()}"
+    return shared_dir / f"ckpt-watcher-{hashlib.sha256(owner.encode()).hexdigest()[:12]}"
 
 
 def identity(fingerprint: str, settings_hash: str, task: str, num_fewshot: int | None) -> dict:
@@ -69,9 +80,9 @@ def identity(fingerprint: str, settings_hash: str, task: str, num_fewshot: int |
     }
 
 
-def folder_for(state_dir: Path, ident: dict[str, Any]) -> Path:
+def folder_for(home: Path, ident: dict[str, Any]) -> Path:
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
-    return journals_root(state_dir) / digest
+    return journals_root(home) / digest
 
 
 def unit_key(task: str | None, doc_id: Any, sample: Any, arguments: Any) -> str:
@@ -387,10 +398,10 @@ def remove(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def sizes(state_dir: Path) -> dict[str, int]:
-    """Every journal folder under `state_dir` and the bytes its files hold."""
+def sizes(home: Path) -> dict[str, int]:
+    """Every journal folder under `home` and the bytes its files hold."""
     out: dict[str, int] = {}
-    root = journals_root(state_dir)
+    root = journals_root(home)
     try:
         folders = [e.path for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
     except FileNotFoundError:

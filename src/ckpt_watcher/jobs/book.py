@@ -43,6 +43,7 @@ class JobBook:
         self.settings_hash = cfg.eval.settings_hash()
         self.all_tasks = cfg.eval.entries()
         self.failures = 0  # jobs that ended failed since this daemon started
+        self.journal_home = journal.journal_home(cfg.state_dir, cfg.executor.shared_dir)
 
     # --- what is known about a job --------------------------------------------------------
     def folder(self, job: Job) -> JobFolder:
@@ -73,7 +74,7 @@ class JobBook:
             task["task"],
             task["num_fewshot"],
         )
-        return JournalRef(str(journal.folder_for(self.cfg.state_dir, ident)), ident)
+        return JournalRef(str(journal.folder_for(self.journal_home, ident)), ident)
 
     def source_name(self, job: Job) -> str:
         row = self.state.checkpoint(job.location)
