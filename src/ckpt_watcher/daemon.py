@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 import yaml
 
-from ckpt_watcher import planner, redact, scheduler
+from ckpt_watcher import journal, planner, redact, scheduler
 from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.devices import Inventory, build_inventory
 from ckpt_watcher.discovery import Discovery
@@ -135,10 +135,7 @@ class Daemon:
         self.helpers = self.dispatcher.helpers
         max_journal = cfg.policy.journal_max_gb
         self.journals = Journals(
-            self.book,
-            self.state,
-            self.book.journal_home,
-            int(max_journal * 2**30) if max_journal is not None else None,
+            self.book, self.state, int(max_journal * 2**30) if max_journal is not None else None
         )
         self.supervisor = Supervisor(
             cfg,
@@ -451,12 +448,12 @@ class Daemon:
 
     def _check_journal_home(self) -> None:
         """The journals' folder must be writable; under Ray, say where a retried task resumes."""
-        home = self.book.journal_home
+        root = journal.journals_root(self.book.journal_home)
         try:
-            (home / "journals").mkdir(parents=True, exist_ok=True)
+            root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(
-                f"config field executor.shared_dir: cannot create {home / 'journals'} ({e}); "
+                f"config field executor.shared_dir: cannot create {root} ({e}); "
                 "name a folder every node can write (EFS, NFS)"
             ) from None
         if self.cfg.executor.kind == "ray" and self.cfg.executor.shared_dir is None:
@@ -467,7 +464,7 @@ class Daemon:
                 "to a folder every node sees (EFS) to resume it there",
             )
         else:
-            log.info("executor.journals", folder=str(home / "journals"))
+            log.info("executor.journals", folder=str(root))
 
     def _save_resolved_config(self) -> None:
         """The settings this daemon runs with, beside the ledgers (for the reader's record; a

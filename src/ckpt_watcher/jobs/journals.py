@@ -25,10 +25,9 @@ SWEEP_SECONDS = 60.0
 
 
 class Journals:
-    def __init__(self, book: JobBook, state: State, home: Path, max_bytes: int | None) -> None:
+    def __init__(self, book: JobBook, state: State, max_bytes: int | None) -> None:
         self.book = book
         self.state = state
-        self.home = home  # journal.journal_home
         self.max_bytes = max_bytes
         self._next = 0.0
         self._warned_over = False
@@ -43,7 +42,7 @@ class Journals:
         running = {f for job in self.state.jobs("running") for f in self._folders(job)}
         queued = [(job, self._folders(job)) for job in self.state.jobs("queued")]  # oldest first
         keep = running | {f for _, folders in queued for f in folders}
-        found = {str(Path(f)): n for f, n in journal.sizes(self.home).items()}
+        found = {str(Path(f)): n for f, n in journal.sizes(self.book.journal_home).items()}
         for folder in sorted(set(found) - keep):
             journal.remove(Path(folder))
             log.info(
