@@ -10,9 +10,15 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from structlog.testing import capture_logs
 
 from ckpt_watcher import journal, status
+from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.evaluators.resume import Helped, TaskJournal
+from ckpt_watcher.jobs.journals import Journals
 from ckpt_watcher.journal import JournalRef
 
 
@@ -361,8 +367,6 @@ def test_a_chunk_whose_done_mark_cannot_be_written_is_given_back(
     chunk back: a holder that lives on (an idle warm worker) must not block the job's worker."""
     import errno
 
-    import pytest
-
     ref = _ref(tmp_path)
     Path(ref.folder).mkdir(parents=True)
 
@@ -503,3 +507,23 @@ def test_a_worker_whose_claim_or_done_file_has_all_the_links_it_may_have_writes_
     assert len(marks) == 20 and {m["device"] for m in marks.values()} == {"cpu:0"}
     templates = [p.name for p in own.queue.folder.iterdir() if p.name.startswith(".")]
     assert len(templates) > 2, templates  # the cap was met, and more files written
+
+
+def test_the_journals_folder_is_checked_at_start_and_ray_without_a_shared_one_is_named(
+    tmp_path: Path,
+) -> None:
+    """A `shared_dir` that cannot be created stops the start naming the key; under Ray with
+    journals under state_dir the daemon says a retry on another node starts from zero."""
+    import pytest
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    book = SimpleNamespace(journal_home=journal.journal_home(tmp_path, blocker / "efs"))
+    with pytest.raises(ConfigError, match="executor.shared_dir: cannot create"):
+        Journals(book, None, None).check_home(ray=True, shared=True)  # type: ignore[arg-type]
+    book = SimpleNamespace(journal_home=journal.journal_home(tmp_path / "state", None))
+    with capture_logs() as logs:
+        Journals(book, None, None).check_home(ray=True, shared=False)  # type: ignore[arg-type]
+        Journals(book, None, None).check_home(ray=False, shared=False)  # type: ignore[arg-type]
+    assert [e["event"] for e in logs] == ["executor.journals_on_this_host", "executor.journals"]
+    assert journal.journals_root(book.journal_home).is_dir()

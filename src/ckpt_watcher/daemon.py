@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 import yaml
 
-from ckpt_watcher import journal, planner, redact, scheduler
+from ckpt_watcher import planner, redact, scheduler
 from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.devices import Inventory, build_inventory
 from ckpt_watcher.discovery import Discovery
@@ -242,7 +242,9 @@ class Daemon:
         )
         for w in self.inventory_warnings:
             log.warning("devices.warning", message=w)
-        self._check_journal_home()
+        self.journals.check_home(
+            ray=self.cfg.executor.kind == "ray", shared=self.cfg.executor.shared_dir is not None
+        )
         history: list[dict[str, Any]] = []
         self.ledger.load(each=history.append)
         runs = list(iter_runs(self.cfg.ledger_dir))
@@ -445,26 +447,6 @@ class Daemon:
             f"{word}: {counts.get('queued', 0)} queued, {counts.get('running', 0)} running, "
             f"{counts.get('ok', 0)} done, {counts.get('failed', 0)} failed"
         )
-
-    def _check_journal_home(self) -> None:
-        """The journals' folder must be writable; under Ray, say where a retried task resumes."""
-        root = journal.journals_root(self.book.journal_home)
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(
-                f"config field executor.shared_dir: cannot create {root} ({e}); "
-                "name a folder every node can write (EFS, NFS)"
-            ) from None
-        if self.cfg.executor.kind == "ray" and self.cfg.executor.shared_dir is None:
-            log.warning(
-                "executor.journals_on_this_host",
-                message="the tasks' journals are under state_dir, which other nodes do not "
-                "see: a task retried on another node starts from zero; set executor.shared_dir "
-                "to a folder every node sees (EFS) to resume it there",
-            )
-        else:
-            log.info("executor.journals", folder=str(root))
 
     def _save_resolved_config(self) -> None:
         """The settings this daemon runs with, beside the ledgers (for the reader's record; a

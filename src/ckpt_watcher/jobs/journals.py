@@ -16,6 +16,7 @@ from pathlib import Path
 import structlog
 
 from ckpt_watcher import journal
+from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.jobs.book import JobBook
 from ckpt_watcher.state import Job, State
 
@@ -31,6 +32,27 @@ class Journals:
         self.max_bytes = max_bytes
         self._next = 0.0
         self._warned_over = False
+
+    def check_home(self, *, ray: bool, shared: bool) -> None:
+        """At start: the journals' folder must be writable; under Ray, say where a retried
+        task resumes (only a shared folder lets a retry on another node find its journal)."""
+        root = journal.journals_root(self.book.journal_home)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"config field executor.shared_dir: cannot create {root} ({e}); "
+                "name a folder every node can write (EFS, NFS)"
+            ) from None
+        if ray and not shared:
+            log.warning(
+                "executor.journals_on_this_host",
+                message="the tasks' journals are under state_dir, which other nodes do not "
+                "see: a task retried on another node starts from zero; set executor.shared_dir "
+                "to a folder every node sees (EFS) to resume it there",
+            )
+        else:
+            log.info("executor.journals", folder=str(root))
 
     def tick(self, now: float) -> None:
         """Sweep if one is due (at the first call, then every SWEEP_SECONDS)."""
