@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -302,38 +304,103 @@ def upload_dir(client, folder: Path, bucket: str, prefix: str, skip: tuple[str, 
 
 @pytest.fixture(scope="module")  # a fresh cluster per module, as test_ray's timing checks expect
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One node declaring 2 GPUs and no NVML: the address."""
+    with _one_ray_at_a_time():
+        yield from _ray_cluster(tmp_path_factory, ["--num-gpus=2"])
+
+
+@dataclass
+class TwoNodes:
+    """A Ray cluster of two raylets on this machine, each with its own fake NVML file (for
+    the test to write) and no GPUs Ray counts."""
+
+    address: str
+    nvml: list[Path]  # the head's, the second node's
+    raylet: list[int]  # their raylets' pids
+
+
+@pytest.fixture(scope="module")
+def ray_two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodes]:
+    with _one_ray_at_a_time():
+        files = tmp_path_factory.mktemp("nvml")
+        nvml = [files / "head.json", files / "second.json"]
+        for path in nvml:
+            path.write_text('{"gpus": []}')
+        before = _raylets()
+        head = _ray_cluster(
+            tmp_path_factory, ["--num-gpus=0"], {"CKPT_WATCHER_FAKE_NVML": str(nvml[0])}
+        )
+        address = next(head)
+        first = _raylets() - before
+        _ray_start(["--address", address, "--num-cpus=2", "--num-gpus=0"], nvml[1])
+        second = _raylets() - before - first
+        try:
+            yield TwoNodes(address, nvml, [*first, *second])
+        finally:
+            next(head, None)  # ray stop --force: both nodes
+
+
+def _raylets() -> set[int]:
+    r = subprocess.run(["pgrep", "-f", "ray/raylet/raylet "], capture_output=True, text=True)
+    return {int(x) for x in r.stdout.split()}
+
+
+@contextlib.contextmanager
+def _one_ray_at_a_time() -> Iterator[None]:
     # One cluster on the machine at a time, also across pytest-xdist workers (.ci/run runs two):
-    # `ray stop --force` below stops every Ray process on the machine, another module's too.
+    # `ray stop --force` stops every Ray process on the machine, another module's too.
     import fcntl
 
     lock = open(Path(tempfile.gettempdir()) / "ckpt-watcher-tests-ray.lock", "w")  # noqa: SIM115
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
-        yield from _ray_cluster(tmp_path_factory)
+        yield
     finally:
         fcntl.flock(lock, fcntl.LOCK_UN)
         lock.close()
 
 
-def _ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    ray = str(Path(os.sys.executable).parent / "ray")
-    tmp = tmp_path_factory.mktemp("ray")
+def _ray_env(**extra: str) -> dict[str, str]:
     # Ray's workers inherit this environment: dummy AWS credentials let them stage from the
     # test's S3 server (sources name its endpoint_url), as an instance role would in production
-    env = dict(
+    return dict(
         os.environ,
         RAY_USAGE_STATS_ENABLED="0",
         AWS_ACCESS_KEY_ID="test",
         AWS_SECRET_ACCESS_KEY="test",
         AWS_DEFAULT_REGION="us-east-1",
+        **extra,
     )
+
+
+def _ray_start(args: list[str], nvml: Path) -> None:
+    ray = str(Path(os.sys.executable).parent / "ray")
+    env = _ray_env(CKPT_WATCHER_FAKE_NVML=str(nvml))
+    r = subprocess.run(
+        [ray, "start", *args, "--disable-usage-stats"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _ray_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+    head: list[str],
+    env_extra: dict[str, str] | None = None,
+) -> Iterator[str]:
+    ray = str(Path(os.sys.executable).parent / "ray")
+    tmp = tmp_path_factory.mktemp("ray")
+    env = _ray_env(**(env_extra or {}))
     r = subprocess.run(
         [
             ray,
             "start",
             "--head",
             "--num-cpus=2",
-            "--num-gpus=2",
+            *head,
             "--port=0",
             f"--temp-dir={tmp}",
             "--include-dashboard=false",

@@ -13,11 +13,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from structlog.testing import capture_logs
+from structlog.testing import CapturingLogger
 
 from ckpt_watcher import journal, status
 from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.evaluators.resume import Helped, TaskJournal
+from ckpt_watcher.jobs import journals
 from ckpt_watcher.jobs.journals import Journals
 from ckpt_watcher.journal import JournalRef
 
@@ -510,7 +511,7 @@ def test_a_worker_whose_claim_or_done_file_has_all_the_links_it_may_have_writes_
 
 
 def test_the_journals_folder_is_checked_at_start_and_ray_without_a_shared_one_is_named(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A `shared_dir` that cannot be created stops the start naming the key; under Ray with
     journals under state_dir the daemon says a retry on another node starts from zero."""
@@ -522,8 +523,12 @@ def test_the_journals_folder_is_checked_at_start_and_ray_without_a_shared_one_is
     with pytest.raises(ConfigError, match="executor.shared_dir: cannot create"):
         Journals(book, None, None).check_home(ray=True, shared=True)  # type: ignore[arg-type]
     book = SimpleNamespace(journal_home=journal.journal_home(tmp_path / "state", None))
-    with capture_logs() as logs:
-        Journals(book, None, None).check_home(ray=True, shared=False)  # type: ignore[arg-type]
-        Journals(book, None, None).check_home(ray=False, shared=False)  # type: ignore[arg-type]
-    assert [e["event"] for e in logs] == ["executor.journals_on_this_host", "executor.journals"]
+    logs = CapturingLogger()  # (the module's logger: cached loggers escape capture_logs)
+    monkeypatch.setattr(journals, "log", logs)
+    Journals(book, None, None).check_home(ray=True, shared=False)  # type: ignore[arg-type]
+    Journals(book, None, None).check_home(ray=False, shared=False)  # type: ignore[arg-type]
+    assert [c.args[0] for c in logs.calls] == [
+        "executor.journals_on_this_host",
+        "executor.journals",
+    ]
     assert journal.journals_root(book.journal_home).is_dir()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,18 @@ class Inventory(Protocol):
         """Every compute process on the selected GPUs (ours included)."""
         ...
 
+    def reap(self, device_id: str, pid: int) -> None:
+        """SIGKILL a process on one of the devices (a zombie); raises ProcessLookupError or
+        PermissionError as os.kill does."""
+        ...
+
+
+class ThisHost:
+    """Inventories of this host's own devices: their processes are this host's."""
+
+    def reap(self, device_id: str, pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)
+
 
 def device_kind(device_id: str) -> str:
     """A device's kind from its id (`cpu:N` for CPU slots; GPUs, fake or real, and Ray's
@@ -109,7 +122,7 @@ class FakeGpu:
 
 
 @dataclass
-class FakeInventory:
+class FakeInventory(ThisHost):
     """An in-memory GPU inventory for tests and machines without GPUs: its "GPUs" are
     scheduled like real ones (by UUID, busy when others hold memory) but workers compute on
     the CPU."""
@@ -147,7 +160,7 @@ def select_gpus(
     return chosen
 
 
-class FileInventory:
+class FileInventory(ThisHost):
     """A fake NVML read from a JSON file on every call, so a test can change it live:
     {"gpus": [{"index": 6, "uuid": "GPU-a", "foreign": [[pid, mib, util], ...]}]}, of which
     `devices.gpus` selects as it does of the real ones. Selected with
@@ -175,7 +188,7 @@ class FileInventory:
         return self._load().gpu_processes()
 
 
-class NvmlInventory:
+class NvmlInventory(ThisHost):
     """The real GPUs, through nvidia-ml-py, restricted to `devices.gpus`; plus CPU slots."""
 
     def __init__(self, cfg: DevicesConfig) -> None:
@@ -254,6 +267,7 @@ class Suspect:
     used_mib: int
     idle_s: int
     new: bool  # first time reported
+    device_id: str = ""  # the device's id (which node's, under Ray)
 
 
 class ZombieWatch:
@@ -284,7 +298,12 @@ class ZombieWatch:
             self._reported.add(key)
             out.append(
                 Suspect(
-                    p.pid, labels.get(p.device_id, p.device_id), p.used_mib, round(now - since), new
+                    p.pid,
+                    labels.get(p.device_id, p.device_id),
+                    p.used_mib,
+                    round(now - since),
+                    new,
+                    p.device_id,
                 )
             )
         return out

@@ -50,6 +50,7 @@ EXIT_CRASH = 4  # the job stopped as a whole (crash.json says why, where the wor
 EXIT_CHANGED = 5  # the checkpoint's files are not those it was judged with: nothing more read
 
 STATUS_FD_ENV = "CKPT_WATCHER_STATUS_FD"  # a warm worker's status pipe
+DIE_WITH_PARENT_ENV = "CKPT_WATCHER_DIE_WITH"  # a worker SIGKILLed when this pid (its parent) dies
 ENGINE_FILE = "engine.json"  # in a warm worker's home: the engine it holds
 KILLED_FILE = "killed"  # in a warm worker's home: the pid the daemon killed on purpose
 # Distinct jobs in a row that crashed on one device's warm workers (or died with one) before

@@ -1,136 +1,273 @@
-"""Run each job as one Ray task (`num_gpus=1`) somewhere in a Ray cluster (multi-node).
+"""Run jobs on every node of a Ray cluster, through one agent per node (executors/node_agent.py).
 
-The daemon stays the only scheduler and the only ledger writer: a Ray task runs
-`python -m ckpt_watcher.worker` as a subprocess on whichever node Ray placed it (the subprocess
-inherits the `CUDA_VISIBLE_DEVICES` Ray set), then returns the worker's outcome files and log to
-the daemon, which writes them into the job's folder and settles the job as for a local worker.
-A node that dies fails its job's attempt; the job is retried (elsewhere) like any failure.
+The daemon stays the only scheduler and the only ledger writer. It places a `NodeAgent` actor on
+each alive node (a node that joins gets one at the next look, `REFRESH_SECONDS`); the agents'
+devices (`node-a/cuda:6`) are the daemon's inventory, and the processes not ours on them decide
+which are free, which are given back to training and which are reported as zombies, as NVML
+does on one host. A job is handed to the agent of its device's node, which runs its worker
+(warm or one-shot) and returns the worker's outcome files and log; the daemon writes them into
+the job's folder and settles the job as for a local worker.
+
+A node that dies, or an agent killed, fails its jobs' attempts (their workers die with the
+agent); the jobs are retried on the devices left and resume from the journals in
+`executor.shared_dir`. The node's devices are gone until an agent answers there again.
 Checkpoint and ledger folders must be on storage every node sees (EFS/NFS), or S3 sources used.
+The agents hold no Ray resources: NVML on each node says which GPUs are free, whoever holds them.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
-from pathlib import Path
+import time
 from typing import Any
 
 import structlog
 
-from ckpt_watcher import scratch
+from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.devices import Device, GpuProcess
 from ckpt_watcher.errors import BackendUnavailable
 from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
-from ckpt_watcher.jobfolder import WORKER_MODULE, JobFolder, JobSpec
+from ckpt_watcher.executors.node_agent import NodeAgent, node_of
+from ckpt_watcher.jobfolder import JobFolder
 
 log = structlog.get_logger("ckpt_watcher.executors.ray")
 
+REFRESH_SECONDS = 2.0  # how often the cluster's nodes are looked at (joined, died)
+CALL_SECONDS = 10.0  # an agent that does not answer a question about its devices this fast is lost
+START_SECONDS = 60.0  # at the daemon's start, for the agents to answer
+AGENT_CONCURRENCY = 64  # an agent's calls at once (each running job waits in one)
 
-def _run_on_node(spec_json: str, job_id: str) -> Iterator[Any]:
-    """Inside the Ray task: say which node this is, then run the worker in a scratch job folder
-    and return what it wrote (a streaming generator: the node arrives before the result)."""
-    import os
-    import subprocess
-    import sys
-    import tempfile
 
-    import ray
+class _Agent:
+    """The daemon's side of one node's agent."""
 
-    yield ray.util.get_node_ip_address()
-    scratch.sweep()  # what tasks killed on this node left (their job folders, their workers')
-    with tempfile.TemporaryDirectory(prefix=scratch.task_prefix(job_id)) as tmp:
-        folder = JobFolder(Path(tmp))
-        folder.write_spec(JobSpec.from_json(spec_json))
-        with open(folder.log, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", WORKER_MODULE, str(folder)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=dict(os.environ),
-            )
-            rc = proc.wait()
-        scratch.remove(proc.pid)  # its temporary folder, with what a killed engine left there
-        yield {
-            "rc": rc,
-            "files": folder.results(),
-            "log": folder.log.read_text(errors="replace"),
-        }
+    def __init__(self, node_id: str, name: str, handle: Any, ready: Any) -> None:
+        self.node_id = node_id
+        self.name = name
+        self.handle = handle
+        self.ready = ready  # its `describe` call, until answered
+        self.devices: list[Device] = []
+
+
+def node_names(nodes: list[dict[str, Any]], known: dict[str, str]) -> dict[str, str]:
+    """A name for each node (node id -> name): its host name, with the start of its node id
+    where hosts share a name (containers, a test's raylets on one machine); a name once given
+    is kept."""
+    hosts = [n.get("NodeManagerHostname") or n["NodeManagerAddress"] for n in nodes]
+    out = dict(known)
+    for node, host in zip(nodes, hosts, strict=True):
+        if node["NodeID"] not in out:
+            unique = hosts.count(host) == 1 and host not in known.values()
+            out[node["NodeID"]] = host if unique else f"{host}-{node['NodeID'][:6]}"
+    return out
 
 
 class RayExecutor(Executor):
-    def __init__(self, on_exit: ExitCallback, address: str = "auto") -> None:
+    def __init__(self, on_exit: ExitCallback, cfg: WatcherConfig) -> None:
         try:
             import ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         except ImportError as e:
             raise BackendUnavailable(
                 "executor.kind is ray but Ray is not installed: pip install 'ckpt-watcher[ray]'"
             ) from e
         self._ray: Any = ray
+        self._affinity = NodeAffinitySchedulingStrategy
         if not ray.is_initialized():
             ray.init(
-                address=address,
+                address=cfg.executor.address,
                 include_dashboard=False,
                 log_to_driver=False,
                 logging_level=logging.WARNING,
             )
-        self._remote = ray.remote(num_gpus=1, max_retries=0, num_returns="streaming")(_run_on_node)
+        self._actor = self._ray.remote(
+            num_cpus=0, max_restarts=0, max_concurrency=AGENT_CONCURRENCY
+        )(NodeAgent)
+        self.settings = {
+            "devices": cfg.devices.model_dump(mode="json"),
+            "warm": cfg.eval.warm,
+            "warm_idle_seconds": cfg.eval.warm_idle_seconds,
+            "warm_verify_every": cfg.eval.warm_verify_every,
+        }
         self.on_exit = on_exit
-        self._refs: dict[str, Any] = {}
+        self._agents: dict[str, _Agent] = {}  # node id -> its agent
+        self._names: dict[str, str] = {}
+        self._jobs: dict[str, _Agent] = {}  # running job -> the agent running it
         self._lock = threading.Lock()
-        self.nodes: dict[str, str] = {}  # job id -> node, once known
+        self._next_refresh = 0.0
+        self._first_look()
 
-    def slots(self) -> list[Device]:
-        """One device per GPU Ray sees in the cluster (Ray places each task)."""
-        gpus = int(self._ray.cluster_resources().get("GPU", 0))
-        return [Device(f"ray:{i}", "cuda", "", f"ray:gpu{i}", "auto") for i in range(gpus)]
-
-    def start(self, job_id: str, folder: JobFolder, env: dict[str, str]) -> WorkerHandle:
-        ref = self._remote.options(name=job_id).remote(folder.spec_text(), job_id)
+    def _first_look(self) -> None:
+        """Place an agent on every node and wait for them to answer (their devices are the
+        daemon's at its start), at most START_SECONDS."""
+        self._refresh()
         with self._lock:
-            self._refs[job_id] = ref
-        threading.Thread(target=self._wait, args=(job_id, ref, folder), daemon=True).start()
+            pending = [a.ready for a in self._agents.values() if a.ready is not None]
+        if pending:
+            self._ray.wait(pending, num_returns=len(pending), timeout=START_SECONDS)
+        self._refresh()
+        self._next_refresh = time.monotonic() + REFRESH_SECONDS
+
+    # --- the nodes and their agents -----------------------------------------------------------
+    def agents(self) -> list[_Agent]:
+        """The agents that have answered, the cluster looked at again if it is time."""
+        now = time.monotonic()
+        if now >= self._next_refresh:
+            self._next_refresh = now + REFRESH_SECONDS
+            self._refresh()
+        with self._lock:
+            return [a for a in self._agents.values() if a.ready is None]
+
+    def _refresh(self) -> None:
+        nodes = self._ray.nodes()
+        self._names = node_names(nodes, self._names)
+        alive = {n["NodeID"]: n for n in nodes if n.get("Alive")}
+        with self._lock:
+            for node_id in set(self._agents) - set(alive):
+                self._lost(self._agents[node_id], "its node left the cluster")
+            for node_id, node in alive.items():
+                if node_id not in self._agents:
+                    self._place(node_id, node)
+            pending = [a for a in self._agents.values() if a.ready is not None]
+        for agent in pending:
+            done, _ = self._ray.wait([agent.ready], timeout=0)
+            if not done:
+                continue
+            try:
+                info = self._ray.get(agent.ready)
+            except Exception as e:  # it died starting (its node going away)
+                with self._lock:
+                    self._lost(agent, f"{type(e).__name__}: {e}")
+                continue
+            agent.devices = [Device(**d) for d in info["devices"]]
+            agent.ready = None
+            log.info(
+                "ray.node_joined",
+                node=agent.name,
+                devices=[d.label for d in agent.devices],
+                agent_pid=info["pid"],
+            )
+            for w in info["warnings"]:
+                log.warning("devices.warning", node=agent.name, message=w)
+
+    def _place(self, node_id: str, node: dict[str, Any]) -> None:
+        name = self._names[node_id]
+        settings = self.settings | {"ray_gpus": int(node.get("Resources", {}).get("GPU", 0))}
+        handle = self._actor.options(
+            scheduling_strategy=self._affinity(node_id, soft=False),
+            name=None,
+        ).remote(name, settings)
+        self._agents[node_id] = _Agent(node_id, name, handle, handle.describe.remote())
+
+    def _lost(self, agent: _Agent, why: str) -> None:
+        """Forget an agent (under the lock): its devices go; a new one is placed on its node at
+        the next look if the node is still there."""
+        if self._agents.get(agent.node_id) is agent:
+            del self._agents[agent.node_id]
+            log.warning("ray.node_lost", node=agent.name, why=why)
+            try:
+                self._ray.kill(agent.handle)
+            except Exception:  # already gone
+                pass
+
+    def _agent_of(self, device_name: str) -> _Agent | None:
+        node = node_of(device_name)
+        with self._lock:
+            return next(
+                (a for a in self._agents.values() if a.name == node and a.ready is None), None
+            )
+
+    # --- jobs -------------------------------------------------------------------------------
+    def start(self, job_id: str, folder: JobFolder, env: dict[str, str]) -> WorkerHandle:
+        agent = self._agent_of(folder.read_spec().device_label)
+        if agent is None:
+            raise OSError(f"the node of {folder.read_spec().device_label} has left the cluster")
+        with self._lock:
+            self._jobs[job_id] = agent
+        started = agent.handle.start.remote(job_id, folder.spec_text(), env)
+        threading.Thread(
+            target=self._wait, args=(job_id, agent, started, folder), daemon=True
+        ).start()
         return WorkerHandle(job_id, 0, "ray")
 
-    def _wait(self, job_id: str, ref: Any, folder: JobFolder) -> None:
+    def _wait(self, job_id: str, agent: _Agent, started: Any, folder: JobFolder) -> None:
         try:
-            self.nodes[job_id] = str(self._ray.get(next(ref)))
-            result = self._ray.get(next(ref))
-        except Exception as e:  # the node died, the task was cancelled, Ray lost it
-            folder.log.write_text(f"Ray task failed: {type(e).__name__}: {e}\n")
+            pid = self._ray.get(started)
+            result = self._ray.get(agent.handle.wait.remote(job_id))
+        except self._ray.exceptions.RayTaskError as e:  # the agent could not start it
+            folder.log.write_text(f"[node {agent.name}] could not start the worker: {e}\n")
+            rc = 1
+        except Exception as e:  # the node died, the agent was killed, Ray lost it
+            folder.log.write_text(f"[node {agent.name}] lost: {type(e).__name__}: {e}\n")
+            with self._lock:
+                self._lost(agent, f"a job's call failed: {type(e).__name__}")
             rc = -9
         else:
             folder.put_results(result["files"])
-            folder.log.write_text(f"[ran on node {self.nodes[job_id]}]\n" + result["log"])
+            folder.log.write_text(f"[ran on node {agent.name}, pid {pid}]\n" + result["log"])
             rc = int(result["rc"])
         with self._lock:
-            self._refs.pop(job_id, None)
+            self._jobs.pop(job_id, None)
         self.on_exit(job_id, rc)
 
     def kill(self, job_id: str) -> None:
         with self._lock:
-            ref = self._refs.get(job_id)
-        if ref is not None:
-            self._ray.cancel(ref, force=True)
+            agent = self._jobs.get(job_id)
+        if agent is not None:
+            agent.handle.kill.remote(job_id)
 
     def where(self, job_id: str) -> str | None:
-        """The node running a job, once its task has started."""
-        return self.nodes.get(job_id)
+        """The node running a job."""
+        with self._lock:
+            agent = self._jobs.get(job_id)
+        return agent.name if agent is not None else None
 
     def running(self) -> set[str]:
         with self._lock:
-            return set(self._refs)
+            return set(self._jobs)
+
+    def ask(self, agent: _Agent, call: str, *args: Any) -> Any:
+        """One agent's answer, or None where it is lost (it is then forgotten)."""
+        try:
+            return self._ray.get(getattr(agent.handle, call).remote(*args), timeout=CALL_SECONDS)
+        except Exception as e:
+            with self._lock:
+                self._lost(agent, f"{call}: {type(e).__name__}")
+            return None
+
+    def close(self) -> None:
+        """Release every node's warm engines, then the agents."""
+        with self._lock:
+            agents = list(self._agents.values())
+        for agent in agents:
+            if agent.ready is None:
+                self.ask(agent, "close")
+            try:
+                self._ray.kill(agent.handle)
+            except Exception:
+                pass
 
 
 class RayInventory:
-    """Capacity of a Ray cluster: one slot per GPU it has; Ray places each task on a node."""
+    """Every node's devices, as its agent reads them (NVML there)."""
 
     def __init__(self, executor: RayExecutor) -> None:
         self.executor = executor
 
     def devices(self) -> list[Device]:
-        return list(self.executor.slots())
+        return [d for agent in self.executor.agents() for d in agent.devices]
 
     def gpu_processes(self) -> list[GpuProcess]:
-        return []  # other nodes' GPUs are not visible to this host's NVML
+        """The processes not ours on every node's GPUs (each agent leaves its workers out)."""
+        return [
+            GpuProcess(**p)
+            for agent in self.executor.agents()
+            for p in self.executor.ask(agent, "foreign_processes") or []
+        ]
+
+    def reap(self, device_id: str, pid: int) -> None:
+        agent = self.executor._agent_of(device_id)
+        why = self.executor.ask(agent, "reap", pid) if agent is not None else "its node is gone"
+        if why:
+            raise ProcessLookupError(why)

@@ -11,9 +11,6 @@ utilisation are reported, and killed only with `devices.reap_foreign_zombies`.
 
 from __future__ import annotations
 
-import os
-import signal
-
 import structlog
 
 from ckpt_watcher.config import WatcherConfig
@@ -132,7 +129,7 @@ class Gpus:
             )
             if reap:
                 try:
-                    os.kill(z.pid, signal.SIGKILL)
+                    self.inventory.reap(z.device_id, z.pid)
                     log.warning("devices.zombie_reaped", pid=z.pid, device=z.device)
                 except (ProcessLookupError, PermissionError) as e:
                     log.error("devices.zombie_reap_failed", pid=z.pid, error=str(e))

@@ -12,7 +12,7 @@ import structlog
 
 from ckpt_watcher import scratch
 from ckpt_watcher.evaluators import heap
-from ckpt_watcher.jobfolder import STARTER_NAME, WORKER_NAME
+from ckpt_watcher.jobfolder import DIE_WITH_PARENT_ENV, STARTER_NAME, WORKER_NAME
 from ckpt_watcher.proctable import set_name
 from ckpt_watcher.worker import lifeline
 
@@ -64,6 +64,9 @@ if __name__ == "__main__":
         forked = serve_forks()  # returns only in a worker it forked (starter.py): its arguments
         if forked is None:  # the daemon is gone or going: at once (nothing to flush or finalize)
             os._exit(0)
+    parent = os.environ.pop(DIE_WITH_PARENT_ENV, None)  # not for what it starts
+    if parent:  # a Ray node's agent started it (executors/node_agent.py): it goes with the agent
+        lifeline.die_with_parent(int(parent))
     set_name(WORKER_NAME)
     lifeline.arm()  # what it forks (vLLM's engine on CUDA) dies with it
     tmp = scratch.enter()  # before anything can create a temporary file (vLLM's sockets)

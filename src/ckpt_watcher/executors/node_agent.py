@@ -1,0 +1,175 @@
+"""One agent per Ray node: that node's GPUs, its workers and its zombies, as on one host.
+
+The daemon (executors/ray.py) places a `NodeAgent` actor on every alive node of the cluster.
+The agent reads the node's GPUs through the node's NVML (or the node's `CKPT_WATCHER_FAKE_NVML`)
+with the config's `devices` settings, reports the processes that are not ours on them (the
+daemon applies the idle rule, gives GPUs back and names zombies with them, as on one host), and
+runs each job it is handed as the local executors do: a one-shot worker, or the device's warm
+worker that keeps its engine and swaps the next checkpoint's weights in. Each job's folder is a
+temporary folder of the agent's on the node; the agent hands back the worker's outcome files
+and log. Devices are named after the node (`node-a/cuda:6`); their ids carry the node's name
+too, so two nodes' `cpu:0` or fake GPUs never meet.
+
+Workers die with their agent (`DIE_WITH_PARENT_ENV`): a node that dies or an agent killed
+takes its workers and their engines along, and the daemon retries those attempts on another
+node, where they resume from the journals in `executor.shared_dir`. The agent starts every
+worker from one thread that lives as long as it does: the kernel's parent-death signal follows
+the thread that started the process, and Ray's method threads are not ours to keep.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ckpt_watcher import scratch
+from ckpt_watcher.config import DevicesConfig
+from ckpt_watcher.devices import Device, build_inventory
+from ckpt_watcher.executors.base import Executor
+from ckpt_watcher.executors.processes import process_groups
+from ckpt_watcher.jobfolder import DIE_WITH_PARENT_ENV, JobFolder, JobSpec
+
+NODE_SEP = "/"  # between a node's name and its device's: `node-a/cuda:6`
+
+
+def on_node(node: str, name: str) -> str:
+    """A device's id or label on `node`."""
+    return f"{node}{NODE_SEP}{name}"
+
+
+def node_of(name: str) -> str:
+    """The node a device id or label of `on_node` names."""
+    return name.split(NODE_SEP, 1)[0]
+
+
+class NodeAgent:
+    """The node's devices and workers (a Ray actor: `executors/ray.py` places one per node)."""
+
+    def __init__(self, node: str, settings: dict[str, Any]) -> None:
+        """`settings`: devices (DevicesConfig's fields), warm, warm_idle_seconds,
+        warm_verify_every, ray_gpus (the GPUs Ray counts on this node, for a node with no
+        NVML)."""
+        self.node = node
+        scratch.sweep()  # job folders and workers' folders that earlier agents here left
+        self.home = Path(tempfile.mkdtemp(prefix=f"{scratch.TASK_PREFIX}{os.getpid()}-agent-"))
+        inventory, self.warnings = build_inventory(DevicesConfig(**settings["devices"]))
+        self.inventory = inventory
+        self.local = inventory.devices()
+        if not any(d.kind == "cuda" for d in self.local) and settings.get("ray_gpus"):
+            n = int(settings["ray_gpus"])
+            self.warnings.append(
+                f"no GPU found through NVML on node {node}: its {n} GPUs that Ray counts are "
+                "used with no idle check (install the NVIDIA driver's NVML there)"
+            )
+            self.local = [Device(f"ray:{i}", "cuda", str(i), f"gpu{i}", "auto") for i in range(n)]
+        self._lock = threading.Lock()
+        self._done: dict[str, threading.Event] = {}
+        self._rc: dict[str, int] = {}
+        self._pids: dict[str, int] = {}
+        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-watcher-launcher")
+        self.executor = self._launcher.submit(self._executor, settings).result()
+
+    def _executor(self, settings: dict[str, Any]) -> Executor:
+        if settings.get("warm"):
+            from ckpt_watcher.executors.warm import WarmExecutor
+
+            return WarmExecutor(
+                self._exited,
+                self.home,
+                idle_seconds=float(settings["warm_idle_seconds"]),
+                verify_every=int(settings["warm_verify_every"]),
+            )
+        from ckpt_watcher.executors.local import LocalExecutor
+
+        return LocalExecutor(self._exited)
+
+    # --- what the daemon asks -------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """The node's name, devices (as `Device` fields, named on this node) and warnings."""
+        devices = [
+            asdict(d) | {"id": on_node(self.node, d.id), "label": on_node(self.node, d.label)}
+            for d in self.local
+        ]
+        return {
+            "node": self.node,
+            "pid": os.getpid(),
+            "devices": devices,
+            "warnings": self.warnings,
+        }
+
+    def foreign_processes(self) -> list[dict[str, Any]]:
+        """Processes that are not our workers (nor their engines) holding memory on this node's
+        GPUs, as `GpuProcess` fields with the device named on this node."""
+        with self._lock:
+            leaders = set(self._pids.values())
+        ours = process_groups(leaders | self.executor.worker_pids())
+        return [
+            asdict(p) | {"device_id": on_node(self.node, p.device_id)}
+            for p in self.inventory.gpu_processes()
+            if p.pid not in ours
+        ]
+
+    def start(self, job_id: str, spec_json: str, env: dict[str, str]) -> int:
+        """Start the job's worker in a folder of its own here; its pid."""
+        folder = JobFolder(self.home / "jobs" / job_id)
+        folder.write_spec(JobSpec.from_json(spec_json))
+        with self._lock:
+            self._done[job_id] = threading.Event()
+        env = env | {DIE_WITH_PARENT_ENV: str(os.getpid())}
+        try:
+            handle = self._launcher.submit(self.executor.start, job_id, folder, env).result()
+        except BaseException:
+            with self._lock:
+                self._done.pop(job_id, None)
+            raise
+        with self._lock:
+            if not self._done[job_id].is_set():  # (a worker that ended at once is no leader)
+                self._pids[job_id] = handle.pid
+        return handle.pid
+
+    def wait(self, job_id: str) -> dict[str, Any]:
+        """Once the job's worker has exited: its exit code, answer files and log."""
+        with self._lock:
+            done = self._done[job_id]
+        done.wait()
+        folder = JobFolder(self.home / "jobs" / job_id)
+        with self._lock:
+            rc = self._rc.pop(job_id)
+            self._done.pop(job_id, None)
+        out = {
+            "rc": rc,
+            "files": folder.results(),
+            "log": folder.log.read_text(errors="replace") if folder.log.is_file() else "",
+        }
+        shutil.rmtree(folder.path, ignore_errors=True)
+        return out
+
+    def kill(self, job_id: str) -> None:
+        self.executor.kill(job_id)
+
+    def reap(self, pid: int) -> str | None:
+        """Kill a zombie on this node (devices.reap_foreign_zombies); why not, if it failed."""
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError) as e:
+            return str(e)
+        return None
+
+    def close(self) -> None:
+        """The daemon stops: warm engines are released."""
+        self._launcher.submit(self.executor.close).result()
+
+    def _exited(self, job_id: str, rc: int) -> None:
+        with self._lock:
+            self._rc[job_id] = rc
+            self._pids.pop(job_id, None)
+            done = self._done.get(job_id)
+        if done is not None:
+            done.set()

@@ -1,0 +1,201 @@
+"""Two Ray nodes as good as one host: a real cluster of two raylets on this machine, each with
+its own fake NVML file, one agent per node. No job lands on a GPU that training holds; each
+node keeps its warm workers; a zombie on the second node is reaped there; a job whose GPU
+training takes yields and resumes on the other node; a node that dies mid-task fails only its
+attempt, which resumes on the other node from the shared journal."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt_watcher.checkpoints.naming import safe_component
+
+from .conftest import CHUNK, HF, RESPONSES, TwoNodes, base_config, read_ledger, write_config
+from .helpers import Throttle, alive, status_json, wait_for, watcher_run
+from .test_ray import journaled
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray not installed"),
+]
+
+TRAINING = [4242, 30000, 95]  # a training process on a GPU: pid, MiB, utilisation
+
+
+def nvml(path: Path, gpus: dict[int, list[list[int]]], node: str) -> None:
+    """A node's fake NVML: its GPUs by index, each with the processes not ours on it."""
+    data = {
+        "gpus": [
+            {"index": i, "uuid": f"GPU-{node}-{i}", "foreign": foreign}
+            for i, foreign in gpus.items()
+        ]
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def warm_workers() -> dict[int, str]:
+    """The warm workers the nodes' agents keep: pid -> the device label their home is named
+    after."""
+    r = subprocess.run(["pgrep", "-af", "[-]-serve .*/_warm/"], capture_output=True, text=True)
+    out = {}
+    for line in r.stdout.splitlines():
+        pid, cmd = line.split(" ", 1)
+        out[int(pid)] = cmd.split("/_warm/", 1)[1].split(" ", 1)[0]
+    return out
+
+
+def worker_of(device_label: str) -> int | None:
+    return next((p for p, d in warm_workers().items() if d == safe_component(device_label)), None)
+
+
+def running(cfg: Path, label: str) -> dict[str, Any] | None:
+    st = status_json(cfg)[1]
+    return next((r for r in (st or {}).get("running", []) if r["label"] == label), None)
+
+
+def cut(
+    appear: Callable[[], object], label: str, cfg: Path, shared: Path, daemon: Any, log: Path
+) -> tuple[dict, int]:
+    """Make the checkpoint `label` appear, its job run slowed (the warm workers there are,
+    throttled beforehand: a warm worker's task takes seconds), and frozen once more than a
+    chunk of it is journaled: its status row and the responses journaled. The other warm
+    workers run on."""
+    throttles = {pid: Throttle(pid, group=False) for pid in warm_workers()}
+    before, worker = journaled(shared), None
+    try:
+        appear()
+        row = wait_for(lambda: running(cfg, label), 300, f"{label} running", daemon, log)
+        worker = wait_for(lambda: worker_of(row["device"]), 60, "its warm worker", daemon, log)
+        if worker not in throttles:  # started for it: slowed while it imports
+            throttles[worker] = Throttle(worker, group=False)
+        done = wait_for(
+            lambda: (n := journaled(shared) - before) > CHUNK and n, 300, "part done", daemon, log
+        )
+    finally:
+        for t in throttles.values():
+            t.stop()  # left frozen
+        for pid in set(throttles) - {worker}:
+            os.kill(pid, signal.SIGCONT)
+    assert done < RESPONSES, done
+    return row, done
+
+
+def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
+    tmp_path: Path,
+    ray_two_nodes: TwoNodes,
+    addition_tasks: Path,
+    copy_checkpoint,
+    hf_reference: tuple[Path, dict[str, Any]],
+) -> None:
+    _, reference = hf_reference
+    head, second = ray_two_nodes.nvml
+    zombie = subprocess.Popen(["sleep", "600"])  # holds 500 MiB at 0%: under the idle limit
+    nvml(head, {0: [], 1: [TRAINING]}, "head")  # the head's GPU 1 is training's
+    nvml(second, {6: [[zombie.pid, 500, 0]]}, "second")
+    watch, shared = tmp_path / "ckpts", tmp_path / "efs"
+    for step in (100, 200, 300):
+        copy_checkpoint(watch / f"r_step{step}")
+    raw = base_config(tmp_path, watch, addition_tasks, **HF, warm_engine=True)
+    raw["executor"] = {"kind": "ray", "address": ray_two_nodes.address, "shared_dir": str(shared)}
+    raw["devices"] = {
+        "gpus": "all",
+        "yield_seconds": 2,
+        "zombie_after_seconds": 1,
+        "reap_foreign_zombies": True,
+    }
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    log = tmp_path / "daemon.log"
+    try:
+        with watcher_run(cfg, log) as daemon:
+            first = wait_for(
+                lambda: len(ls := read_ledger(tmp_path / "ledgers", "r")) >= 3 and ls,
+                400,
+                "3 results",
+                daemon,
+                log,
+            )
+            wait_for(lambda: zombie.poll() is not None, 60, "the zombie reaped", daemon, log)
+
+            # training takes the GPU a job runs on: it yields, and resumes on the other node
+            row, done = cut(
+                lambda: copy_checkpoint(watch / "r_step400"), "r_step400", cfg, shared, daemon, log
+            )
+            taken = row["device"]
+            on_second = taken.endswith("/cuda:6")
+            nvml(
+                *((second, {6: [TRAINING]}) if on_second else (head, {0: [TRAINING], 1: []})),
+                "second" if on_second else "head",
+            )
+            yielded = wait_for(
+                lambda: [ln for ln in read_ledger(tmp_path / "ledgers", "r") if ln["step"] == 400],
+                300,
+                "the yielded job's result",
+                daemon,
+                log,
+            )[0]
+
+            # the second node dies mid-task: its attempt resumes on the head
+            nvml(second, {6: []}, "second")
+            nvml(head, {0: [TRAINING], 1: [TRAINING]}, "head")  # so the job goes to the second
+            row, done_lost = cut(
+                lambda: copy_checkpoint(watch / "r_step500"), "r_step500", cfg, shared, daemon, log
+            )
+            assert row["device"].endswith("/cuda:6"), row
+            lost_worker = worker_of(row["device"])
+            nvml(head, {0: [], 1: [TRAINING]}, "head")
+            os.kill(ray_two_nodes.raylet[1], signal.SIGKILL)  # the second node's raylet
+            resumed = wait_for(
+                lambda: [ln for ln in read_ledger(tmp_path / "ledgers", "r") if ln["step"] == 500],
+                300,
+                "the lost node's job's result",
+                daemon,
+                log,
+            )[0]
+            assert lost_worker is not None and not alive(lost_worker)  # went with its agent
+            daemon.send_signal(signal.SIGTERM)
+            assert daemon.wait(timeout=60) == 0
+    finally:
+        zombie.kill()
+    events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+    joined = {e["node"]: e["devices"] for e in events if e.get("event") == "ray.node_joined"}
+    assert sorted(d.split("/")[1] for ds in joined.values() for d in ds) == [
+        "cuda:0",
+        "cuda:1",
+        "cuda:6",
+    ], joined
+    # training's GPU was never used; every result is the checkpoint's own
+    lines = read_ledger(tmp_path / "ledgers", "r")
+    assert sorted(ln["step"] for ln in lines) == [100, 200, 300, 400, 500]  # none twice
+    assert all(ln["status"] == "ok" for ln in lines), lines
+    assert not any(ln["device"].endswith("/cuda:1") for ln in lines), lines
+    assert all(ln["metrics"] == reference["metrics"] for ln in lines)
+    # each device's first job started its warm worker, the next ones swapped weights in
+    by_device: dict[str, list[str]] = {}
+    for ln in sorted(first, key=lambda ln: ln["started_at"]):
+        by_device.setdefault(ln["device"], []).append(ln["engine"])
+    assert all(e[0] == "cold" and set(e[1:]) <= {"warm"} for e in by_device.values()), by_device
+    assert any(len(e) > 1 for e in by_device.values()), by_device
+    # the zombie was found on the second node's GPU and killed there
+    (reaped,) = [e for e in events if e.get("event") == "devices.zombie_reaped"]
+    assert reaped["device"].endswith("/cuda:6") and reaped["pid"] == zombie.pid
+    # given back to training: no attempt spent, resumed on the other node from the journal
+    assert yielded["attempt"] == 1 and yielded["device"] != taken, (yielded, taken)
+    assert yielded["resumed"] >= done - CHUNK, (yielded, done)
+    (gave,) = [e for e in events if e.get("event") == "eval.yielded"]
+    assert gave["device"] == taken
+    # the lost node: one attempt failed, the next resumed on the head
+    assert resumed["attempt"] == 2 and resumed["device"].endswith("/cuda:0"), resumed
+    assert resumed["resumed"] >= done_lost - CHUNK, (resumed, done_lost)
+    assert any(e.get("event") == "ray.node_lost" for e in events)
+    assert journaled(shared) == 0
