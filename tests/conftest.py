@@ -306,7 +306,7 @@ def upload_dir(client, folder: Path, bucket: str, prefix: str, skip: tuple[str, 
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One node declaring 2 GPUs and no NVML: the address."""
     with _one_ray_at_a_time():
-        yield from _ray_cluster(tmp_path_factory, ["--num-gpus=2"])
+        yield from _ray_cluster(["--num-gpus=2"])
 
 
 @dataclass
@@ -327,9 +327,7 @@ def ray_two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodes
         for path in nvml:
             path.write_text('{"gpus": []}')
         before = _raylets()
-        head = _ray_cluster(
-            tmp_path_factory, ["--num-gpus=0"], {"CKPT_WATCHER_FAKE_NVML": str(nvml[0])}
-        )
+        head = _ray_cluster(["--num-gpus=0"], {"CKPT_WATCHER_FAKE_NVML": str(nvml[0])})
         address = next(head)
         first = _raylets() - before
         _ray_start(["--address", address, "--num-cpus=2", "--num-gpus=0"], nvml[1])
@@ -386,13 +384,11 @@ def _ray_start(args: list[str], nvml: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def _ray_cluster(
-    tmp_path_factory: pytest.TempPathFactory,
-    head: list[str],
-    env_extra: dict[str, str] | None = None,
-) -> Iterator[str]:
+def _ray_cluster(head: list[str], env_extra: dict[str, str] | None = None) -> Iterator[str]:
     ray = str(Path(os.sys.executable).parent / "ray")
-    tmp = tmp_path_factory.mktemp("ray")
+    # short: a second node's sockets (plasma_store.1) must fit a Unix socket's 107 bytes,
+    # which pytest-xdist's deeper temporary folders exceed
+    tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     env = _ray_env(**(env_extra or {}))
     r = subprocess.run(
         [

@@ -56,6 +56,15 @@ def test_gpu_held_by_training_is_skipped_then_used_once_freed_and_all_once_train
         )
         st = status_json(cfg)[1]
         assert st["running"] == [] and len(st["queue"]) == 1  # its only GPU is training's
+        assert st["devices"] == [
+            {
+                "device": "cuda:6",
+                "state": "busy",
+                "why": "30000 MiB held by other processes (training?)",
+            }
+        ], st["devices"]
+        shown = subprocess.run([*WATCHER, "status", "-c", str(cfg)], capture_output=True, text=True)
+        assert "devices: 1, 0 free\n  cuda:6: busy (30000 MiB held" in shown.stdout, shown.stdout
         (started,) = [
             e
             for e in map(json.loads, log.read_text().splitlines())

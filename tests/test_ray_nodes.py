@@ -126,17 +126,26 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
                 log,
             )
             wait_for(lambda: zombie.poll() is not None, 60, "the zombie reaped", daemon, log)
+            # every node's devices in watcher status (at its next heartbeat), training's busy
+            want = {"cuda:0": "free", "cuda:1": "busy", "cuda:6": "free"}
+
+            def shown() -> list[dict[str, Any]] | None:
+                devices = (status_json(cfg)[1] or {}).get("devices") or []
+                states = {d["device"].split("/")[1]: d["state"] for d in devices}
+                return devices if states == want and len(devices) == 3 else None
+
+            devices = wait_for(shown, 30, f"status to show {want}", daemon, log)
+            assert len({d["device"].split("/")[0] for d in devices}) == 2, devices
 
             # training takes the GPU a job runs on: it yields, and resumes on the other node
             row, done = cut(
                 lambda: copy_checkpoint(watch / "r_step400"), "r_step400", cfg, shared, daemon, log
             )
             taken = row["device"]
-            on_second = taken.endswith("/cuda:6")
-            nvml(
-                *((second, {6: [TRAINING]}) if on_second else (head, {0: [TRAINING], 1: []})),
-                "second" if on_second else "head",
-            )
+            if taken.endswith("/cuda:6"):
+                nvml(second, {6: [TRAINING]}, "second")
+            else:  # training grows onto the head's GPU 0 too
+                nvml(head, {0: [TRAINING], 1: [TRAINING]}, "head")
             yielded = wait_for(
                 lambda: [ln for ln in read_ledger(tmp_path / "ledgers", "r") if ln["step"] == 400],
                 300,

@@ -163,6 +163,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         counts = state.checkpoint_counts()
         behind = _behind(cfg, state.jobs("queued") + state.jobs("running"))
         zombies = state.get_meta("suspected_zombies") or []
+        devices = state.get_meta("devices") or []
         pins = {k: Pin(**v) for k, v in (state.get_meta("pins") or {}).items()}
         alone = held_alone(pins)
         pinned = [  # bytes: of the files pinned; held_bytes: the disk only the pin holds
@@ -208,6 +209,8 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         ],
         "failure_history": history,
         "suspected_zombies": zombies,
+        # each device at the daemon's last heartbeat: running, helping, busy (why) or free
+        "devices": devices,
         "ledger_unwritable": unwritable,
         "pinned": pinned,  # checkpoints whose files are held until their results are in
         # resume journals under state_dir: {folders, bytes, max_bytes} at the last sweep
@@ -384,6 +387,13 @@ def render(data: dict[str, Any]) -> str:
             f"{r['running_s']}s, tasks {', '.join(r['tasks'])}{_progress_text(r['progress'])})"
             + (f", helped by {', '.join(r['helpers'])}" if r.get("helpers") else "")
         )
+    devices = data.get("devices") or []
+    if devices:
+        free = sum(d["state"] == "free" for d in devices)
+        lines.append(f"devices: {len(devices)}, {free} free")
+        for d in devices:
+            why = d.get("job") or d.get("why")
+            lines.append(f"  {d['device']}: {d['state']}" + (f" ({why})" if why else ""))
     lines.append(f"failures: {len(data['failures'])}")
     for f in data["failures"]:
         lines.append(f"  {f['label']}: {(f['error'] or '').splitlines()[0] if f['error'] else ''}")

@@ -106,14 +106,18 @@ class Gpus:
 
     def watch_zombies(self, now: float) -> None:
         """Report processes not ours that sit on GPU memory at 0% utilisation; kill them only
-        if devices.reap_foreign_zombies is true."""
+        if devices.reap_foreign_zombies is true. Publish each device's state for `watcher
+        status` on the way (it needs the same look at the GPUs)."""
         try:
             processes = self.inventory.gpu_processes()
         except Exception as e:  # NVML hiccup: try again next heartbeat
             log.warning("devices.query_failed", error=str(e))
             return
-        ours = self.our_pids(self.state.jobs("running"))
-        labels = {d.id: d.label for d in self.inventory.devices()}
+        running = self.state.jobs("running")
+        ours = self.our_pids(running)
+        devices = self.inventory.devices()
+        self._publish(devices, foreign_busy(processes, ours, self.cfg.devices.idle_memory_mib))
+        labels = {d.id: d.label for d in devices}
         suspects = self.zombies.observe(processes, ours, labels, now)
         reap = self.cfg.devices.reap_foreign_zombies
         for z in suspects:
@@ -139,3 +143,21 @@ class Gpus:
                 for z in suspects
             ]
         )
+
+    def _publish(self, devices: list[Device], busy: dict[str, str]) -> None:
+        """For `watcher status`: each device, and what it does (running a job, helping one,
+        busy with processes not ours, free)."""
+        jobs = {j.device: j.label for j in self.state.jobs("running") if j.device}
+        helping = {h.device.id: h.job_id for h in self.helpers.active.values()}
+        rows = []
+        for d in devices:
+            if d.id in jobs:
+                what = {"state": "running", "job": jobs[d.id]}
+            elif d.id in helping:
+                what = {"state": "helping", "job": helping[d.id]}
+            elif d.id in busy:
+                what = {"state": "busy", "why": busy[d.id]}
+            else:
+                what = {"state": "free"}
+            rows.append({"device": d.label} | what)
+        self.state.set_meta(devices=rows)
