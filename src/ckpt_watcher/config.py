@@ -206,7 +206,8 @@ class ExecutorConfig(_Model):
     """Where worker processes run."""
 
     kind: Literal["local", "ray"] = "local"
-    """local: one subprocess per job on this host; ray: one Ray task per job (multi-node)."""
+    """local: one subprocess per job on this host; ray: every node of a Ray cluster, through an
+    agent per node that reads its GPUs (NVML there) and runs its workers, warm ones too."""
     address: str = "auto"
     """Ray cluster address, for kind: ray."""
     shared_dir: Path | None = None
