@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -532,3 +533,25 @@ def test_the_journals_folder_is_checked_at_start_and_ray_without_a_shared_one_is
         "executor.journals",
     ]
     assert journal.journals_root(book.journal_home).is_dir()
+
+
+def test_a_holder_on_another_host_is_alive_while_its_lease_touches_its_claim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Spread over Ray nodes, a chunk's holder may be on another host, where its pid means
+    nothing here: it holds its claim while its lease thread touches it, and once it stops (its
+    node died) the claim is taken over after LEASE_SECONDS."""
+    monkeypatch.setattr(journal, "LEASE_SECONDS", 0.8)  # touched every 0.2 s
+    ref = _ref(tmp_path)
+    Path(ref.folder).mkdir(parents=True)
+    me = journal.ChunkQueue(ref, journal.Holder.me("node-a/cuda:0"))
+    far = journal.Holder("node-b", 1, "0", "node-b/cuda:6")  # pid 1 here is not it
+    remote = journal.ChunkQueue(ref, far)
+    assert remote.claim("00001-x")
+    time.sleep(1.2)  # longer than a lease: only its touches keep it
+    assert me.busy_elsewhere("00001-x") and not me.claim("00001-x")
+    (own,) = [p for p in remote._own_files.values()]
+    journal._lease.drop(own)  # node-b is gone: nobody touches its claim any more
+    time.sleep(1.0)
+    assert not me.busy_elsewhere("00001-x") and me.claim("00001-x")
+    assert me.holder("00001-x") == me.me

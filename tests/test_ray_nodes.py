@@ -6,12 +6,13 @@ attempt, which resumes on the other node from the shared journal."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import signal
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,24 @@ def worker_of(device_label: str) -> int | None:
 def running(cfg: Path, label: str) -> dict[str, Any] | None:
     st = status_json(cfg)[1]
     return next((r for r in (st or {}).get("running", []) if r["label"] == label), None)
+
+
+def shown_free(cfg: Path) -> int:
+    devices = (status_json(cfg)[1] or {}).get("devices") or []
+    return sum(d["state"] == "free" for d in devices)
+
+
+@contextlib.contextmanager
+def slowed() -> Iterator[None]:
+    """The warm workers there are run slowed meanwhile (a warm worker's task takes seconds; a
+    warm worker started meanwhile imports torch and loads its model first, unslowed)."""
+    throttles = {pid: Throttle(pid, share=0.1, group=False) for pid in warm_workers()}
+    try:
+        yield
+    finally:
+        for pid, t in throttles.items():
+            t.stop()
+            os.kill(pid, signal.SIGCONT)
 
 
 def cut(
@@ -154,6 +173,22 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
                 log,
             )[0]
 
+            # one GPU free on each node: the second joins the first's task (a helper there)
+            nvml(second, {6: []}, "second")
+            nvml(head, {0: [], 1: [TRAINING]}, "head")
+            wait_for(lambda: shown_free(cfg) == 2, 30, "both GPUs free", daemon, log)
+            with slowed():  # both warm workers: the task lasts while the helper joins
+                copy_checkpoint(watch / "r_step450")
+                spread = wait_for(
+                    lambda: [
+                        ln for ln in read_ledger(tmp_path / "ledgers", "r") if ln["step"] == 450
+                    ],
+                    300,
+                    "the spread task's result",
+                    daemon,
+                    log,
+                )[0]
+
             # the second node dies mid-task: its attempt resumes on the head
             nvml(second, {6: []}, "second")
             nvml(head, {0: [TRAINING], 1: [TRAINING]}, "head")  # so the job goes to the second
@@ -185,7 +220,7 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
     ], joined
     # training's GPU was never used; every result is the checkpoint's own
     lines = read_ledger(tmp_path / "ledgers", "r")
-    assert sorted(ln["step"] for ln in lines) == [100, 200, 300, 400, 500]  # none twice
+    assert sorted(ln["step"] for ln in lines) == [100, 200, 300, 400, 450, 500]  # none twice
     assert all(ln["status"] == "ok" for ln in lines), lines
     assert not any(ln["device"].endswith("/cuda:1") for ln in lines), lines
     assert all(ln["metrics"] == reference["metrics"] for ln in lines)
@@ -203,6 +238,9 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
     assert yielded["resumed"] >= done - CHUNK, (yielded, done)
     (gave,) = [e for e in events if e.get("event") == "eval.yielded"]
     assert gave["device"] == taken
+    # one task over both nodes' GPUs: the same numbers as one device's
+    assert spread["attempt"] == 1 and spread["resumed"] == 0, spread
+    assert len({d.split("/")[0] for d in spread["devices"]}) == 2, spread["devices"]
     # the lost node: one attempt failed, the next resumed on the head
     assert resumed["attempt"] == 2 and resumed["device"].endswith("/cuda:0"), resumed
     assert resumed["resumed"] >= done_lost - CHUNK, (resumed, done_lost)

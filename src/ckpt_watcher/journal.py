@@ -24,7 +24,9 @@ chunk by hard-linking its own holder file to the chunk's claim name (a link neve
 existing name: one winner, and a claim is whole from the moment it exists), journals the
 chunk's units, then marks it done. A claim whose holder died (its pid gone, or another start
 time) is taken over, so a killed worker gives its chunk back; a done mark names the device that
-computed it.
+computed it. A holder on another host (Ray nodes sharing `executor.shared_dir`) cannot be looked
+up by pid: it is alive while its claim and done files are touched, which a thread of each worker
+does every quarter of `LEASE_SECONDS` (`_Lease`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import json
 import os
 import shutil
 import socket
+import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +57,8 @@ JOURNAL_FORMAT = 1
 _RECORD = json.JSONEncoder(ensure_ascii=False)  # one encoder for every record (a chunk has many)
 _SUFFIX = ".jsonl"
 CLAIMS_FOLDER = "claims"
+# a holder on another host whose claim or done file was not touched for this long is gone
+LEASE_SECONDS = 60.0
 
 
 def journals_root(home: Path) -> Path:
@@ -194,14 +200,58 @@ class Holder:
         pid = os.getpid()
         return cls(socket.gethostname(), pid, process_start_token(pid) or "", device)
 
-    def alive(self) -> bool:
-        """Seen from this host: a holder on another host is taken for gone (spreading is only
-        over one host's devices, whose workers share the journal's folder)."""
-        return (
-            self.host == socket.gethostname()
-            and process_alive(self.pid)
-            and process_start_token(self.pid) == self.start
-        )
+    def alive(self, touched: str | Path | None = None) -> bool:
+        """Seen from this host: a holder here while its pid has its start time; a holder on
+        another host while `touched` (its claim or done file, which its lease keeps touching)
+        was touched within LEASE_SECONDS."""
+        if self.host == socket.gethostname():
+            return process_alive(self.pid) and process_start_token(self.pid) == self.start
+        try:
+            return touched is not None and time.time() - os.stat(touched).st_mtime < LEASE_SECONDS
+        except OSError:  # gone: its chunk is done, or taken over
+            return False
+
+
+class _Lease:
+    """This process's claim and done files, touched every quarter of LEASE_SECONDS while it
+    lives, by one thread: what a holder on another host is seen alive by."""
+
+    def __init__(self) -> None:
+        self._forked()
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:  # (and a forked worker: its own files, its own thread)
+        self.files: set[str] = set()
+        self.lock = threading.Lock()
+        self.added = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def add(self, path: str) -> None:
+        with self.lock:
+            self.files.add(path)
+            self.added.set()  # a new holder: its first touches at the current interval
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="journal-lease", daemon=True)
+                self.thread.start()
+
+    def drop(self, path: str) -> None:
+        with self.lock:
+            self.files.discard(path)
+
+    def _run(self) -> None:
+        while True:
+            self.added.wait(LEASE_SECONDS / 4)
+            self.added.clear()
+            with self.lock:
+                files = list(self.files)
+            for path in files:
+                try:
+                    os.utime(path)
+                except OSError:  # the journal is gone (its result is in the ledger)
+                    self.drop(path)
+
+
+_lease = _Lease()
 
 
 class ChunkQueue:
@@ -249,6 +299,7 @@ class ChunkQueue:
                 f.write(json.dumps(content))
             os.replace(path + ".tmp", path)
             self._own_files[kind] = path
+            _lease.add(path)
         return path
 
     def claim(self, chunk: str) -> bool:
@@ -267,7 +318,7 @@ class ChunkQueue:
                 holder = self.holder(chunk)
                 if holder == self.me:  # a task this worker runs again (a warm engine's retry)
                     return True
-                if holder is not None and holder.alive():
+                if holder is not None and holder.alive(path):
                     return False
                 self._move_aside_if_dead(Path(path))
                 continue
@@ -296,7 +347,7 @@ class ChunkQueue:
             moved = Holder(**json.loads(aside.read_text(encoding="utf-8")))
         except (OSError, ValueError, TypeError):
             return
-        if moved != self.me and moved.alive():
+        if moved != self.me and moved.alive(aside):
             try:
                 os.link(aside, path)
             except FileExistsError:
@@ -378,7 +429,7 @@ class ChunkQueue:
                 except TypeError:
                     alive[key] = False
                 else:
-                    alive[key] = holder != self.me and holder.alive()
+                    alive[key] = holder != self.me and holder.alive(self._done_path(chunk))
             if alive[key]:
                 out.add(chunk)
         return out
@@ -386,7 +437,7 @@ class ChunkQueue:
     def busy_elsewhere(self, chunk: str) -> bool:
         """Another live worker holds `chunk`."""
         holder = self.holder(chunk)
-        return holder is not None and holder != self.me and holder.alive()
+        return holder is not None and holder != self.me and holder.alive(self._claim_path(chunk))
 
     def devices(self) -> list[str]:
         """The devices that computed this task's chunks (every done mark of the journal)."""

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_watcher import scratch
+from ckpt_watcher.checkpoints.naming import safe_component
 from ckpt_watcher.config import DevicesConfig
 from ckpt_watcher.devices import Device, build_inventory
 from ckpt_watcher.executors.base import Executor
@@ -118,7 +119,7 @@ class NodeAgent:
 
     def start(self, job_id: str, spec_json: str, env: dict[str, str]) -> int:
         """Start the job's worker in a folder of its own here; its pid."""
-        folder = JobFolder(self.home / "jobs" / job_id)
+        folder = self._folder(job_id)
         folder.write_spec(JobSpec.from_json(spec_json))
         with self._lock:
             self._done[job_id] = threading.Event()
@@ -139,7 +140,7 @@ class NodeAgent:
         with self._lock:
             done = self._done[job_id]
         done.wait()
-        folder = JobFolder(self.home / "jobs" / job_id)
+        folder = self._folder(job_id)
         with self._lock:
             rc = self._rc.pop(job_id)
             self._done.pop(job_id, None)
@@ -153,6 +154,10 @@ class NodeAgent:
 
     def kill(self, job_id: str) -> None:
         self.executor.kill(job_id)
+
+    def _folder(self, job_id: str) -> JobFolder:
+        """A job's folder here (a helper's id names its device: `node-a/cuda:6`)."""
+        return JobFolder(self.home / "jobs" / safe_component(job_id))
 
     def reap(self, pid: int) -> str | None:
         """Kill a zombie on this node (devices.reap_foreign_zombies); why not, if it failed."""

@@ -8,6 +8,9 @@ does on one host. A job is handed to the agent of its device's node, which runs 
 (warm or one-shot) and returns the worker's outcome files and log; the daemon writes them into
 the job's folder and settles the job as for a local worker.
 
+With `executor.shared_dir`, devices left idle on any node join a running job's task (helpers,
+jobs/helpers.py): the task's journal and its chunk claims are on storage every node sees.
+
 A node that dies, or an agent killed, fails its jobs' attempts (their workers die with the
 agent); the jobs are retried on the devices left and resume from the journals in
 `executor.shared_dir`. The node's devices are gone until an agent answers there again.
@@ -90,6 +93,8 @@ class RayExecutor(Executor):
             "warm_idle_seconds": cfg.eval.warm_idle_seconds,
             "warm_verify_every": cfg.eval.warm_verify_every,
         }
+        # helpers on other nodes join a task through its journal, on storage every node sees
+        self.shares_journals = cfg.executor.shared_dir is not None
         self.on_exit = on_exit
         self._agents: dict[str, _Agent] = {}  # node id -> its agent
         self._names: dict[str, str] = {}
