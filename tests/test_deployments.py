@@ -218,7 +218,7 @@ def test_s3_source_with_ray_executor(
         assert daemon.wait(timeout=60) == 0
     (line,) = read_ledger(tmp_path / "ledgers", "jobC/rays3")
     assert line["status"] == "ok", line["error"]
-    assert line["device"].startswith("ray:gpu")
+    assert line["device"].split("/")[1] in ("gpu0", "gpu1")  # a GPU Ray counts on the node
     assert line["checkpoint"] == f"s3://{bucket}/sm/jobC/rays3_step300/"
 
 

@@ -467,6 +467,34 @@ def test_cache_evicts_least_recently_used_copies_but_never_needed_ones(tmp_path:
     assert left == ["r_step0", "r_step3"]  # 4,000 -> 2,000 bytes: step1 and step2 went
 
 
+def test_a_ray_nodes_agent_keeps_its_staged_copies_within_the_budget_once_a_job_ends(
+    tmp_path: Path,
+) -> None:
+    """Under Ray a node's workers stage into its own cache, where nobody but its agent keeps
+    it in bounds: once a job there ends, copies go least recently used first until the
+    source's `cache_max_gb` holds, sparing those of jobs still running on the node."""
+    from ckpt_watcher.executors.node_agent import NodeAgent
+    from ckpt_watcher.jobfolder import Stage
+
+    cache = tmp_path / "cache"
+    locs = [f"s3://bkt/ck/r_step{i}/" for i in range(4)]
+    for i, loc in enumerate(locs):
+        d = staged_path(cache, loc)
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x" * 1000)
+        (d / ".last_used").touch()
+        os.utime(d / ".last_used", (time.time() - 100 + i, time.time() - 100 + i))
+    settings = {"devices": {"gpus": [], "cpu_slots": 1}, "caches": {str(cache): 2500}}
+    agent = NodeAgent("node-b", settings)
+    try:
+        agent._staged = {"j0": Stage(locs[0], str(cache)), "j3": Stage(locs[3], str(cache))}
+        agent._exited("j3", 0)  # j3 ended; j0, the oldest copy's, still runs here
+    finally:
+        agent.close()
+    left = sorted(p.parent.name for p in cache.rglob(".last_used"))
+    assert left == ["r_step0", "r_step3"]  # 4,000 -> 2,000 bytes: step1 and step2 went
+
+
 def test_scan_reports_keys_that_could_escape_and_never_plans_them(
     s3_endpoint: str, bucket: str
 ) -> None:

@@ -10,6 +10,11 @@ temporary folder of the agent's on the node; the agent hands back the worker's o
 and log. Devices are named after the node (`node-a/cuda:6`); their ids carry the node's name
 too, so two nodes' `cpu:0` or fake GPUs never meet.
 
+S3 checkpoints are staged once per node: a job's worker stages into its source's `cache_dir` on
+that node, where the node's next jobs of the checkpoint find it. The daemon keeps its own host's
+cache in bounds; each agent keeps its node's within the source's `cache_max_gb` once a job
+ends (least recently used first, sparing the copies of the jobs still running there).
+
 Workers die with their agent (`DIE_WITH_PARENT_ENV`): a node that dies or an agent killed
 takes its workers and their engines along, and the daemon retries those attempts on another
 node, where they resume from the journals in `executor.shared_dir`. The agent starts every
@@ -35,7 +40,8 @@ from ckpt_watcher.config import DevicesConfig
 from ckpt_watcher.devices import Device, build_inventory
 from ckpt_watcher.executors.base import Executor
 from ckpt_watcher.executors.processes import process_groups
-from ckpt_watcher.jobfolder import DIE_WITH_PARENT_ENV, JobFolder, JobSpec
+from ckpt_watcher.jobfolder import DIE_WITH_PARENT_ENV, JobFolder, JobSpec, Stage
+from ckpt_watcher.sources.staging import evict, staged_path
 
 NODE_SEP = "/"  # between a node's name and its device's: `node-a/cuda:6`
 
@@ -55,8 +61,8 @@ class NodeAgent:
 
     def __init__(self, node: str, settings: dict[str, Any]) -> None:
         """`settings`: devices (DevicesConfig's fields), warm, warm_idle_seconds,
-        warm_verify_every, ray_gpus (the GPUs Ray counts on this node, for a node with no
-        NVML)."""
+        warm_verify_every, caches (each S3 source's cache_dir -> its budget in bytes), ray_gpus
+        (the GPUs Ray counts on this node, for a node with no NVML)."""
         self.node = node
         scratch.sweep()  # job folders and workers' folders that earlier agents here left
         self.home = Path(tempfile.mkdtemp(prefix=f"{scratch.TASK_PREFIX}{os.getpid()}-agent-"))
@@ -74,6 +80,8 @@ class NodeAgent:
         self._done: dict[str, threading.Event] = {}
         self._rc: dict[str, int] = {}
         self._pids: dict[str, int] = {}
+        self._staged: dict[str, Stage] = {}  # job -> the S3 checkpoint it stages here
+        self.caches: dict[str, int] = dict(settings.get("caches") or {})
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-watcher-launcher")
         self.executor = self._launcher.submit(self._executor, settings).result()
 
@@ -120,9 +128,12 @@ class NodeAgent:
     def start(self, job_id: str, spec_json: str, env: dict[str, str]) -> int:
         """Start the job's worker in a folder of its own here; its pid."""
         folder = self._folder(job_id)
-        folder.write_spec(JobSpec.from_json(spec_json))
+        spec = JobSpec.from_json(spec_json)
+        folder.write_spec(spec)
         with self._lock:
             self._done[job_id] = threading.Event()
+            if spec.stage is not None:
+                self._staged[job_id] = spec.stage
         env = env | {DIE_WITH_PARENT_ENV: str(os.getpid())}
         try:
             handle = self._launcher.submit(self.executor.start, job_id, folder, env).result()
@@ -176,5 +187,17 @@ class NodeAgent:
             self._rc[job_id] = rc
             self._pids.pop(job_id, None)
             done = self._done.get(job_id)
+            stage = self._staged.pop(job_id, None)
+            running = list(self._staged.values())
         if done is not None:
             done.set()
+        if stage is not None and stage.cache_dir in self.caches:
+            keep = {
+                staged_path(Path(s.cache_dir), s.location)
+                for s in running
+                if s.cache_dir == stage.cache_dir
+            }
+            try:
+                evict(Path(stage.cache_dir), self.caches[stage.cache_dir], keep)
+            except OSError:  # the cache folder is gone or unreadable: the next job's stage says
+                pass

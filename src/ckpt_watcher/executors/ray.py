@@ -92,6 +92,12 @@ class RayExecutor(Executor):
             "warm": cfg.eval.warm,
             "warm_idle_seconds": cfg.eval.warm_idle_seconds,
             "warm_verify_every": cfg.eval.warm_verify_every,
+            # each node keeps what its workers stage within the source's budget
+            "caches": {
+                str(src.cache_dir): int(src.cache_max_gb * 2**30)
+                for src in cfg.sources
+                if src.kind == "s3"
+            },
         }
         # helpers on other nodes join a task through its journal, on storage every node sees
         self.shares_journals = cfg.executor.shared_dir is not None

@@ -213,8 +213,11 @@ def evict(cache_dir: Path, max_bytes: int, keep: set[Path]) -> list[Path]:
     staged = []
     for marker in cache_dir.rglob(LAST_USED):
         folder = marker.parent
-        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-        staged.append((marker.stat().st_mtime, folder, size))
+        try:
+            size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+            staged.append((marker.stat().st_mtime, folder, size))
+        except OSError:  # removed meanwhile (its release; another host's evict, under Ray)
+            continue
     total = sum(s for _, _, s in staged)
     removed = []
     for _, folder, size in sorted(staged, key=lambda t: t[0]):
