@@ -318,6 +318,12 @@ class TwoNodes:
     nvml: list[Path]  # the head's, the second node's
     raylet: list[int]  # their raylets' pids
 
+    def start_second(self) -> None:
+        """The second node (again): a raylet of its own with its NVML file."""
+        before = _raylets()
+        _ray_start(["--address", self.address, "--num-cpus=2", "--num-gpus=0"], self.nvml[1])
+        (self.raylet[1],) = _raylets() - before
+
 
 @pytest.fixture(scope="module")
 def ray_two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodes]:
@@ -329,11 +335,11 @@ def ray_two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodes
         before = _raylets()
         head = _ray_cluster(["--num-gpus=0"], {"CKPT_WATCHER_FAKE_NVML": str(nvml[0])})
         address = next(head)
-        first = _raylets() - before
-        _ray_start(["--address", address, "--num-cpus=2", "--num-gpus=0"], nvml[1])
-        second = _raylets() - before - first
+        (first,) = _raylets() - before
+        nodes = TwoNodes(address, nvml, [first, 0])
+        nodes.start_second()
         try:
-            yield TwoNodes(address, nvml, [*first, *second])
+            yield nodes
         finally:
             next(head, None)  # ray stop --force: both nodes
 

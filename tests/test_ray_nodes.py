@@ -2,7 +2,8 @@
 its own fake NVML file, one agent per node. No job lands on a GPU that training holds; each
 node keeps its warm workers; a zombie on the second node is reaped there; a job whose GPU
 training takes yields and resumes on the other node; a node that dies mid-task fails only its
-attempt, which resumes on the other node from the shared journal."""
+attempt, which resumes on the other node from the shared journal, and a node that (re)joins
+is used at once."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from ckpt_watcher.checkpoints.naming import safe_component
+from ckpt_watcher.executors.node_agent import node_of
 
 from .conftest import CHUNK, HF, RESPONSES, TwoNodes, base_config, read_ledger, write_config
 from .helpers import Throttle, alive, status_json, wait_for, watcher_run
@@ -207,20 +209,33 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
                 log,
             )[0]
             assert lost_worker is not None and not alive(lost_worker)  # went with its agent
+
+            # the node is back (a new raylet): used at once
+            ray_two_nodes.start_second()
+            nvml(head, {0: [TRAINING], 1: [TRAINING]}, "head")
+            copy_checkpoint(watch / "r_step600")
+            back = wait_for(
+                lambda: [ln for ln in read_ledger(tmp_path / "ledgers", "r") if ln["step"] == 600],
+                300,
+                "a job on the node that came back",
+                daemon,
+                log,
+            )[0]
             daemon.send_signal(signal.SIGTERM)
             assert daemon.wait(timeout=60) == 0
     finally:
         zombie.kill()
     events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
     joined = {e["node"]: e["devices"] for e in events if e.get("event") == "ray.node_joined"}
-    assert sorted(d.split("/")[1] for ds in joined.values() for d in ds) == [
-        "cuda:0",
-        "cuda:1",
-        "cuda:6",
+    # the head, the second node, the second node again (a new raylet: another node)
+    assert sorted(sorted(d.split("/")[1] for d in ds) for ds in joined.values()) == [
+        ["cuda:0", "cuda:1"],
+        ["cuda:6"],
+        ["cuda:6"],
     ], joined
     # training's GPU was never used; every result is the checkpoint's own
     lines = read_ledger(tmp_path / "ledgers", "r")
-    assert sorted(ln["step"] for ln in lines) == [100, 200, 300, 400, 450, 500]  # none twice
+    assert sorted(ln["step"] for ln in lines) == [100, 200, 300, 400, 450, 500, 600]  # once each
     assert all(ln["status"] == "ok" for ln in lines), lines
     assert not any(ln["device"].endswith("/cuda:1") for ln in lines), lines
     assert all(ln["metrics"] == reference["metrics"] for ln in lines)
@@ -244,5 +259,6 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
     # the lost node: one attempt failed, the next resumed on the head
     assert resumed["attempt"] == 2 and resumed["device"].endswith("/cuda:0"), resumed
     assert resumed["resumed"] >= done_lost - CHUNK, (resumed, done_lost)
-    assert any(e.get("event") == "ray.node_lost" for e in events)
+    lost = [e["node"] for e in events if e.get("event") == "ray.node_lost"]
+    assert lost and back["device"].endswith("/cuda:6") and node_of(back["device"]) not in lost
     assert journaled(shared) == 0
