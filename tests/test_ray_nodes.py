@@ -157,6 +157,15 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
 
             devices = wait_for(shown, 30, f"status to show {want}", daemon, log)
             assert len({d["device"].split("/")[0] for d in devices}) == 2, devices
+            engines = wait_for(
+                lambda: (st := status_json(cfg)[1]) and st["warm_engines"],
+                30,
+                "the nodes' warm engines in status",
+                daemon,
+                log,
+            )
+            assert sorted(e["device"].split("/")[1] for e in engines) == ["cuda:0", "cuda:6"]
+            assert all(e["state"] == "idle" and e["checkpoint"] for e in engines), engines
 
             # training takes the GPU a job runs on: it yields, and resumes on the other node
             row, done = cut(

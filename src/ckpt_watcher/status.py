@@ -175,9 +175,11 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         unwritable = state.get_meta("ledger_unwritable") if alive else None
         journals = state.get_meta("journals")
         starter = state.get_meta("worker_starter")
+        # Ray's nodes' warm engines, as the daemon's last heartbeat saw them
+        elsewhere = (state.get_meta("engines_elsewhere") or []) if alive else []
     finally:
         state.close()
-    engines = warm_engines(cfg.state_dir)
+    engines = warm_engines(cfg.state_dir) + elsewhere
     degraded += [
         f"warm engine on {e.get('device')}: {len(jobs)} jobs in a row crashed on it "
         f"(last: {e['failing'].get('last')}); jobs are retried, but see "

@@ -60,6 +60,11 @@ class Executor(ABC):
         where there is none (not started yet, `executor.preload: false`, Ray)."""
         return None
 
+    def engines_elsewhere(self) -> list[dict[str, object]]:
+        """The warm engines other hosts keep for this daemon (Ray's nodes), as `watcher status`
+        lists this host's (status.warm_engines)."""
+        return []
+
     def worker_pids(self) -> set[int]:
         """Processes of this host that the executor keeps besides its jobs' own workers (warm
         workers waiting for a job): their GPU memory is ours."""

@@ -125,6 +125,13 @@ class NodeAgent:
             if p.pid not in ours
         ]
 
+    def engines(self) -> list[dict[str, Any]]:
+        """This node's warm engines, as `watcher status` lists a host's (their devices are
+        named on this node already)."""
+        from ckpt_watcher.status import warm_engines
+
+        return warm_engines(self.home)
+
     def start(self, job_id: str, spec_json: str, env: dict[str, str]) -> int:
         """Start the job's worker in a folder of its own here; its pid."""
         folder = self._folder(job_id)

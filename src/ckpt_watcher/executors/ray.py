@@ -238,6 +238,9 @@ class RayExecutor(Executor):
         with self._lock:
             return set(self._jobs)
 
+    def engines_elsewhere(self) -> list[dict[str, object]]:
+        return [e for agent in self.agents() for e in self.ask(agent, "engines") or []]
+
     def ask(self, agent: _Agent, call: str, *args: Any) -> Any:
         """One agent's answer, or None where it is lost (it is then forgotten)."""
         try:
