@@ -96,7 +96,14 @@ def cut(
     before, worker = journaled(shared), None
     try:
         appear()
-        row = wait_for(lambda: running(cfg, label), 300, f"{label} running", daemon, log)
+        row = wait_for(
+            lambda: (r := running(cfg, label)) and r["node"] and r,
+            300,
+            f"{label} placed",
+            daemon,
+            log,
+        )
+        assert row["node"] == node_of(row["device"]), row  # status says where it runs
         worker = wait_for(lambda: worker_of(row["device"]), 60, "its warm worker", daemon, log)
         if worker not in throttles:  # started for it: slowed while it imports
             throttles[worker] = Throttle(worker, group=False)
