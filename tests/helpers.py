@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -490,3 +491,23 @@ def simulated_daemon(tmp: Path, **raw: Any) -> Any:
         inventory=FakeInventory(cpu=1),
         executor_factory=lambda cb: SimulatedExecutor(cb, lambda task, k: 1.0, sim),
     )
+
+
+def workers_logging_to(pattern: str) -> dict[int, re.Match[str]]:
+    """Our worker processes (named `watcher-worker`) whose stdout is a file matching `pattern`
+    (a regex searched in its path): pid -> the match. A job's worker writes to its job folder's
+    `worker.log`, a warm worker to its home's, whether it was forked from a worker starter
+    (whose command line it shares) or started as a process of its own."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if Path(f"/proc/{name}/comm").read_text().strip() != "watcher-worker":
+                continue
+            m = re.search(pattern, os.readlink(f"/proc/{name}/fd/1"))
+        except OSError:
+            continue
+        if m:
+            out[int(name)] = m
+    return out

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 from ckpt_watcher import scratch
 
 from .conftest import CHUNK, HF, RESPONSES, base_config, read_ledger, write_config
-from .helpers import Throttle, wait_for, watcher_run
+from .helpers import Throttle, wait_for, watcher_run, workers_logging_to
 
 pytestmark = [
     pytest.mark.e2e,
@@ -27,20 +26,12 @@ pytestmark = [
 
 def ray_task_worker(job_prefix: str) -> tuple[int, int] | None:
     """(our worker, the node agent that started it) for the job whose id starts with
-    `job_prefix` (its folder in the agent's is named after the job), and no other process."""
-    r = subprocess.run(
-        ["pgrep", "-f", f"ckpt-watcher-task-[0-9]+-agent-[^/]+/jobs/{job_prefix}"],
-        capture_output=True,
-        text=True,
-    )
-    for pid in r.stdout.split():
-        try:
-            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            if Path(f"/proc/{parent}/cmdline").read_bytes().startswith(b"ray::"):
-                return int(pid), parent
-        except OSError:
-            continue
-    return None
+    `job_prefix`: its folder is in the agent's, which is named after the agent's pid."""
+    found = workers_logging_to(rf"ckpt-watcher-task-(\d+)-agent-[^/]+/jobs/{job_prefix}[^/]*/")
+    if len(found) != 1:
+        return None
+    ((pid, m),) = found.items()
+    return pid, int(m[1])
 
 
 def journaled(root: Path) -> int:
@@ -66,7 +57,10 @@ def test_a_ray_task_killed_part_way_resumes_from_its_journal_in_the_shared_folde
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
-        worker, task = wait_for(lambda: ray_task_worker("r-300-"), 300, "the task", daemon, log)
+        # (a worker forked from the node's starter has its imports done: it is caught at once)
+        worker, task = wait_for(
+            lambda: ray_task_worker("r-300-"), 300, "the task", daemon, log, every=0.02
+        )
         throttle = Throttle(worker, group=False)  # its own process only: Ray's is its parent
         try:
             done = wait_for(

@@ -13,14 +13,16 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ckpt_watcher.checkpoints.naming import safe_component
+from ckpt_watcher import scratch
 from ckpt_watcher.executors.node_agent import node_of
+from ckpt_watcher.jobfolder import ENGINE_FILE
 
 from .conftest import CHUNK, HF, RESPONSES, TwoNodes, base_config, read_ledger, write_config
 from .helpers import Throttle, alive, status_json, wait_for, watcher_run
@@ -48,18 +50,24 @@ def nvml(path: Path, gpus: dict[int, list[list[int]]], node: str) -> None:
 
 
 def warm_workers() -> dict[int, str]:
-    """The warm workers the nodes' agents keep: pid -> the device label their home is named
-    after."""
-    r = subprocess.run(["pgrep", "-af", "[-]-serve .*/_warm/"], capture_output=True, text=True)
+    """The live warm workers the nodes' agents keep: pid -> their device, as each says in its
+    home's engine.json (the agent's home: `ckpt-watcher-task-<agent pid>-agent-*`)."""
     out = {}
-    for line in r.stdout.splitlines():
-        pid, cmd = line.split(" ", 1)
-        out[int(pid)] = cmd.split("/_warm/", 1)[1].split(" ", 1)[0]
+    for path in Path(tempfile.gettempdir()).glob(
+        f"{scratch.TASK_PREFIX}*-agent-*/jobs/_warm/*/{ENGINE_FILE}"
+    ):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        pid = int(data.get("pid") or 0)
+        if pid and data.get("state") != "released" and alive(pid):
+            out[pid] = str(data["device"])
     return out
 
 
 def worker_of(device_label: str) -> int | None:
-    return next((p for p, d in warm_workers().items() if d == safe_component(device_label)), None)
+    return next((p for p, d in warm_workers().items() if d == device_label), None)
 
 
 def running(cfg: Path, label: str) -> dict[str, Any] | None:
@@ -88,34 +96,35 @@ def slowed() -> Iterator[None]:
 def cut(
     appear: Callable[[], object], label: str, cfg: Path, shared: Path, daemon: Any, log: Path
 ) -> tuple[dict, int]:
-    """Make the checkpoint `label` appear, its job run slowed (the warm workers there are,
-    throttled beforehand: a warm worker's task takes seconds), and frozen once more than a
-    chunk of it is journaled: its status row and the responses journaled. The other warm
-    workers run on."""
-    throttles = {pid: Throttle(pid, group=False) for pid in warm_workers()}
-    before, worker = journaled(shared), None
+    """Make the checkpoint `label` appear and freeze its job once more than a chunk of it is
+    journaled: its status row and the responses journaled. The warm workers there are run
+    slowed beforehand (a warm worker's task takes seconds, and another device may join it as
+    a helper); at the cut every warm worker stops, and all but the job's own go on."""
+    throttles = [Throttle(pid, share=0.1, group=False) for pid in warm_workers()]
+    before = journaled(shared)
     try:
         appear()
-        row = wait_for(
-            lambda: (r := running(cfg, label)) and r["node"] and r,
+        done = wait_for(
+            lambda: (n := journaled(shared) - before) > CHUNK and n,
             300,
-            f"{label} placed",
+            "part done",
             daemon,
             log,
-        )
-        assert row["node"] == node_of(row["device"]), row  # status says where it runs
-        worker = wait_for(lambda: worker_of(row["device"]), 60, "its warm worker", daemon, log)
-        if worker not in throttles:  # started for it: slowed while it imports
-            throttles[worker] = Throttle(worker, group=False)
-        done = wait_for(
-            lambda: (n := journaled(shared) - before) > CHUNK and n, 300, "part done", daemon, log
+            every=0.02,
         )
     finally:
-        for t in throttles.values():
+        for t in throttles:
             t.stop()  # left frozen
-        for pid in set(throttles) - {worker}:
-            os.kill(pid, signal.SIGCONT)
-    assert done < RESPONSES, done
+        for pid in warm_workers():  # and those started meanwhile
+            os.kill(pid, signal.SIGSTOP)
+    row = wait_for(
+        lambda: (r := running(cfg, label)) and r["node"] and r, 60, f"{label} placed", daemon, log
+    )
+    assert row["node"] == node_of(row["device"]), row  # status says where it runs
+    worker = worker_of(row["device"])
+    for pid in set(warm_workers()) - {worker}:
+        os.kill(pid, signal.SIGCONT)
+    assert worker is not None and done < RESPONSES, (worker, done)
     return row, done
 
 
@@ -144,6 +153,15 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
     }
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"
+
+    def result_of(step: int, what: str) -> dict[str, Any]:
+        """The step's ledger line, once it is in (while the daemon runs)."""
+
+        def lines() -> list[dict[str, Any]]:
+            return [ln for ln in read_ledger(tmp_path / "ledgers", "r") if ln["step"] == step]
+
+        return wait_for(lines, 300, what, daemon, log)[0]
+
     try:
         with watcher_run(cfg, log) as daemon:
             first = wait_for(
@@ -173,6 +191,9 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
             )
             assert sorted(e["device"].split("/")[1] for e in engines) == ["cuda:0", "cuda:6"]
             assert all(e["state"] == "idle" and e["checkpoint"] for e in engines), engines
+            # weights swapped into a kept engine: the third job's (and a helper's, whose device
+            # joined the last running job once its own was done)
+            assert sum(e["swaps"] for e in engines) >= 1, engines
 
             # training takes the GPU a job runs on: it yields, and resumes on the other node
             row, done = cut(
@@ -183,13 +204,7 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
                 nvml(second, {6: [TRAINING]}, "second")
             else:  # training grows onto the head's GPU 0 too
                 nvml(head, {0: [TRAINING], 1: [TRAINING]}, "head")
-            yielded = wait_for(
-                lambda: [ln for ln in read_ledger(tmp_path / "ledgers", "r") if ln["step"] == 400],
-                300,
-                "the yielded job's result",
-                daemon,
-                log,
-            )[0]
+            yielded = result_of(400, "the yielded job's result")
 
             # one GPU free on each node: the second joins the first's task (a helper there)
             nvml(second, {6: []}, "second")
@@ -197,15 +212,7 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
             wait_for(lambda: shown_free(cfg) == 2, 30, "both GPUs free", daemon, log)
             with slowed():  # both warm workers: the task lasts while the helper joins
                 copy_checkpoint(watch / "r_step450")
-                spread = wait_for(
-                    lambda: [
-                        ln for ln in read_ledger(tmp_path / "ledgers", "r") if ln["step"] == 450
-                    ],
-                    300,
-                    "the spread task's result",
-                    daemon,
-                    log,
-                )[0]
+                spread = result_of(450, "the spread task's result")
 
             # the second node dies mid-task: its attempt resumes on the head
             nvml(second, {6: []}, "second")
@@ -217,26 +224,14 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
             lost_worker = worker_of(row["device"])
             nvml(head, {0: [], 1: [TRAINING]}, "head")
             os.kill(ray_two_nodes.raylet[1], signal.SIGKILL)  # the second node's raylet
-            resumed = wait_for(
-                lambda: [ln for ln in read_ledger(tmp_path / "ledgers", "r") if ln["step"] == 500],
-                300,
-                "the lost node's job's result",
-                daemon,
-                log,
-            )[0]
+            resumed = result_of(500, "the lost node's job's result")
             assert lost_worker is not None and not alive(lost_worker)  # went with its agent
 
             # the node is back (a new raylet): used at once
             ray_two_nodes.start_second()
             nvml(head, {0: [TRAINING], 1: [TRAINING]}, "head")
             copy_checkpoint(watch / "r_step600")
-            back = wait_for(
-                lambda: [ln for ln in read_ledger(tmp_path / "ledgers", "r") if ln["step"] == 600],
-                300,
-                "a job on the node that came back",
-                daemon,
-                log,
-            )[0]
+            back = result_of(600, "a job on the node that came back")
             daemon.send_signal(signal.SIGTERM)
             assert daemon.wait(timeout=60) == 0
     finally:

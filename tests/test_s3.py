@@ -450,18 +450,22 @@ def test_staging_through_20_percent_failures_is_byte_identical(
     assert proxy.failures >= 5 and proxy.failures / proxy.requests > 0.1  # faults really happened
 
 
-def test_cache_evicts_least_recently_used_copies_but_never_needed_ones(tmp_path: Path) -> None:
-    import time as _time
-
-    cache = tmp_path / "cache"
-    src = S3Source("s3://bkt/ck/", cache_dir=cache, cache_max_gb=2500 / 2**30)  # 2,500 bytes
-    locs = [f"s3://bkt/ck/r_step{i}/" for i in range(4)]
+def _staged_copies(cache: Path, n: int) -> list[str]:
+    """`n` staged copies of 1,000 bytes each, step 0 the least recently used; their locations."""
+    locs = [f"s3://bkt/ck/r_step{i}/" for i in range(n)]
     for i, loc in enumerate(locs):
         d = staged_path(cache, loc)
         d.mkdir(parents=True)
         (d / "model.safetensors").write_bytes(b"x" * 1000)
         (d / ".last_used").touch()
-        os.utime(d / ".last_used", (_time.time() - 100 + i, _time.time() - 100 + i))  # step0 oldest
+        os.utime(d / ".last_used", (time.time() - 100 + i, time.time() - 100 + i))
+    return locs
+
+
+def test_cache_evicts_least_recently_used_copies_but_never_needed_ones(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    src = S3Source("s3://bkt/ck/", cache_dir=cache, cache_max_gb=2500 / 2**30)  # 2,500 bytes
+    locs = _staged_copies(cache, 4)
     src.make_room(needed=[locs[0]])  # the oldest is needed by a queued job
     left = sorted(p.parent.name for p in cache.rglob(".last_used"))
     assert left == ["r_step0", "r_step3"]  # 4,000 -> 2,000 bytes: step1 and step2 went
@@ -477,13 +481,7 @@ def test_a_ray_nodes_agent_keeps_its_staged_copies_within_the_budget_once_a_job_
     from ckpt_watcher.jobfolder import Stage
 
     cache = tmp_path / "cache"
-    locs = [f"s3://bkt/ck/r_step{i}/" for i in range(4)]
-    for i, loc in enumerate(locs):
-        d = staged_path(cache, loc)
-        d.mkdir(parents=True)
-        (d / "model.safetensors").write_bytes(b"x" * 1000)
-        (d / ".last_used").touch()
-        os.utime(d / ".last_used", (time.time() - 100 + i, time.time() - 100 + i))
+    locs = _staged_copies(cache, 4)
     settings = {"devices": {"gpus": [], "cpu_slots": 1}, "caches": {str(cache): 2500}}
     agent = NodeAgent("node-b", settings)
     try:

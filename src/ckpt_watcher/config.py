@@ -216,9 +216,9 @@ class ExecutorConfig(_Model):
     node resumes on any node from what it had done. Unset: journals stay under `state_dir`,
     which only this host's tasks see (a task retried on another node starts from zero)."""
     preload: bool = True
-    """kind: local: fork each worker, warm ones too, from a process that imported torch,
-    transformers and lm-eval once (10 to 30 s a worker otherwise). Off: every worker is a fresh
-    process."""
+    """Fork each worker, warm ones too, from a process that imported torch, transformers and
+    lm-eval once (10 to 30 s a worker otherwise); under Ray one such process per node. Off:
+    every worker is a fresh process."""
 
 
 class TaskSpec(_Model):

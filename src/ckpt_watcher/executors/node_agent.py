@@ -15,7 +15,8 @@ that node, where the node's next jobs of the checkpoint find it. The daemon keep
 cache in bounds; each agent keeps its node's within the source's `cache_max_gb` once a job
 ends (least recently used first, sparing the copies of the jobs still running there).
 
-Workers die with their agent (`DIE_WITH_PARENT_ENV`): a node that dies or an agent killed
+Workers die with their agent (`DIE_WITH_PARENT_ENV`; those forked from the agent's worker
+starter with the starter, which dies with the agent): a node that dies or an agent killed
 takes its workers and their engines along, and the daemon retries those attempts on another
 node, where they resume from the journals in `executor.shared_dir`. The agent starts every
 worker from one thread that lives as long as it does: the kernel's parent-death signal follows
@@ -61,8 +62,8 @@ class NodeAgent:
 
     def __init__(self, node: str, settings: dict[str, Any]) -> None:
         """`settings`: devices (DevicesConfig's fields), warm, warm_idle_seconds,
-        warm_verify_every, caches (each S3 source's cache_dir -> its budget in bytes), ray_gpus
-        (the GPUs Ray counts on this node, for a node with no NVML)."""
+        warm_verify_every, preload, caches (each S3 source's cache_dir -> its budget in
+        bytes), ray_gpus (the GPUs Ray counts on this node, for a node with no NVML)."""
         self.node = node
         scratch.sweep()  # job folders and workers' folders that earlier agents here left
         self.home = Path(tempfile.mkdtemp(prefix=f"{scratch.TASK_PREFIX}{os.getpid()}-agent-"))
@@ -80,12 +81,16 @@ class NodeAgent:
         self._done: dict[str, threading.Event] = {}
         self._rc: dict[str, int] = {}
         self._pids: dict[str, int] = {}
+        self._folders: dict[str, JobFolder] = {}
         self._staged: dict[str, Stage] = {}  # job -> the S3 checkpoint it stages here
         self.caches: dict[str, int] = dict(settings.get("caches") or {})
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-watcher-launcher")
         self.executor = self._launcher.submit(self._executor, settings).result()
 
     def _executor(self, settings: dict[str, Any]) -> Executor:
+        """As on one host: warm workers or one-shot ones, forked from a worker starter of this
+        agent's (`executor.preload`) that imported torch, transformers and lm-eval once."""
+        preload = bool(settings.get("preload"))
         if settings.get("warm"):
             from ckpt_watcher.executors.warm import WarmExecutor
 
@@ -94,10 +99,11 @@ class NodeAgent:
                 self.home,
                 idle_seconds=float(settings["warm_idle_seconds"]),
                 verify_every=int(settings["warm_verify_every"]),
+                preload=preload,
             )
         from ckpt_watcher.executors.local import LocalExecutor
 
-        return LocalExecutor(self._exited)
+        return LocalExecutor(self._exited, preload_in=self.home if preload else None)
 
     # --- what the daemon asks -------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -132,12 +138,15 @@ class NodeAgent:
 
         return warm_engines(self.home)
 
-    def start(self, job_id: str, spec_json: str, env: dict[str, str]) -> int:
-        """Start the job's worker in a folder of its own here; its pid."""
-        folder = self._folder(job_id)
+    def start(self, job_id: str, spec_json: str, env: dict[str, str], where: str) -> int:
+        """Start the job's worker in a folder of its own here, named as the daemon's is (`where`:
+        `<job>/attempt-N`, or a helper's `<job>/attempt-N-help-<device>`); its pid."""
+        job, attempt = (safe_component(part) for part in where.split("/"))
+        folder = JobFolder(self.home / "jobs" / job / attempt)
         spec = JobSpec.from_json(spec_json)
         folder.write_spec(spec)
         with self._lock:
+            self._folders[job_id] = folder
             self._done[job_id] = threading.Event()
             if spec.stage is not None:
                 self._staged[job_id] = spec.stage
@@ -158,24 +167,24 @@ class NodeAgent:
         with self._lock:
             done = self._done[job_id]
         done.wait()
-        folder = self._folder(job_id)
         with self._lock:
             rc = self._rc.pop(job_id)
             self._done.pop(job_id, None)
+            folder = self._folders.pop(job_id)
         out = {
             "rc": rc,
             "files": folder.results(),
             "log": folder.log.read_text(errors="replace") if folder.log.is_file() else "",
         }
         shutil.rmtree(folder.path, ignore_errors=True)
+        try:
+            folder.path.parent.rmdir()  # the job's, once its last attempt or helper here is done
+        except OSError:
+            pass
         return out
 
     def kill(self, job_id: str) -> None:
         self.executor.kill(job_id)
-
-    def _folder(self, job_id: str) -> JobFolder:
-        """A job's folder here (a helper's id names its device: `node-a/cuda:6`)."""
-        return JobFolder(self.home / "jobs" / safe_component(job_id))
 
     def reap(self, pid: int) -> str | None:
         """Kill a zombie on this node (devices.reap_foreign_zombies); why not, if it failed."""

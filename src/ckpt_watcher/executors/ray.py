@@ -92,6 +92,7 @@ class RayExecutor(Executor):
             "warm": cfg.eval.warm,
             "warm_idle_seconds": cfg.eval.warm_idle_seconds,
             "warm_verify_every": cfg.eval.warm_verify_every,
+            "preload": cfg.executor.preload,
             # each node keeps what its workers stage within the source's budget
             "caches": {
                 str(src.cache_dir): int(src.cache_max_gb * 2**30)
@@ -196,7 +197,8 @@ class RayExecutor(Executor):
             raise OSError(f"the node of {folder.read_spec().device_label} has left the cluster")
         with self._lock:
             self._jobs[job_id] = agent
-        started = agent.handle.start.remote(job_id, folder.spec_text(), env)
+        where = f"{folder.path.parent.name}/{folder.path.name}"  # <job>/attempt-N[-help-...]
+        started = agent.handle.start.remote(job_id, folder.spec_text(), env, where)
         threading.Thread(
             target=self._wait, args=(job_id, agent, started, folder), daemon=True
         ).start()

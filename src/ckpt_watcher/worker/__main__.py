@@ -65,8 +65,11 @@ if __name__ == "__main__":
         if forked is None:  # the daemon is gone or going: at once (nothing to flush or finalize)
             os._exit(0)
     parent = os.environ.pop(DIE_WITH_PARENT_ENV, None)  # not for what it starts
-    if parent:  # a Ray node's agent started it (executors/node_agent.py): it goes with the agent
-        lifeline.die_with_parent(int(parent))
+    if parent:  # a Ray node's agent started it (executors/node_agent.py): it goes with the agent,
+        # or with the agent's worker starter that forked it (which goes with the agent)
+        from ckpt_watcher.worker import starter
+
+        lifeline.die_with_parent(starter.forked_from or int(parent))
     set_name(WORKER_NAME)
     lifeline.arm()  # what it forks (vLLM's engine on CUDA) dies with it
     tmp = scratch.enter()  # before anything can create a temporary file (vLLM's sockets)
