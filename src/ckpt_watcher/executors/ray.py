@@ -183,7 +183,7 @@ class RayExecutor(Executor):
             except Exception:  # already gone
                 pass
 
-    def _agent_of(self, device_name: str) -> _Agent | None:
+    def agent_of(self, device_name: str) -> _Agent | None:
         node = node_of(device_name)
         with self._lock:
             return next(
@@ -192,7 +192,7 @@ class RayExecutor(Executor):
 
     # --- jobs -------------------------------------------------------------------------------
     def start(self, job_id: str, folder: JobFolder, env: dict[str, str]) -> WorkerHandle:
-        agent = self._agent_of(folder.read_spec().device_label)
+        agent = self.agent_of(folder.read_spec().device_label)
         if agent is None:
             raise OSError(f"the node of {folder.read_spec().device_label} has left the cluster")
         with self._lock:
@@ -243,14 +243,15 @@ class RayExecutor(Executor):
     def engines_elsewhere(self) -> list[dict[str, object]]:
         return [e for agent in self.agents() for e in self.ask(agent, "engines") or []]
 
-    def ask(self, agent: _Agent, call: str, *args: Any) -> Any:
-        """One agent's answer, or None where it is lost (it is then forgotten)."""
+    def ask(self, agent: _Agent, call: str, *args: Any, lost: Any = None) -> Any:
+        """One agent's answer, or `lost` where it does not give one within CALL_SECONDS (it is
+        then forgotten, and its node gets a new agent at the next look)."""
         try:
             return self._ray.get(getattr(agent.handle, call).remote(*args), timeout=CALL_SECONDS)
         except Exception as e:
             with self._lock:
                 self._lost(agent, f"{call}: {type(e).__name__}")
-            return None
+            return lost
 
     def close(self) -> None:
         """Release every node's warm engines, then the agents."""
@@ -283,7 +284,8 @@ class RayInventory:
         ]
 
     def reap(self, device_id: str, pid: int) -> None:
-        agent = self.executor._agent_of(device_id)
-        why = self.executor.ask(agent, "reap", pid) if agent is not None else "its node is gone"
+        agent = self.executor.agent_of(device_id)
+        gone = "its node's agent did not answer"
+        why = self.executor.ask(agent, "reap", pid, lost=gone) if agent is not None else gone
         if why:
             raise ProcessLookupError(why)
