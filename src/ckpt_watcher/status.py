@@ -163,7 +163,8 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         counts = state.checkpoint_counts()
         behind = _behind(cfg, state.jobs("queued") + state.jobs("running"))
         zombies = state.get_meta("suspected_zombies") or []
-        devices = state.get_meta("devices") or []
+        # as a live daemon's last heartbeat saw them (a stopped daemon's would be stale)
+        devices = (state.get_meta("devices") or []) if alive else []
         pins = {k: Pin(**v) for k, v in (state.get_meta("pins") or {}).items()}
         alone = held_alone(pins)
         pinned = [  # bytes: of the files pinned; held_bytes: the disk only the pin holds
