@@ -8,8 +8,8 @@ starts, engine processes and model servers, inherits it), and whoever sees the w
 group end removes the folder: the daemon when it reaps the group, the worker itself on a clean
 exit, and a daemon's start for workers that ended while no daemon watched (`sweep`), with the
 converted copies no job uses any more (shared_copies.py). On a Ray
-node the task's job folder, named after the process that runs the task, goes the same way: the
-next task on that node sweeps those of tasks that were killed.
+node the agent's folder (its jobs' folders, its warm workers' homes), named after the agent's
+process, goes the same way: the next agent on that node sweeps those of agents that died.
 
 The compile caches are not in it: they are kept under the state folder (compile_cache.py).
 """
@@ -26,7 +26,7 @@ from ckpt_watcher.proctable import process_alive
 from ckpt_watcher.shared_copies import sweep_unused
 
 PREFIX = "ckpt-watcher-worker-"
-TASK_PREFIX = "ckpt-watcher-task-"  # a Ray task's job folder on its node: `task_prefix`
+TASK_PREFIX = "ckpt-watcher-task-"  # a Ray node agent's folder: `agent_prefix`
 MAX_SOCKET_PATH = 107  # a Unix socket's path, in bytes (sun_path less its NUL)
 SOCKET_NAME_CHARS = 36  # vLLM names its sockets by a uuid4
 _NAME = re.compile(rf"^(?:{re.escape(PREFIX)}(\d+)|{re.escape(TASK_PREFIX)}(\d+)-.+)$")
@@ -37,11 +37,10 @@ def folder(pid: int) -> Path:
     return Path(tempfile.gettempdir()) / f"{PREFIX}{pid}"
 
 
-def task_prefix(job_id: str) -> str:
-    """The name a Ray task's job folder begins with: the process running the task (a Ray worker,
-    which a node kills -9 when it cancels the task, runs out of memory or is preempted, leaving
-    the folder behind), then the job."""
-    return f"{TASK_PREFIX}{os.getpid()}-{job_id}-"
+def agent_prefix() -> str:
+    """The name a Ray node agent's folder begins with: its process (an actor, which a node kills
+    -9 when it dies, runs out of memory or is preempted, leaving the folder behind)."""
+    return f"{TASK_PREFIX}{os.getpid()}-agent-"
 
 
 def enter() -> Path | None:

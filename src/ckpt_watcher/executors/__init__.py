@@ -13,8 +13,8 @@ def build_executor(
     cfg: WatcherConfig, on_exit: ExitCallback, wake: Callable[[], None] = lambda: None
 ) -> tuple[Executor, Inventory | None]:
     """The executor for `executor.kind`, and the device inventory it brings (Ray: the
-    cluster's nodes' GPUs, through an agent on each), or None to use this host's (NVML, CPU slots). `wake` wakes the daemon's
-    loop (the worker starter is ready)."""
+    cluster's nodes' GPUs, through an agent on each), or None to use this host's (NVML, CPU
+    slots). `wake` wakes the daemon's loop (the worker starter is ready)."""
     if cfg.executor.kind == "ray":
         from ckpt_watcher.executors.ray import RayExecutor, RayInventory
 

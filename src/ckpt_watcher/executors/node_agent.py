@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -66,7 +65,7 @@ class NodeAgent:
         bytes), ray_gpus (the GPUs Ray counts on this node, for a node with no NVML)."""
         self.node = node
         scratch.sweep()  # job folders and workers' folders that earlier agents here left
-        self.home = Path(tempfile.mkdtemp(prefix=f"{scratch.TASK_PREFIX}{os.getpid()}-agent-"))
+        self.home = Path(tempfile.mkdtemp(prefix=scratch.agent_prefix()))
         inventory, self.warnings = build_inventory(DevicesConfig(**settings["devices"]))
         self.inventory = inventory
         self.local = inventory.devices()
@@ -186,10 +185,11 @@ class NodeAgent:
     def kill(self, job_id: str) -> None:
         self.executor.kill(job_id)
 
-    def reap(self, pid: int) -> str | None:
-        """Kill a zombie on this node (devices.reap_foreign_zombies); why not, if it failed."""
+    def reap(self, device_id: str, pid: int) -> str | None:
+        """Kill a zombie on this node (devices.reap_foreign_zombies), as the node's inventory
+        does; why not, if it failed."""
         try:
-            os.kill(pid, signal.SIGKILL)
+            self.inventory.reap(device_id, pid)
         except (ProcessLookupError, PermissionError) as e:
             return str(e)
         return None

@@ -192,9 +192,10 @@ class RayExecutor(Executor):
 
     # --- jobs -------------------------------------------------------------------------------
     def start(self, job_id: str, folder: JobFolder, env: dict[str, str]) -> WorkerHandle:
-        agent = self.agent_of(folder.read_spec().device_label)
+        device = folder.read_spec().device_label
+        agent = self.agent_of(device)
         if agent is None:
-            raise OSError(f"the node of {folder.read_spec().device_label} has left the cluster")
+            raise OSError(f"the node of {device} has left the cluster")
         with self._lock:
             self._jobs[job_id] = agent
         where = f"{folder.path.parent.name}/{folder.path.name}"  # <job>/attempt-N[-help-...]
@@ -241,7 +242,22 @@ class RayExecutor(Executor):
             return set(self._jobs)
 
     def engines_elsewhere(self) -> list[dict[str, object]]:
-        return [e for agent in self.agents() for e in self.ask(agent, "engines") or []]
+        return [e for answer in self.ask_all("engines") for e in answer]
+
+    def ask_all(self, call: str) -> list[Any]:
+        """Every answering agent's answer to `call`, asked of all at once (the loop waits for
+        the slowest, at most CALL_SECONDS, not for their sum); an agent that gives none is
+        forgotten, as by `ask`."""
+        asked = [(a, getattr(a.handle, call).remote()) for a in self.agents()]
+        deadline = time.monotonic() + CALL_SECONDS
+        answers = []
+        for agent, ref in asked:
+            try:
+                answers.append(self._ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except Exception as e:
+                with self._lock:
+                    self._lost(agent, f"{call}: {type(e).__name__}")
+        return answers
 
     def ask(self, agent: _Agent, call: str, *args: Any, lost: Any = None) -> Any:
         """One agent's answer, or `lost` where it does not give one within CALL_SECONDS (it is
@@ -278,14 +294,16 @@ class RayInventory:
     def gpu_processes(self) -> list[GpuProcess]:
         """The processes not ours on every node's GPUs (each agent leaves its workers out)."""
         return [
-            GpuProcess(**p)
-            for agent in self.executor.agents()
-            for p in self.executor.ask(agent, "foreign_processes") or []
+            GpuProcess(**p) for answer in self.executor.ask_all("foreign_processes") for p in answer
         ]
 
     def reap(self, device_id: str, pid: int) -> None:
         agent = self.executor.agent_of(device_id)
         gone = "its node's agent did not answer"
-        why = self.executor.ask(agent, "reap", pid, lost=gone) if agent is not None else gone
+        why = (
+            self.executor.ask(agent, "reap", device_id, pid, lost=gone)
+            if agent is not None
+            else gone
+        )
         if why:
             raise ProcessLookupError(why)

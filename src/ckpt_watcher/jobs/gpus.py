@@ -116,7 +116,8 @@ class Gpus:
         running = self.state.jobs("running")
         ours = self.our_pids(running)
         devices = self.inventory.devices()
-        self._publish(devices, foreign_busy(processes, ours, self.cfg.devices.idle_memory_mib))
+        busy = foreign_busy(processes, ours, self.cfg.devices.idle_memory_mib)
+        self._publish(devices, running, busy)
         labels = {d.id: d.label for d in devices}
         suspects = self.zombies.observe(processes, ours, labels, now)
         reap = self.cfg.devices.reap_foreign_zombies
@@ -144,10 +145,10 @@ class Gpus:
             ]
         )
 
-    def _publish(self, devices: list[Device], busy: dict[str, str]) -> None:
+    def _publish(self, devices: list[Device], running: list[Job], busy: dict[str, str]) -> None:
         """For `watcher status`: each device, and what it does (running a job, helping one,
         busy with processes not ours, free)."""
-        jobs = {j.device: j.label for j in self.state.jobs("running") if j.device}
+        jobs = {j.device: j.label for j in running if j.device}
         helping = {h.device.id: h.job_id for h in self.helpers.active.values()}
         rows = []
         for d in devices:
