@@ -12,6 +12,13 @@ form changed across torch versions). `LazyTensor.read` then reads just that tens
 one positioned read, and `LazyTensor.blocks` reads them a block at a time, so memory holds a
 tensor, or a block of one, never the file.
 
+The file is the trainer's, or anyone's who could write beside it, so nothing it declares is
+trusted: pickle's BUILD (which would write a record's fields behind a frozen dataclass's back,
+e.g. point a tensor at another file) is refused on everything but the inert records; every
+tensor's shape, stride and offset must be whole numbers, and the bytes they span must lie inside
+its own storage (its zip member, or the span its safetensors header gives) before anything is
+read or allocated.
+
 `read_embedded` reads an archive that lies inside a bigger file (a distributed checkpoint's
 data files are such archives end to end), and `read_pickle` a plain pickle (its `.metadata`),
 with the same restrictions.
@@ -25,7 +32,7 @@ import math
 import pickle
 import struct
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -51,10 +58,12 @@ _STORAGE_DTYPES = {
     "Float8_e4m3fnStorage": "float8_e4m3fn",
     "Float8_e5m2Storage": "float8_e5m2",
 }
-_DTYPES = {
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-    "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
+_ITEM_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
 }  # fmt: skip
+_DTYPES = set(_ITEM_BYTES)
 # DTensor's own names, across torch versions
 _DTENSOR = {
     ("torch.distributed.tensor", "DTensor"),
@@ -81,10 +90,31 @@ class LazyTensor:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     at: int = 0  # where its storage begins in the file, when it is no zip member (safetensors)
+    storage_bytes: int | None = None  # its storage's size from `at` (a zip member's: read there)
+
+    def __post_init__(self) -> None:
+        dims = (self.offset, *self.shape, *self.stride)
+        if (
+            self.dtype not in _DTYPES
+            or len(self.shape) != len(self.stride)
+            or not all(type(n) is int and n >= 0 for n in dims)
+            or (not self.member and (self.storage_bytes is None or self.storage_bytes < 0))
+        ):
+            raise NativeFormatError(
+                f"{self.path.name}: a tensor declared as {self.dtype} {self.shape} (stride "
+                f"{self.stride}, offset {self.offset}) in {self.member or 'its file'}: not a tensor"
+            )
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def span(self) -> int:
+        """The elements of its storage it reaches, from its offset on."""
+        if self.numel == 0:
+            return 0
+        return 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
 
     @property
     def contiguous(self) -> bool:
@@ -97,10 +127,10 @@ class LazyTensor:
         dtype = getattr(torch, self.dtype)
         if self.numel == 0:
             return torch.empty(self.shape, dtype=dtype)
-        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
-        buf = torch.empty(span, dtype=dtype)
         with open(self.path, "rb") as f:
-            self._read_into(f, buf, 0)
+            begins = self._storage(f)
+            buf = torch.empty(self.span, dtype=dtype)
+            self._read_into(f, buf, 0, begins)
         if self.contiguous:
             return buf.view(self.shape)
         return buf.as_strided(self.shape, self.stride).contiguous()
@@ -111,20 +141,37 @@ class LazyTensor:
         import torch
 
         dtype = getattr(torch, self.dtype)
-        item = torch.empty((), dtype=dtype).element_size()
-        step = max(1, max_bytes // item)
+        step = max(1, max_bytes // _ITEM_BYTES[self.dtype])
         with open(self.path, "rb") as f:
+            begins = self._storage(f)
             for at in range(0, self.numel, step):
                 buf = torch.empty(min(step, self.numel - at), dtype=dtype)
-                self._read_into(f, buf, at)
+                self._read_into(f, buf, at, begins)
                 yield buf
 
-    def _read_into(self, f: Any, buf: Any, at: int) -> None:
-        """Read `buf`'s worth of this tensor's storage, from its element `at` on."""
+    def _storage(self, f: Any) -> int:
+        """Where its storage begins in the open file `f`, once the elements the tensor declares
+        are known to lie inside that storage (else NativeFormatError, before any allocation)."""
+        if self.member:
+            begins, size = _member_span(f, self.member)
+        else:
+            begins, size = self.at, self.storage_bytes or 0
+        needed = (self.offset + self.span) * _ITEM_BYTES[self.dtype] if self.numel else 0
+        if needed > size:
+            raise NativeFormatError(
+                f"{self.path.name}: a {self.dtype} tensor of shape {list(self.shape)} at offset "
+                f"{self.offset} needs {needed} bytes of its storage"
+                f"{' ' + self.member if self.member else ''}, which has {size}: a damaged or "
+                "crafted file; not read"
+            )
+        return begins
+
+    def _read_into(self, f: Any, buf: Any, at: int, begins: int) -> None:
+        """Read `buf`'s worth of this tensor's storage (which begins at `begins` in `f`), from
+        its element `at` on."""
         import torch
 
         raw = buf.view(torch.uint8)
-        begins = _member_data(f, self.member) if self.member else self.at
         start = begins + (self.offset + at) * buf.element_size()
         f.seek(start)
         got = f.readinto(cast(Any, raw.numpy()))
@@ -152,14 +199,21 @@ class Sharded:
     shape: tuple[int, ...]
 
 
-def read_index(path: Path, data: bytes | None = None) -> dict[str, Any]:
-    """The state dict saved in `path` (or in `data`, that file's bytes): key -> `LazyTensor`
-    or `Sharded` (other values as saved: numbers, strings, None). Raises NativeFormatError for a
-    file that is not a whole torch.save zip of tensors."""
-    loaded = _load(path, io.BytesIO(data) if data is not None else path)
+def read_index(path: Path, window: _Window | None = None) -> dict[str, Any]:
+    """The state dict saved in `path` (or read through `window`, that file's bytes): key ->
+    `LazyTensor` or `Sharded` (other values as saved: numbers, strings, None). Raises
+    NativeFormatError for a file that is not a whole torch.save zip of tensors."""
+    loaded = _load(path, window if window is not None else path)
     if not isinstance(loaded, dict):
         raise NativeFormatError(f"{path.name}: holds a {type(loaded).__name__}, not a state dict")
     return {str(k): v for k, v in loaded.items()}
+
+
+def read_index_at(name: str, size: int, read_at: Callable[[int, int], bytes]) -> dict[str, Any]:
+    """`read_index` of a file read only in ranges (`read_at(start, length)`: a local file or an
+    S3 object): its zip directory and pickle, never its tensors' bytes. What a completeness check
+    uses to read a rank file's few fields, however large the file."""
+    return read_index(Path(name), window=_Window(read_at, 0, size))
 
 
 def read_embedded(path: Path, start: int, length: int) -> Any:
@@ -168,8 +222,8 @@ def read_embedded(path: Path, start: int, length: int) -> Any:
     data file is such archives end to end, one per tensor piece). Only the archive's directory
     and pickle are read."""
     with open(path, "rb") as f:
-        window = _Window(f, start, length)
-        loaded = _load(path, cast(Any, window))
+        window = _Window(_positioned(f), start, length)
+        loaded = _load(path, window)
         return _placed(loaded, window)
 
 
@@ -209,12 +263,23 @@ def _unpickle(raw: io.BytesIO, path: Path, archive: str) -> Any:
         raise NativeFormatError(f"{path.name}: not a readable pickle ({e})") from None
 
 
-class _Window(io.RawIOBase):
-    """`length` bytes of an open file from `start` on, as a file of their own (for zipfile)."""
+def _positioned(f: Any) -> Callable[[int, int], bytes]:
+    """Reads of an open file at a position."""
 
-    def __init__(self, f: Any, start: int, length: int) -> None:
+    def read_at(start: int, length: int) -> bytes:
+        f.seek(start)
+        return cast(bytes, f.read(length))
+
+    return read_at
+
+
+class _Window(io.RawIOBase):
+    """`length` bytes from `start` on of what `read_at(start, length)` reads (an open file, an
+    S3 object), as a file of their own (for zipfile)."""
+
+    def __init__(self, read_at: Callable[[int, int], bytes], start: int, length: int) -> None:
         super().__init__()
-        self.f, self.start, self.length, self.pos = f, start, length, 0
+        self.read_at, self.start, self.length, self.pos = read_at, start, length, 0
 
     def readable(self) -> bool:
         return True
@@ -233,8 +298,7 @@ class _Window(io.RawIOBase):
     def read(self, size: int | None = -1) -> bytes:
         left = max(0, self.length - self.pos)
         size = left if size is None or size < 0 else min(size, left)
-        self.f.seek(self.start + self.pos)
-        data = cast(bytes, self.f.read(size))
+        data = self.read_at(self.start + self.pos, size) if size else b""
         self.pos += len(data)
         return data
 
@@ -247,14 +311,16 @@ class _Window(io.RawIOBase):
 def _placed(loaded: Any, window: _Window) -> Any:
     """`loaded`'s LazyTensors (one, or a dict's values) told where their bytes lie in the file
     the window is of, by absolute position (`at`) rather than by zip member."""
-    members: dict[str, int] = {}
+    members: dict[str, tuple[int, int]] = {}
 
     def place(t: Any) -> Any:
         if not isinstance(t, LazyTensor) or not t.member:
             return t
         if t.member not in members:
-            members[t.member] = window.start + _member_data(window, t.member)
-        return LazyTensor(t.path, "", t.dtype, t.offset, t.shape, t.stride, at=members[t.member])
+            begins, size = _member_span(window, t.member)
+            members[t.member] = (window.start + begins, size)
+        at, size = members[t.member]
+        return LazyTensor(t.path, "", t.dtype, t.offset, t.shape, t.stride, at, size)
 
     if isinstance(loaded, dict):
         return {k: place(v) for k, v in loaded.items()}
@@ -269,10 +335,13 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _member_data(f: Any, member: str) -> int:
-    """Where a stored zip member's bytes begin in the open file `f`."""
+def _member_span(f: Any, member: str) -> tuple[int, int]:
+    """Where a stored zip member's bytes begin in the open file `f`, and how many there are."""
     f.seek(0)
-    info = zipfile.ZipFile(f).getinfo(member)
+    try:
+        info = zipfile.ZipFile(f).getinfo(member)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise NativeFormatError(f"{member}: no such storage in the archive ({e})") from None
     if info.compress_type != zipfile.ZIP_STORED:
         raise NativeFormatError(f"{member}: compressed; torch.save stores its tensors")
     f.seek(info.header_offset)
@@ -280,7 +349,7 @@ def _member_data(f: Any, member: str) -> int:
     if header[:4] != b"PK\x03\x04":
         raise NativeFormatError(f"{member}: no zip entry where the directory says")
     name_len, extra_len = struct.unpack("<HH", header[26:30])
-    return int(info.header_offset) + 30 + name_len + extra_len
+    return int(info.header_offset) + 30 + name_len + extra_len, int(info.file_size)
 
 
 class _Record:
@@ -325,12 +394,14 @@ def _record_class(name: str) -> type:
 _STORAGE = collections.namedtuple("_STORAGE", "dtype")
 
 
-def _rebuild_tensor_v2(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> LazyTensor:
+def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> LazyTensor:
     if not isinstance(storage, _StorageRef):
         raise NativeFormatError("a tensor without a saved storage")
-    return LazyTensor(
-        storage.path, storage.member, storage.dtype, offset, tuple(size), tuple(stride)
-    )
+    try:
+        shape, strides = tuple(int(n) for n in size), tuple(int(n) for n in stride)
+    except (TypeError, ValueError):
+        raise NativeFormatError(f"a tensor of shape {size!r}, stride {stride!r}") from None
+    return LazyTensor(storage.path, storage.member, storage.dtype, offset, shape, strides)
 
 
 def _rebuild_parameter(data: Any, *_: Any) -> Any:
@@ -378,11 +449,35 @@ def _placement(p: Any) -> Placement:
     return Placement(p.kind, int(dim) if isinstance(dim, int) else None)
 
 
-class _Unpickler(pickle.Unpickler):
+# pickle's own Python unpickler: its opcodes can be overridden (the C one's cannot)
+_PythonUnpickler: Any = getattr(pickle, "_Unpickler")  # noqa: B009
+
+
+class _Unpickler(_PythonUnpickler):
+    """The globals limited to `find_class`'s, BUILD limited to inert records."""
+
+    dispatch: dict[int, Any] = dict(_PythonUnpickler.dispatch)
+
     def __init__(self, file: io.BytesIO, path: Path, archive: str) -> None:
         super().__init__(file)
         self.path, self.archive = path, archive
         self.records: dict[str, type] = {}
+
+    def load_build(self) -> None:
+        """BUILD sets an object's state: allowed on the inert records (they keep it as data),
+        dropped for a state dict's OrderedDict (its `_metadata`, module versions no conversion
+        needs), refused on anything else (a tensor's record, a storage, a class, a dtype)."""
+        state = self.stack.pop()
+        made = self.stack[-1]
+        if isinstance(made, _Record):
+            made.__setstate__(state)
+        elif type(made) is not collections.OrderedDict:
+            raise NativeFormatError(
+                f"{self.path.name}: its pickle sets the state of a {type(made).__name__}, which "
+                "torch.save never does: a crafted file; not loaded"
+            )
+
+    dispatch[pickle.BUILD[0]] = load_build
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and pid and pid[0] == "storage" and len(pid) >= 3):
