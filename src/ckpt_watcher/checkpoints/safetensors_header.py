@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckpt_watcher.errors import HeaderUnreadable
 
@@ -27,6 +27,9 @@ class SafetensorsHeader:
     header_len: int
     tensors: frozenset[str]
     data_end: int
+    # each tensor's entry ({dtype, shape, data_offsets}) and the `__metadata__` strings
+    entries: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    metadata: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def expected_size(self) -> int:
@@ -43,9 +46,8 @@ def parse_header(prefix: bytes, header_len: int) -> SafetensorsHeader:
         raise HeaderUnreadable("header is not a JSON object", True)
     end = 0
     names = []
+    extra = meta.pop("__metadata__", None)
     for name, info in meta.items():
-        if name == "__metadata__":
-            continue
         try:
             begin, stop = info["data_offsets"]
         except (TypeError, KeyError, ValueError) as e:
@@ -54,7 +56,9 @@ def parse_header(prefix: bytes, header_len: int) -> SafetensorsHeader:
             raise HeaderUnreadable(f"tensor {name!r} has invalid data_offsets", True)
         end = max(end, stop)
         names.append(name)
-    return SafetensorsHeader(header_len=header_len, tensors=frozenset(names), data_end=end)
+    return SafetensorsHeader(
+        header_len, frozenset(names), end, meta, extra if isinstance(extra, dict) else {}
+    )
 
 
 def read_header(files: CheckpointFiles, name: str) -> SafetensorsHeader:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +26,6 @@ from ckpt_watcher.checkpoints.layouts import DCP
 from ckpt_watcher.errors import NativeFormatError
 from ckpt_watcher.formats import Problem
 
-LOG_NAME = "convert.log"
 CONVERTERS = (
     "a torch distributed checkpoint (DCP), whose keys need the trainer's own mapping: set the "
     "source's convert command to the trainer's converter, e.g. accelerate's `accelerate "
@@ -64,10 +65,14 @@ class Command:
             raise NativeFormatError(f"{folder}: {CONVERTERS}")
         fields = {"input": str(folder), "output": str(out), "base_model": str(base or "")}
         argv = [arg.format(**fields) for arg in command]
-        log = out.parent / f"{out.name}-{LOG_NAME}"
-        with open(log, "wb") as said:
+        # what it prints goes to the worker's log (kept with the job's attempt), and its end
+        # into the error; nothing is left in the shared folder of converted copies
+        with tempfile.TemporaryFile() as said:
             done = subprocess.run(argv, stdout=said, stderr=subprocess.STDOUT, cwd=out.parent)
-        tail = log.read_bytes()[-2000:].decode(errors="replace").strip()
+            said.seek(0)
+            printed = said.read()
+        sys.stderr.write(printed.decode(errors="replace"))
+        tail = printed[-2000:].decode(errors="replace").strip()
         if done.returncode != 0:
             raise NativeFormatError(
                 f"the convert command {argv[0]} exited with status {done.returncode}: {tail}"

@@ -32,7 +32,13 @@ from ckpt_watcher.errors import NativeFormatError
 from ckpt_watcher.formats import Problem
 from ckpt_watcher.formats.hf_folder import Pieces, write_hf_folder
 from ckpt_watcher.formats.safetensors_out import Planned
-from ckpt_watcher.formats.torchzip import EOCD_SIZE, LazyTensor, read_index, zip_whole
+from ckpt_watcher.formats.torchzip import (
+    EOCD_SIZE,
+    LazyTensor,
+    read_index,
+    read_index_at,
+    zip_whole,
+)
 
 FULL = "mp_rank_00_model_states.pt"
 _MP = re.compile(r"^(?:.*_)?mp_rank_(\d{2})_(?:model|optim)_states\.pt$")
@@ -55,7 +61,7 @@ class DeepSpeed:
         command: list[str] | None = None,
     ) -> Problem | str:
         names = files.files
-        if any((m := _MP.match(n)) and m[1] != "00" for n in names):
+        if model_parallel(names):
             if command:  # the trainer's converter reads them (formats/command.py)
                 return "DeepSpeed model-parallel states, converted by the source's command"
             return Problem("invalid", MODEL_PARALLEL)
@@ -68,10 +74,13 @@ class DeepSpeed:
         ranks = sorted(int(m[1]) for n in names if (m := _ZERO3_MODEL.match(n)))
         if 0 not in ranks:
             return Problem("incomplete", "rank 0's model states not yet", quiet_verdict="invalid")
-        problem = _whole(files, [_model_states(0)])
+        first = _model_states(0)
+        problem = _whole(files, [first])
         if problem is not None:
             return problem
-        world = _world(read_index(Path(_model_states(0)), files.read(_model_states(0))))
+        # its directory and pickle only (a few ranged reads), never its tensors: with frozen
+        # parameters (LoRA under ZeRO-3) the file is the base model's size
+        world = _world(read_index_at(first, names[first], lambda at, n: files.read(first, at, n)))
         wanted = [_model_states(r) for r in range(world)]
         wanted += [_optim_states(r, names) for r in range(world)]
         if missing := [n for n in wanted if n not in names]:
@@ -92,7 +101,9 @@ class DeepSpeed:
         base: Path | None = None,
         command: list[str] | None = None,
     ) -> None:
-        if command and (folder / "mp_rank_01_model_states.pt").is_file():
+        if model_parallel([p.name for p in folder.iterdir()]):
+            if not command:
+                raise NativeFormatError(f"{folder}: {MODEL_PARALLEL}")
             from ckpt_watcher.formats.command import FORMAT as by_command
 
             return by_command.convert(folder, out, dtype, progress, base, command)
@@ -117,6 +128,12 @@ MODEL_PARALLEL = (
     "needs the model's architecture; set the source's convert command to the trainer's own "
     "converter"
 )
+
+
+def model_parallel(names: Collection[str]) -> bool:
+    """States of several model-parallel ranks (`mp_rank_01...`, ZeRO-3's
+    `zero_pp_rank_R_mp_rank_01...` too): only the trainer's converter reassembles them."""
+    return any((m := _MP.match(n)) is not None and m[1] != "00" for n in names)
 
 
 def _model_states(rank: int) -> str:

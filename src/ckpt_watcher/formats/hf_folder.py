@@ -16,12 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from ckpt_watcher.checkpoints.files import NEEDED
 from ckpt_watcher.errors import NativeFormatError
 from ckpt_watcher.formats.safetensors_out import Planned, write_model
 from ckpt_watcher.formats.torchzip import LazyTensor
 
+log = structlog.get_logger("ckpt_watcher.formats")
+
 BLOCK_BYTES = 64 << 20  # what a conversion holds of a tensor at a time (cast: up to 1.5 times)
+HEADROOM = 1.05  # of what a conversion writes, free on the scratch disk before it starts
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,29 @@ class Pieces:
     numel: int | None = None
 
 
+def tiling(slices: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[list[int], str]:
+    """How a tensor's slices (each its offsets in the tensor and its shape) make it: the order
+    to take them in, and "" where they lie as FSDP's do (whole in every dim but the first, end
+    to end along it from row 0: no gap, no overlap), else what is wrong. The rows they make
+    are the tensor's only where no slice is missing at the end: a caller compares them with
+    what the tensor must be (its config, or the metadata that lists it)."""
+    order = sorted(range(len(slices)), key=lambda i: tuple(slices[i][0]))
+    row = 0
+    rest = tuple(slices[order[0]][1][1:]) if order else ()
+    for i in order:
+        offsets, shape = slices[i]
+        if len(offsets) != len(shape) or any(offsets[1:]) or tuple(shape[1:]) != rest:
+            return (
+                order,
+                f"a slice at {list(offsets)} of shape {list(shape)} is not whole past dim 0",
+            )
+        if offsets[0] != row:
+            kind = "missing" if offsets[0] > row else "given twice"
+            return order, f"rows {min(row, offsets[0])}-{max(row, offsets[0]) - 1} {kind}"
+        row += shape[0]
+    return order, ""
+
+
 def tiled(
     key: str,
     found: Sequence[tuple[Sequence[int], LazyTensor]],
@@ -44,17 +72,16 @@ def tiled(
     """A tensor of `shape` from its slices (each with its offsets in it): FSDP's slices, whole
     in every dim but the first and end to end along it, else NativeFormatError naming the
     trainer's `converter`."""
-    ordered = sorted(found, key=lambda op: tuple(op[0]))
-    row = 0
-    for offsets, piece in ordered:
-        if offsets[0] != row or any(offsets[1:]) or piece.shape[1:] != shape[1:]:
-            raise NativeFormatError(
-                f"{where}: {key}'s slices (offsets {[list(o) for o, _ in ordered]}) do not lie end "
-                "to end along dim 0: only FSDP's slices are reassembled here; set the source's "
-                f"convert command to {converter}"
-            )
-        row += piece.shape[0]
-    if row != shape[0]:
+    order, problem = tiling([(offsets, piece.shape) for offsets, piece in found])
+    ordered = [found[i] for i in order]
+    if problem:
+        raise NativeFormatError(
+            f"{where}: {key}'s slices (offsets {[list(o) for o, _ in ordered]}) do not lie end "
+            f"to end along dim 0 ({problem}): only FSDP's slices are reassembled here; set the "
+            f"source's convert command to {converter}"
+        )
+    row = sum(piece.shape[0] for _, piece in ordered)
+    if row != shape[0] or (ordered and ordered[0][1].shape[1:] != shape[1:]):
         raise NativeFormatError(f"{where}: {key}'s slices make {row} of {shape[0]} rows")
     return Pieces([p for _, p in ordered])
 
@@ -70,12 +97,60 @@ def write_hf_folder(
     config = json.loads((meta / "config.json").read_text())
     if config.get("tie_word_embeddings") is True and "lm_head.weight" in tensors:
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    check_shapes(tensors, meta)
     plan = [planned for planned, _ in tensors.values()]
     total = sum(p.nbytes for p in plan)
+    ensure_room(out, total)
     write_model(out, plan, lambda p: stream(tensors[p.name][1], p), lambda n: progress(n, total))
     for name in sorted(NEEDED - {"model.safetensors.index.json"}):
         if (meta / name).is_file():
             shutil.copyfile(meta / name, out / name)
+
+
+def ensure_room(out: Path, nbytes: int) -> None:
+    """OSError unless `out`'s disk has room for `nbytes`: what a conversion writes, not what it
+    reads (a ZeRO-3 step's optimizer states are read, 12 bytes a parameter, and 2 or 4 written)."""
+    free = shutil.disk_usage(out).free
+    if free < nbytes * HEADROOM:
+        raise OSError(
+            f"the converted copy needs about {nbytes / 2**30:.1f} GiB in {out.parent}, which has "
+            f"{free / 2**30:.1f} GiB free: free space there, or point TMPDIR at a larger local disk"
+        )
+
+
+def check_shapes(tensors: dict[str, tuple[Planned, Pieces]], meta: Path) -> None:
+    """Every tensor the model of `meta`'s config has is of the shape that model gives it: a save
+    with a rank's slices missing (its tensors short of rows) or of another model is refused,
+    never converted into a smaller model. A config transformers cannot build here (a model of
+    remote code) is checked by what its format's own metadata says alone."""
+    expected = model_shapes(meta)
+    wrong = [
+        f"{key} {list(planned.shape)} (its config's: {list(expected[key])})"
+        for key, (planned, _) in sorted(tensors.items())
+        if key in expected and tuple(expected[key]) != planned.shape
+    ]
+    if wrong:
+        raise NativeFormatError(
+            f"{len(wrong)} tensor(s) not of the shapes {meta / 'config.json'} gives: "
+            f"{'; '.join(wrong[:3])}: a rank's files missing, or a config of another model"
+        )
+
+
+def model_shapes(meta: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of the model `meta/config.json` describes, from that model
+    built on torch's meta device (no memory, no weights); {} where transformers cannot build it
+    (logged)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(meta))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # remote code, an architecture this transformers lacks
+        log.warning("convert.shapes_unchecked", config=str(meta), error=f"{type(e).__name__}: {e}")
+        return {}
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def stream(pieces: Pieces, planned: Planned) -> Iterator[Any]:

@@ -8,10 +8,14 @@ HuggingFaceStorageWriter with `save_distributed`), Hugging Face key names, each 
 `optimizer/` (never read).
 
 Complete: NeMo-RL writes the step as `tmp_step_N` and renames it `step_N` once whole (only
-`step_N` is a checkpoint); every shard file is as long as its header says, and every file of
-each rank's series is there. Conversion: each tensor's slices, ordered by their offsets, must
-tile it along dim 0 (FSDP's slices), and are copied block by block; the whole tensor's shape is
-where the slices end.
+`step_N` is a checkpoint), but a copy (an S3 upload) brings its files one by one. So: every
+rank's series of files is there (`-of-N` counts one rank's files, not the ranks: ranks are
+numbered from 1 with no gap), every shard file is as long as its header says, each tensor's
+slices tile it along dim 0 from row 0 with no gap (FSDP's slices), and the embeddings have the
+config's `vocab_size` rows (a last rank still to come leaves every tensor short at its end,
+with no gap to see). Anything short is incomplete while files may still come, invalid once they
+have stopped. Conversion copies the slices block by block, and every tensor's shape is held to
+the model the config describes (hf_folder.check_shapes).
 """
 
 from __future__ import annotations
@@ -22,17 +26,20 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from ckpt_watcher.checkpoints.files import TOKENIZER_FILES, CheckpointFiles, LocalFiles, read_json
 from ckpt_watcher.checkpoints.layouts import NEMO_RL
-from ckpt_watcher.checkpoints.safetensors_header import read_header
+from ckpt_watcher.checkpoints.safetensors_header import read_header, read_local_header
 from ckpt_watcher.errors import HeaderUnreadable, NativeFormatError
 from ckpt_watcher.formats import Problem
-from ckpt_watcher.formats.hf_folder import Pieces, tiled, write_hf_folder
+from ckpt_watcher.formats.hf_folder import Pieces, tiled, tiling, write_hf_folder
 from ckpt_watcher.formats.safetensors_out import Planned
 from ckpt_watcher.formats.torchzip import LazyTensor
 
+# the input embeddings' (and an untied head's) names: rows = the config's vocab_size
+_EMBEDDINGS = ("embed_tokens.weight", "lm_head.weight", "wte.weight", "embed_in.weight",
+               "embed_out.weight", "word_embeddings.weight")  # fmt: skip
 _SHARD = re.compile(r"^weights/model/shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
 SHARDING_INFO = "DCP_SHARDING_INFO"
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -56,9 +63,15 @@ class NemoRl:
             if m := _SHARD.match(name):
                 total, have = series.setdefault(int(m[1]), (int(m[3]), set()))
                 have.add(int(m[2]))
+        # a rank's files come in its own series (-of-N counts its files, not the ranks); a rank
+        # with none yet leaves a gap in the ranks' numbers, or rows missing at the tensors' end
+        ranks = sorted(series)
+        if missing := sorted(set(range(1, (ranks[-1] if ranks else 0) + 1)) - set(ranks)):
+            return _not_yet(f"rank {missing[0]}'s shard files not there (ranks {ranks} are)")
         for rank, (total, have) in sorted(series.items()):
             if len(have) < total:
-                return Problem("invalid", f"rank {rank}'s shard files: {len(have)} of {total}")
+                return _not_yet(f"rank {rank}'s shard files: {len(have)} of {total}")
+        slices: dict[str, list[tuple[list[int], list[int]]]] = {}
         for name in sorted(n for n in names if _SHARD.match(n)):
             try:
                 header = read_header(files, name)
@@ -69,14 +82,21 @@ class NemoRl:
                     "invalid",
                     f"{name}: {names[name]} bytes, its header accounts for {header.expected_size}",
                 )
+            try:
+                for key, (offsets, shape) in _offsets(header.entries, header.metadata).items():
+                    slices.setdefault(key, []).append((offsets, shape))
+            except NativeFormatError as e:
+                return Problem("invalid", f"{name}: {e}")
         config = read_json(files, f"{NEMO_RL.config}/config.json")
         if isinstance(config, str):
             return Problem("invalid", f"{NEMO_RL.config}/{config}")
+        if problem := _short(slices, config):
+            return _not_yet(problem)
         if tokenizer_required and not any(
             f"{NEMO_RL.tokenizer}/{t}" in names for t in TOKENIZER_FILES
         ):
             return Problem("invalid", f"no tokenizer in {NEMO_RL.tokenizer}/")
-        return f"NeMo-RL shards: {len(series)} ranks' files whole (step renamed from tmp_)"
+        return f"NeMo-RL shards: {len(series)} ranks' files whole, every tensor's rows there"
 
     def convert(
         self,
@@ -93,33 +113,73 @@ class NemoRl:
                 slices.setdefault(key, []).append((offsets, piece))
         tensors: dict[str, tuple[Planned, Pieces]] = {}
         for key, found in slices.items():
-            shape = tuple(
-                max(o[d] + p.shape[d] for o, p in found) for d in range(len(found[0][1].shape))
-            )
+            rows = sum(p.shape[0] for _, p in found)
+            shape = (rows, *found[0][1].shape[1:])
             pieces = tiled(key, found, shape, folder, "NeMo-RL's converter")
             tensors[key] = (Planned(key, dtype or pieces.parts[0].dtype, shape), pieces)
+        # the rows the slices make are the tensor's only if no rank's slice is missing at the
+        # end: write_hf_folder holds every shape to the model the config describes
         write_hf_folder(out, tensors, folder / NEMO_RL.config, progress)
         for name in LocalFiles(folder / NEMO_RL.tokenizer).files:  # the tokenizer's own files
             shutil.copyfile(folder / NEMO_RL.tokenizer / name, out / name)
 
 
+def _not_yet(reason: str) -> Problem:
+    """Files of the step still to come (an upload in progress); the save is broken if they
+    never do."""
+    return Problem("incomplete", reason, quiet_verdict="invalid")
+
+
+def _offsets(
+    entries: dict[str, Any], metadata: dict[str, Any]
+) -> dict[str, tuple[list[int], list[int]]]:
+    """Each tensor slice of one shard file: its offsets in its tensor and its shape."""
+    try:
+        info = json.loads(metadata.get(SHARDING_INFO) or "{}")
+    except ValueError:
+        raise NativeFormatError(f"an unreadable {SHARDING_INFO}") from None
+    out = {}
+    for key, entry in entries.items():
+        saved = info.get(key, {}).get("saved_offsets") if isinstance(info, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not (_ints(saved) and _ints(shape) and len(saved) == len(shape)):
+            raise NativeFormatError(f"{key} has no offsets in {SHARDING_INFO}")
+        out[key] = (saved, shape)
+    return out
+
+
+def _ints(value: Any) -> TypeGuard[list[int]]:
+    return isinstance(value, list) and all(type(n) is int and n >= 0 for n in value)
+
+
+def _short(slices: dict[str, list[tuple[list[int], list[int]]]], config: dict[str, Any]) -> str:
+    """Why the slices do not make whole tensors: a gap between two of a tensor's slices, or an
+    embedding with fewer rows than the config's `vocab_size` (every FSDP rank holds a slice of
+    it, so a rank still to come leaves it short)."""
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    for key, found in sorted(slices.items()):
+        _, problem = tiling(found)
+        if problem:
+            return f"{key}'s slices: {problem}"
+        rows = sum(shape[0] for _, shape in found)
+        if isinstance(vocab, int) and key.endswith(_EMBEDDINGS) and rows != vocab:
+            return f"{key}: {rows} of the config's {vocab} rows (vocab_size)"
+    return ""
+
+
 def _slices(path: Path) -> dict[str, tuple[list[int], LazyTensor]]:
     """Every tensor slice in one shard file: its offsets in its tensor, and where it lies."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header: dict[str, Any] = json.loads(f.read(n))
-    info = json.loads((header.pop("__metadata__", None) or {}).get(SHARDING_INFO) or "{}")
+    header = read_local_header(path)
     out = {}
-    for key, entry in header.items():
-        if key not in info:
-            raise NativeFormatError(f"{path.name}: {key} has no offsets in {SHARDING_INFO}")
-        shape = tuple(entry["shape"])
+    for key, (offsets, shape) in _offsets(header.entries, header.metadata).items():
+        entry = header.entries[key]
         dtype = _DTYPES.get(entry["dtype"])
         if dtype is None:
             raise NativeFormatError(f"{path.name}: {key} is {entry['dtype']}, not converted here")
+        begin, end = entry["data_offsets"]
         stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
-        item = LazyTensor(path, "", dtype, 0, shape, stride, at=8 + n + entry["data_offsets"][0])
-        out[key] = (list(info[key]["saved_offsets"]), item)
+        at = 8 + header.header_len + begin
+        out[key] = (offsets, LazyTensor(path, "", dtype, 0, tuple(shape), stride, at, end - begin))
     return out
 
 

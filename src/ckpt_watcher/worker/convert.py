@@ -14,7 +14,6 @@ with the bytes written of the total.
 from __future__ import annotations
 
 import hashlib
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from ckpt_watcher.checkpoints import adapter
 from ckpt_watcher.checkpoints.files import LocalFiles, needed_files
 from ckpt_watcher.checkpoints.layouts import native_layout
 from ckpt_watcher.errors import NativeFormatError
+from ckpt_watcher.formats.hf_folder import ensure_room
 from ckpt_watcher.shared_copies import Shared
 
 log = structlog.get_logger("ckpt_watcher.worker.convert")
@@ -44,7 +44,6 @@ _DTYPES: dict[str, str | None] = {
     "float": "float32",
     "fp32": "float32",
 }
-_HEADROOM = 1.05  # of the estimated size, free on the scratch disk before converting
 
 
 @dataclass(frozen=True)
@@ -78,10 +77,10 @@ def converted(
     if base_path is not None and layout is not None and layout.needs_base and judged is not None:
         adapter.check_base(view, base_path, judged, str(checkpoint))
     dtype = _dtype(model_args.get("dtype"))
-    estimate = sum(view.files[n] for n in needed_files(view.files))  # listed once
 
     def make(into: Path) -> None:
-        _room(into, estimate, checkpoint)
+        if command:  # the trainer's converter: what it writes is not known, what it reads is
+            ensure_room(into, sum(view.files[n] for n in needed_files(view.files)))
         fmt.convert(checkpoint, into, dtype, progress, base_path, command)
 
     # one copy per content and dtype, shared by the checkpoint's jobs on other devices
@@ -110,13 +109,3 @@ def _dtype(asked: Any) -> str | None:
             "bfloat16, float16 or float32"
         )
     return _DTYPES[key]
-
-
-def _room(out: Path, estimate: int, checkpoint: Path) -> None:
-    free = shutil.disk_usage(out).free
-    if free < estimate * _HEADROOM:
-        raise OSError(
-            f"{checkpoint}: converting it needs about {estimate / 2**30:.1f} GiB in {out.parent}, "
-            f"which has {free / 2**30:.1f} GiB free: free space there, or point TMPDIR at a "
-            "larger local disk"
-        )
