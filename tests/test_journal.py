@@ -555,3 +555,83 @@ def test_a_holder_on_another_host_is_alive_while_its_lease_touches_its_claim(
     time.sleep(1.0)
     assert not me.busy_elsewhere("00001-x") and me.claim("00001-x")
     assert me.holder("00001-x") == me.me
+
+
+def test_a_holder_of_our_host_name_on_another_node_is_judged_by_its_lease_not_by_pid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two nodes with one host name (KubeRay `hostNetwork` pods, two `--network host` nodes on
+    one box): the other's holder has a pid that means nothing in our /proc. It keeps its live
+    claim while its lease touches it, and loses it once the touches stop."""
+    import socket
+
+    monkeypatch.setattr(journal, "LEASE_SECONDS", 0.8)
+    ref = _ref(tmp_path)
+    Path(ref.folder).mkdir(parents=True)
+    me = journal.ChunkQueue(ref, journal.Holder.me("pod-a/cuda:0"))
+    dead_here = 2**22 + 12345  # no process of ours has this pid
+    twin = journal.Holder(socket.gethostname(), dead_here, "0", "pod-b/cuda:1", "other-boot/4026")
+    assert twin.node != journal.node_identity()
+    remote = journal.ChunkQueue(ref, twin)
+    assert remote.claim("00001-x")
+    time.sleep(1.2)
+    assert me.busy_elsewhere("00001-x") and not me.claim("00001-x")  # alive by its lease
+    (own,) = remote._own_files.values()
+    journal._lease.drop(own)
+    time.sleep(1.0)
+    assert me.claim("00001-x") and me.holder("00001-x") == me.me
+
+
+def test_a_lease_outlives_a_transient_touch_error_and_ends_only_when_its_file_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EIO or ESTALE on one touch (EFS/NFS hiccups) must not give the chunk away while its
+    worker still computes it: the file is touched again at the next turn; a file that is gone
+    (the journal removed: its result is filed) leaves the lease."""
+    import errno
+
+    monkeypatch.setattr(journal, "LEASE_SECONDS", 0.8)
+    ref = _ref(tmp_path)
+    Path(ref.folder).mkdir(parents=True)
+    mine = journal.ChunkQueue(ref, journal.Holder("far", 1, "0", "far/cuda:0", "far-node"))
+    assert mine.claim("00001-x")
+    (own,) = mine._own_files.values()
+    real_utime, failures = os.utime, []
+
+    def flaky(path: str, *args: object, **kw: object) -> None:
+        if path == own and len(failures) < 2:
+            failures.append(path)
+            raise OSError(errno.EIO, "Input/output error")
+        real_utime(path, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(journal.os, "utime", flaky)
+    time.sleep(0.9)  # two turns failed, the third touched it
+    assert len(failures) == 2 and own in journal._lease.files
+    other = journal.ChunkQueue(ref, journal.Holder.me("here/cuda:1"))
+    time.sleep(0.5)
+    assert other.busy_elsewhere("00001-x") and not other.claim("00001-x")
+    os.unlink(own)
+    time.sleep(0.5)
+    assert own not in journal._lease.files
+
+
+def test_lease_liveness_reads_the_filesystems_clock_not_this_hosts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node whose clock runs 45 s ahead of the file server's must still see a live claim as
+    alive: a lease's age is the time of a file touched now minus the claim's last touch, both
+    stamped by the filesystem."""
+    monkeypatch.setattr(journal, "LEASE_SECONDS", 0.8)
+    ref = _ref(tmp_path)
+    Path(ref.folder).mkdir(parents=True)
+    remote = journal.ChunkQueue(ref, journal.Holder("far", 1, "0", "far/cuda:0", "far-node"))
+    assert remote.claim("00001-x")
+    ahead = time.time
+    monkeypatch.setattr(journal.time, "time", lambda: ahead() + 45.0)  # this host's clock
+    me = journal.ChunkQueue(ref, journal.Holder.me("here/cuda:1"))
+    time.sleep(0.3)
+    assert me.busy_elsewhere("00001-x") and not me.claim("00001-x")
+    (own,) = remote._own_files.values()
+    journal._lease.drop(own)
+    time.sleep(1.3)  # the server's clock moved past its last touch by more than a lease
+    assert not me.busy_elsewhere("00001-x") and me.claim("00001-x")

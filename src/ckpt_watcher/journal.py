@@ -24,15 +24,21 @@ chunk by hard-linking its own holder file to the chunk's claim name (a link neve
 existing name: one winner, and a claim is whole from the moment it exists), journals the
 chunk's units, then marks it done. A claim whose holder died (its pid gone, or another start
 time) is taken over, so a killed worker gives its chunk back; a done mark names the device that
-computed it. A holder on another host (Ray nodes sharing `executor.shared_dir`) cannot be looked
-up by pid: it is alive while its claim and done files are touched, which a thread of each worker
-does every quarter of `LEASE_SECONDS` (`_Lease`).
+computed it. A holder is named by its node (`node_identity`: this kernel's boot id and pid
+namespace, what makes a pid mean one process; a host name does not: containers on the host
+network share one). A holder on another node (Ray nodes sharing `executor.shared_dir`) cannot be
+looked up by pid: it is alive while its claim and done files are touched, which a thread of each
+worker does every quarter of `LEASE_SECONDS` (`_Lease`, which gives a file up only once it is
+gone), and "while" is measured on the shared filesystem's own clock (the server's, on NFS): the
+time of a file this worker touches now against the time of the holder's last touch, so no
+host's clock is compared with another's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -40,7 +46,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import time_ns
@@ -186,28 +192,48 @@ class Writer:
         self._file.close()
 
 
+@functools.cache
+def node_identity() -> str:
+    """Where a pid names one process: this kernel (its boot id) and this pid namespace. Two
+    containers on one host (KubeRay `hostNetwork` pods) share a host name, never both."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="utf-8").strip()
+    except OSError:  # not Linux: the host name, the best there is
+        boot = socket.gethostname()
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{boot}/{namespace}"
+
+
 @dataclass(frozen=True)
 class Holder:
     """A worker process that claims chunks: it is alive while its pid has its start time."""
 
-    host: str
+    host: str  # its host name, for people reading a claim
     pid: int
     start: str
     device: str
+    node: str = ""  # node_identity() where it runs ("": a claim of an older version)
 
     @classmethod
     def me(cls, device: str) -> Holder:
         pid = os.getpid()
-        return cls(socket.gethostname(), pid, process_start_token(pid) or "", device)
+        return cls(
+            socket.gethostname(), pid, process_start_token(pid) or "", device, node_identity()
+        )
 
-    def alive(self, touched: str | Path | None = None) -> bool:
-        """Seen from this host: a holder here while its pid has its start time; a holder on
-        another host while `touched` (its claim or done file, which its lease keeps touching)
-        was touched within LEASE_SECONDS."""
-        if self.host == socket.gethostname():
+    def alive(
+        self, touched: str | Path | None = None, clock: Callable[[], float] = time.time
+    ) -> bool:
+        """Seen from this node: a holder here while its pid has its start time; a holder on
+        another node while `touched` (its claim or done file, which its lease keeps touching)
+        was touched within LEASE_SECONDS of `clock()` (the filesystem's time now)."""
+        if self.node == node_identity():
             return process_alive(self.pid) and process_start_token(self.pid) == self.start
         try:
-            return touched is not None and time.time() - os.stat(touched).st_mtime < LEASE_SECONDS
+            return touched is not None and clock() - os.stat(touched).st_mtime < LEASE_SECONDS
         except OSError:  # gone: its chunk is done, or taken over
             return False
 
@@ -247,8 +273,10 @@ class _Lease:
             for path in files:
                 try:
                     os.utime(path)
-                except OSError:  # the journal is gone (its result is in the ledger)
+                except FileNotFoundError:  # the journal is gone (its result is in the ledger)
                     self.drop(path)
+                except OSError as e:  # EIO, ESTALE, an EFS time-out: touched at the next turn
+                    log.warning("journal.lease_touch_failed", path=path, error=str(e))
 
 
 _lease = _Lease()
@@ -274,6 +302,23 @@ class ChunkQueue:
         self._dir = str(self.folder)  # paths as strings: a chunk's bookkeeping is a few syscalls
         self._own_files: dict[str, str] = {}
         self._written = 0
+        self._clock_file = f"{self._dir}/.clock.{self._token}"
+        self._clock: tuple[float, float] | None = None  # (filesystem time, monotonic) then
+
+    def now(self) -> float:
+        """The queue's filesystem's time now (its server's, on NFS: the clock that stamps the
+        leases' touches), read by touching a file of this worker's there at most once a second;
+        this host's clock where the folder is gone."""
+        mono = time.monotonic()
+        if self._clock is None or mono - self._clock[1] > 1.0:
+            try:
+                with open(self._clock_file, "a"):
+                    pass
+                os.utime(self._clock_file)
+                self._clock = (os.stat(self._clock_file).st_mtime, mono)
+            except OSError:
+                return time.time()
+        return self._clock[0] + (mono - self._clock[1])
 
     def _claim_path(self, chunk: str) -> Path:
         return Path(self._claim_name(chunk))
@@ -318,7 +363,7 @@ class ChunkQueue:
                 holder = self.holder(chunk)
                 if holder == self.me:  # a task this worker runs again (a warm engine's retry)
                     return True
-                if holder is not None and holder.alive(path):
+                if holder is not None and holder.alive(path, self.now):
                     return False
                 self._move_aside_if_dead(Path(path))
                 continue
@@ -347,7 +392,7 @@ class ChunkQueue:
             moved = Holder(**json.loads(aside.read_text(encoding="utf-8")))
         except (OSError, ValueError, TypeError):
             return
-        if moved != self.me and moved.alive(aside):
+        if moved != self.me and moved.alive(aside, self.now):
             try:
                 os.link(aside, path)
             except FileExistsError:
@@ -429,7 +474,9 @@ class ChunkQueue:
                 except TypeError:
                     alive[key] = False
                 else:
-                    alive[key] = holder != self.me and holder.alive(self._done_path(chunk))
+                    alive[key] = holder != self.me and holder.alive(
+                        self._done_path(chunk), self.now
+                    )
             if alive[key]:
                 out.add(chunk)
         return out
@@ -437,7 +484,11 @@ class ChunkQueue:
     def busy_elsewhere(self, chunk: str) -> bool:
         """Another live worker holds `chunk`."""
         holder = self.holder(chunk)
-        return holder is not None and holder != self.me and holder.alive(self._claim_path(chunk))
+        return (
+            holder is not None
+            and holder != self.me
+            and holder.alive(self._claim_path(chunk), self.now)
+        )
 
     def devices(self) -> list[str]:
         """The devices that computed this task's chunks (every done mark of the journal)."""
