@@ -275,17 +275,30 @@ def test_a_hanging_webhook_never_blocks_the_caller_and_stop_is_bounded() -> None
         assert hook._thread.is_alive() and h.bodies == []
 
 
-def test_a_webhook_that_refuses_connections_drops_after_three_attempts() -> None:
+def test_a_webhook_that_refuses_connections_drops_after_three_attempts_and_logs_no_url(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The URL is a credential (Slack's path is its key): the log says where, never all of it."""
     import socket
 
+    from structlog.testing import CapturingLogger
+
+    from ckpt_watcher.sinks import webhook
+
+    logs = CapturingLogger()
+    monkeypatch.setattr(webhook, "log", logs)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()  # nothing listens there now
-    hook = Webhook(f"http://127.0.0.1:{port}/", timeout_seconds=1)
+    secret = "services/T0AAA/B0BBB/XyZsEcReT42"
+    hook = Webhook(f"http://127.0.0.1:{port}/{secret}", timeout_seconds=1)
     hook.send("lost")
     hook.close(budget_seconds=30)
     assert (hook.sent, hook.dropped) == (0, 1)
+    (call,) = logs.calls
+    assert call.args[0] == "webhook.failed" and call.kwargs["url"].startswith("http://127.0.0.1")
+    assert "XyZsEcReT42" not in repr(call), call
 
 
 # --- end to end ----------------------------------------------------------------------------------

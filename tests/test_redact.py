@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from ckpt_watcher.redact import REDACTED, Redactor, resolved, secret_key, text
 
 
@@ -79,3 +82,54 @@ def test_text_loses_the_configs_secret_values_and_token_shapes_only() -> None:
     )
     assert said == f"failed: key {REDACTED}, flag on, posted to {REDACTED}; {REDACTED}"
     assert text("max_tokens 62 at step 100") == "max_tokens 62 at step 100"
+
+
+def test_every_env_value_is_a_secret_whatever_its_name() -> None:
+    """`OPENROUTER_KEY`, `DATABRICKS_TOKEN`, `GH_TOKEN`, `HUGGING_FACE_HUB_TOKEN`, `JUDGE_KEY`:
+    names no rule could list. What the user put in an entry's env is kept out of every log."""
+    env = {
+        "OPENROUTER_KEY": "or-v1-0123456789",
+        "DATABRICKS_TOKEN": "dapi0123456789",
+        "GH_TOKEN": "gh-0123456789",
+        "HUGGING_FACE_HUB_TOKEN": "hub-0123456789",
+        "JUDGE_KEY": "judge-0123456789",
+    }
+    redact = Redactor.of({"eval": {"tasks": [{"harness": "command", "env": env}]}})
+    log = "\n".join(f"{k}={v} used" for k, v in env.items())
+    assert redact(log) == "\n".join(f"{k}={REDACTED} used" for k in env)
+
+
+def test_a_ledger_line_and_lm_evals_results_keep_the_engines_arguments_but_no_secret() -> None:
+    """`eval.model_args` go into every ledger line (and lm-eval's results file, in each task's
+    `metadata`), on EFS and in the S3 mirror: a token there is redacted, the settings kept."""
+    from types import SimpleNamespace
+
+    from ckpt_watcher.config import EvalConfig
+    from ckpt_watcher.jobfolder import TaskOutcome
+    from ckpt_watcher.ledger import result_line
+
+    token = "hf_" + "Q" * 30
+    ev = EvalConfig.model_validate(
+        {
+            "backend": "hf",
+            "model_args": {"dtype": "float32", "hf_token": token, "api_key": "k-0123456789"},
+            "tasks": [{"task": "addition", "num_fewshot": 0}],
+        }
+    )
+    job = SimpleNamespace(
+        run="r", step=1, label="r_step1", location="/c", device_label="cpu:0", attempt=1,
+        id="j", settings_hash="s", run_path="r", fingerprint="f",
+        tasks=[{"task": "addition", "num_fewshot": 0}],
+    )  # fmt: skip
+    outcome = TaskOutcome("addition", 0, "ok", metrics={"acc,none": 1.0})
+    line = result_line(
+        job=job, outcome=outcome, status="ok", error=None, eval_cfg=ev, ledger_dir=Path("/l")
+    )
+    shown = line["model_args"]
+    assert (shown["dtype"], shown["hf_token"], shown["api_key"]) == ("float32", REDACTED, REDACTED)
+    assert token not in json.dumps(line) and ev.model_args["hf_token"] == token
+    results = {"configs": {"addition": {"metadata": {"hf_token": token, "pretrained": "/c"}}}}
+    assert resolved(results)["configs"]["addition"]["metadata"] == {
+        "hf_token": REDACTED,
+        "pretrained": "/c",
+    }

@@ -25,11 +25,11 @@ from typing import Any
 
 import structlog
 
+from ckpt_watcher import redact
 from ckpt_watcher.config import task_settings_hash
 from ckpt_watcher.durable import fsync_dir
 from ckpt_watcher.errors import LedgerError
 from ckpt_watcher.jobfolder import TaskOutcome
-from ckpt_watcher.redact import Redactor
 from ckpt_watcher.timestamps import seconds_between
 
 SCHEMA = 1
@@ -194,7 +194,7 @@ def result_line(
             "metrics": outcome.metrics if ok else {},
             "backend": eval_cfg.backend,
             "device": job.device_label,
-            "model_args": eval_cfg.model_args,
+            "model_args": redact.resolved(eval_cfg.model_args),
             "gen_kwargs": gen_kwargs,
             "seed": eval_cfg.seed,
             "clamped_requests": outcome.clamped_requests,
@@ -211,7 +211,7 @@ def result_line(
             "devices": _devices(job.device_label, outcome.devices),
             "results_file": _run_relative(outcome.results_file, ledger_dir, job) if ok else None,
             "samples_file": _run_relative(outcome.samples_file, ledger_dir, job) if ok else None,
-            "error": Redactor.of(eval_cfg)(error) if error else error,
+            "error": redact.Redactor.of(eval_cfg)(error) if error else error,
             "job_id": job.id,
             "settings_hash": task_settings_hash(job.settings_hash, entry),
             "run_path": job.run_path,

@@ -4,12 +4,14 @@ The ledger folder is shared (EFS) and mirrored to S3 with the ledgers, and `watc
 and `doctor` are pasted into issues. A harness entry's `env` carries API keys and hub tokens
 for the harness's own process; a webhook's URL is itself a credential (Slack's). So:
 
-- the resolved config saved beside the ledgers (`resolved`) has every `env` value, every value
-  under a key that names a secret (`api_key`, `HF_TOKEN`, `password`, ...), a webhook URL's path
-  and a URL's password replaced by `<redacted>`;
-- text the watcher writes or prints (`text`: failure messages, status, doctor) has the secret
-  values of the config (`Redactor.of(cfg)`), well-known token shapes (`sk-...`, `hf_...`,
-  `ghp_...`, `xox.-...`, `AKIA...`) and URL passwords replaced.
+- every setting the watcher writes (`resolved`: the config saved beside the ledgers, the
+  engine's arguments on each ledger line, lm-eval's results files) has every `env` value, every
+  value under a key that names a secret (`api_key`, `hf_token`, `password`, ...), a webhook
+  URL's path and a URL's password replaced by `<redacted>`;
+- text the watcher writes or prints (`text`: failure messages, harness logs, its own log,
+  status, doctor) has the secret values of the config (`Redactor.of(cfg)`: every value of an
+  entry's `env`, whatever its name, values under secret keys, webhook URLs), well-known token
+  shapes (`sk-...`, `hf_...`, `ghp_...`, `xox.-...`, `AKIA...`) and URL passwords replaced.
 
 What a harness's process receives is not changed: it gets its environment as configured.
 """
@@ -52,15 +54,20 @@ def text(value: str, secrets: Iterable[str] = ()) -> str:
     return URL_PASSWORD.sub(rf"\1:{REDACTED}@", value)
 
 
+def url(value: str) -> str:
+    """A URL that is itself a credential (a webhook's) with its path and password redacted."""
+    return text(URL_PATH.sub(rf"\1/{REDACTED}", value))
+
+
 def resolved(data: Any, key: str = "") -> Any:
-    """Plain config data (a dump) with its secrets redacted, for the copy saved beside the
-    ledgers."""
+    """Plain settings (a config's dump, the engine's arguments, lm-eval's results) with their
+    secrets redacted, for whatever is written beside the ledgers."""
     if isinstance(data, dict):
         if key == "env":
             return {k: REDACTED for k in data}
         out = {k: resolved(v, str(k)) for k, v in data.items()}
         if data.get("kind") == "webhook" and isinstance(data.get("url"), str):
-            out["url"] = URL_PATH.sub(rf"\1/{REDACTED}", data["url"])
+            out["url"] = url(data["url"])
         return out
     if isinstance(data, list):
         return [resolved(v, key) for v in data]
@@ -72,13 +79,14 @@ def resolved(data: Any, key: str = "") -> Any:
 
 
 def secret_values(data: Any, key: str = "") -> list[str]:
-    """The secret values in plain config data: each entry's `env` values whose name says
-    secret, values under secret keys, and webhook URLs."""
+    """The secret values in plain config data: every value of an entry's `env` (whatever its
+    name: `OPENROUTER_KEY`, `GH_TOKEN` and `JUDGE_KEY` are as secret as `HF_TOKEN`), values
+    under secret keys, and webhook URLs."""
     found: list[str] = []
     if isinstance(data, dict):
         for k, v in data.items():
             if isinstance(v, str) and (
-                secret_key(str(k)) or (k == "url" and data.get("kind") == "webhook")
+                key == "env" or secret_key(str(k)) or (k == "url" and data.get("kind") == "webhook")
             ):
                 found.append(v)
             else:

@@ -28,6 +28,7 @@ from typing import Any
 
 import structlog
 
+from ckpt_watcher import redact
 from ckpt_watcher.durable import write_atomic, write_json_atomic
 from ckpt_watcher.errors import EvalError, ResultsNotWritten, TaskSetupError
 from ckpt_watcher.evaluators import compile_cache, engine_watch, heap, lengths, vllm_internals
@@ -203,7 +204,8 @@ def run_tasks(
             rfile = results_dir / f"results_{name}.json"
             try:
                 write_samples(sfile, records)
-                write_json_atomic(rfile, results, default=json_default)
+                # lm-eval keeps the engine's arguments in it (each task's `metadata`)
+                write_json_atomic(rfile, redact.resolved(results), default=json_default)
             except OSError as e:
                 raise ResultsNotWritten(
                     f"cannot write the results into {results_dir}: {e.strerror or e} "

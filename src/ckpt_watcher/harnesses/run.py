@@ -141,9 +141,11 @@ def run_entry(
             if endpoint is not None:
                 outcome.resumed = endpoint.resumed
                 outcome.clamped_requests = endpoint.clamped
-            # its log stays in the ledger folder: without the keys it was given (the model
-            # server never has them: only the harness's process gets the entry's env)
-            redact.in_file(out / LOG_NAME, redact.Redactor.of({"tasks": [spec]}))
+            # its log and files stay in the ledger folder: without the keys it was given (the
+            # model server never has them: only the harness's process gets the entry's env)
+            secrets = redact.Redactor.of({"tasks": [spec]})
+            for written in [out / LOG_NAME, *_text_files(out)]:
+                redact.in_file(written, secrets)
     outcome.finished_at = utcnow()
     outcome.metrics, outcome.n_samples, outcome.parts = (
         parsed.metrics,
@@ -161,6 +163,12 @@ def run_entry(
         return outcome
     outcome.status = "ok"
     return outcome
+
+
+def _text_files(out: Path) -> list[Path]:
+    """What a harness wrote in its results folder that may quote its settings (OLMES's metrics
+    keep its model arguments): its JSON and text files."""
+    return [p for p in out.rglob("*") if p.suffix in (".json", ".jsonl", ".txt") and p.is_file()]
 
 
 def _run(

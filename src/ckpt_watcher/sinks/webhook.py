@@ -17,6 +17,8 @@ import urllib.request
 
 import structlog
 
+from ckpt_watcher import redact
+
 log = structlog.get_logger("ckpt_watcher.sinks.webhook")
 
 ATTEMPTS = 3
@@ -47,7 +49,9 @@ class Webhook:
                 except queue.Empty:
                     continue
                 self.dropped += 1
-                log.error("webhook.dropped", url=self.url, reason="queue full", text=old)
+                log.error(
+                    "webhook.dropped", url=redact.url(self.url), reason="queue full", text=old
+                )
 
     def close(self, budget_seconds: float = 10.0) -> None:
         """Send what is queued within `budget_seconds`, then stop (the thread is a daemon)."""
@@ -82,4 +86,8 @@ class Webhook:
             if attempt < ATTEMPTS - 1 and not self._stopping.is_set():
                 time.sleep(BACKOFF_SECONDS[attempt])
         self.dropped += 1
-        log.error("webhook.failed", url=self.url, attempts=ATTEMPTS, error=error, text=text)
+        # the URL is a credential (Slack's): neither it nor an error quoting it is logged
+        error = error.replace(self.url, redact.url(self.url))
+        log.error(
+            "webhook.failed", url=redact.url(self.url), attempts=ATTEMPTS, error=error, text=text
+        )
