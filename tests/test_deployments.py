@@ -207,7 +207,7 @@ def test_s3_source_with_ray_executor(
         }
     ]
     raw["executor"] = {"kind": "ray", "address": ray_cluster}
-    raw["devices"] = {"gpus": [], "cpu_slots": 0}
+    raw["devices"] = {"gpus": "all", "cpu_slots": 0}  # no NVML here: the GPUs Ray counts
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
@@ -230,7 +230,7 @@ def test_local_checkpoint_split_over_two_ray_gpus(
     publish(trained_checkpoint, watch / "split_step300")
     raw = base_config(tmp_path, watch, addition_tasks, tasks=TWO_TASKS)
     raw["executor"] = {"kind": "ray", "address": ray_cluster}
-    raw["devices"] = {"gpus": [], "cpu_slots": 0}
+    raw["devices"] = {"gpus": "all", "cpu_slots": 0}  # no NVML here: the GPUs Ray counts
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:

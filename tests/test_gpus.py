@@ -172,3 +172,15 @@ def test_a_job_gives_its_gpu_back_when_training_wants_it_and_resumes_later_witho
     events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
     (yielded,) = [e for e in events if e.get("event") == "eval.yielded"]
     assert yielded["device"] == "cuda:6" and yielded["job_id"] == job.id
+
+
+def test_a_ray_node_without_nvml_uses_the_gpus_ray_counts_only_as_devices_gpus_names_them() -> None:
+    """`devices.gpus: []` names no GPU: a node's agent that selects none must not fall back to
+    the GPUs Ray counts there (used with no idle check). The fallback is for a node where NVML
+    is absent, and keeps to the GPUs named."""
+    from ckpt_watcher.executors.node_agent import ray_counted
+
+    assert ray_counted([], nvml=False, ray_gpus=2) == []
+    assert [d.label for d in ray_counted("all", nvml=False, ray_gpus=2)] == ["gpu0", "gpu1"]
+    assert [d.label for d in ray_counted([1, 6], nvml=False, ray_gpus=2)] == ["gpu1"]
+    assert ray_counted("all", nvml=True, ray_gpus=2) == []  # NVML there decides what is idle

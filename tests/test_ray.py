@@ -53,7 +53,7 @@ def test_a_ray_task_killed_part_way_resumes_from_its_journal_in_the_shared_folde
     copy_checkpoint(watch / "r_step300", same_content=True)
     raw = base_config(tmp_path, watch, addition_tasks, **HF)
     raw["executor"] = {"kind": "ray", "address": ray_cluster, "shared_dir": str(shared)}
-    raw["devices"] = {"gpus": [], "cpu_slots": 0}
+    raw["devices"] = {"gpus": "all", "cpu_slots": 0}  # no NVML here: the GPUs Ray counts
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:

@@ -221,6 +221,15 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
                 lambda: copy_checkpoint(watch / "r_step500"), "r_step500", cfg, shared, daemon, log
             )
             assert row["device"].endswith("/cuda:6"), row
+            # its worker writes its progress on its own node: status shows it all the same
+            progress = wait_for(
+                lambda: ((r := running(cfg, "r_step500")) or {}).get("progress"),
+                30,
+                "the remote job's progress in status",
+                daemon,
+                log,
+            )
+            assert progress["task"] == "addition" and CHUNK <= progress["done"] < RESPONSES
             lost_worker = worker_of(row["device"])
             nvml(head, {0: [], 1: [TRAINING]}, "head")
             os.kill(ray_two_nodes.raylet[1], signal.SIGKILL)  # the second node's raylet
@@ -272,4 +281,7 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
     assert resumed["resumed"] >= done_lost - CHUNK, (resumed, done_lost)
     lost = [e["node"] for e in events if e.get("event") == "ray.node_lost"]
     assert lost and back["device"].endswith("/cuda:6") and node_of(back["device"]) not in lost
+    # retried for what happened: its node was lost (not a signal, not the OOM killer)
+    (retry,) = [e for e in events if e.get("event") == "eval.retry"]
+    assert f"node {lost[0]} was lost" in retry["reason"] and "OOM" not in retry["reason"], retry
     assert journaled(shared) == 0

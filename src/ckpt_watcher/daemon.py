@@ -411,7 +411,7 @@ class Daemon:
                 stopping=bool(self.stop_requests),
                 ledger_unwritable=unwritable,
                 worker_starter=self.executor.starter_state(),
-                engines_elsewhere=self.executor.engines_elsewhere(),
+                engines_elsewhere=self.executor.look_elsewhere(),
             )
             self.notifier.status(self._status_line())
             self._last_heartbeat = now

@@ -60,9 +60,11 @@ class Executor(ABC):
         where there is none (not started yet, `executor.preload: false`, Ray)."""
         return None
 
-    def engines_elsewhere(self) -> list[dict[str, object]]:
-        """The warm engines other hosts keep for this daemon (Ray's nodes), as `watcher status`
-        lists this host's (status.warm_engines)."""
+    def look_elsewhere(self) -> list[dict[str, object]]:
+        """Once a heartbeat, for executors whose workers run on other hosts (Ray's nodes): each
+        running job's progress copied into its job folder here (where `watcher status` reads
+        it), and the warm engines those hosts keep for this daemon, as status lists this
+        host's (status.warm_engines)."""
         return []
 
     def worker_pids(self) -> set[int]:

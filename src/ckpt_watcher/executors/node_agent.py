@@ -37,7 +37,7 @@ from typing import Any
 from ckpt_watcher import scratch
 from ckpt_watcher.checkpoints.naming import safe_component
 from ckpt_watcher.config import DevicesConfig
-from ckpt_watcher.devices import Device, build_inventory
+from ckpt_watcher.devices import Device, FileInventory, NvmlInventory, build_inventory
 from ckpt_watcher.executors.base import Executor
 from ckpt_watcher.executors.processes import process_groups
 from ckpt_watcher.jobfolder import DIE_WITH_PARENT_ENV, JobFolder, JobSpec, Stage
@@ -56,6 +56,20 @@ def node_of(name: str) -> str:
     return name.split(NODE_SEP, 1)[0]
 
 
+def ray_counted(wanted: Any, nvml: bool, ray_gpus: int) -> list[Device]:
+    """The GPUs Ray counts on a node, for a node where NVML is absent, as `devices.gpus` names
+    them (`all`, or indexes): none where NVML answered (it decides what is idle) or where the
+    user named no GPU (`[]`)."""
+    if nvml or not wanted or not ray_gpus:
+        return []
+    indexes = (
+        range(ray_gpus)
+        if wanted == "all"
+        else [w for w in wanted if isinstance(w, int) and 0 <= w < ray_gpus]
+    )
+    return [Device(f"ray:{i}", "cuda", str(i), f"gpu{i}", "auto") for i in indexes]
+
+
 class NodeAgent:
     """The node's devices and workers (a Ray actor: `executors/ray.py` places one per node)."""
 
@@ -66,16 +80,19 @@ class NodeAgent:
         self.node = node
         scratch.sweep()  # job folders and workers' folders that earlier agents here left
         self.home = Path(tempfile.mkdtemp(prefix=scratch.agent_prefix()))
-        inventory, self.warnings = build_inventory(DevicesConfig(**settings["devices"]))
+        devices = DevicesConfig(**settings["devices"])
+        inventory, self.warnings = build_inventory(devices)
         self.inventory = inventory
         self.local = inventory.devices()
-        if not any(d.kind == "cuda" for d in self.local) and settings.get("ray_gpus"):
-            n = int(settings["ray_gpus"])
+        nvml = isinstance(inventory, NvmlInventory | FileInventory)
+        counted = ray_counted(devices.gpus, nvml, int(settings.get("ray_gpus") or 0))
+        if counted:
             self.warnings.append(
-                f"no GPU found through NVML on node {node}: its {n} GPUs that Ray counts are "
-                "used with no idle check (install the NVIDIA driver's NVML there)"
+                f"no NVML on node {node}: the {len(counted)} GPUs Ray counts there that "
+                "devices.gpus names are used with no idle check (install the NVIDIA driver's "
+                "NVML there)"
             )
-            self.local = [Device(f"ray:{i}", "cuda", str(i), f"gpu{i}", "auto") for i in range(n)]
+            self.local += counted
         self._lock = threading.Lock()
         self._done: dict[str, threading.Event] = {}
         self._rc: dict[str, int] = {}
@@ -130,12 +147,19 @@ class NodeAgent:
             if p.pid not in ours
         ]
 
-    def engines(self) -> list[dict[str, Any]]:
+    def report(self) -> dict[str, Any]:
         """This node's warm engines, as `watcher status` lists a host's (their devices are
-        named on this node already)."""
+        named on this node already), and each running job's progress, as its worker wrote it
+        here."""
         from ckpt_watcher.status import warm_engines
 
-        return warm_engines(self.home)
+        with self._lock:
+            folders = dict(self._folders)
+        progress = {job: folder.progress() for job, folder in folders.items()}
+        return {
+            "engines": warm_engines(self.home),
+            "progress": {job: asdict(p) for job, p in progress.items() if p is not None},
+        }
 
     def start(self, job_id: str, spec_json: str, env: dict[str, str], where: str) -> int:
         """Start the job's worker in a folder of its own here, named as the daemon's is (`where`:

@@ -32,7 +32,7 @@ from ckpt_watcher.devices import Device, GpuProcess
 from ckpt_watcher.errors import BackendUnavailable
 from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
 from ckpt_watcher.executors.node_agent import NodeAgent, node_of
-from ckpt_watcher.jobfolder import JobFolder
+from ckpt_watcher.jobfolder import Crash, JobFolder, Progress
 
 log = structlog.get_logger("ckpt_watcher.executors.ray")
 
@@ -106,6 +106,7 @@ class RayExecutor(Executor):
         self._agents: dict[str, _Agent] = {}  # node id -> its agent
         self._names: dict[str, str] = {}
         self._jobs: dict[str, _Agent] = {}  # running job -> the agent running it
+        self._folders: dict[str, JobFolder] = {}  # running job -> its folder here
         self._lock = threading.Lock()
         self._next_refresh = 0.0
         self._first_look()
@@ -198,6 +199,7 @@ class RayExecutor(Executor):
             raise OSError(f"the node of {device} has left the cluster")
         with self._lock:
             self._jobs[job_id] = agent
+            self._folders[job_id] = folder
         where = f"{folder.path.parent.name}/{folder.path.name}"  # <job>/attempt-N[-help-...]
         started = agent.handle.start.remote(job_id, folder.spec_text(), env, where)
         threading.Thread(
@@ -214,6 +216,10 @@ class RayExecutor(Executor):
             rc = 1
         except Exception as e:  # the node died, the agent was killed, Ray lost it
             folder.log.write_text(f"[node {agent.name}] lost: {type(e).__name__}: {e}\n")
+            # the reason the attempt is retried with (its worker died with its node; no signal
+            # of its own, no OOM killer to suspect)
+            lost = f"node {agent.name} was lost while the job ran there ({type(e).__name__})"
+            folder.write_crash(Crash(lost, heals=True))
             with self._lock:
                 self._lost(agent, f"a job's call failed: {type(e).__name__}")
             rc = -9
@@ -223,6 +229,7 @@ class RayExecutor(Executor):
             rc = int(result["rc"])
         with self._lock:
             self._jobs.pop(job_id, None)
+            self._folders.pop(job_id, None)
         self.on_exit(job_id, rc)
 
     def kill(self, job_id: str) -> None:
@@ -241,8 +248,15 @@ class RayExecutor(Executor):
         with self._lock:
             return set(self._jobs)
 
-    def engines_elsewhere(self) -> list[dict[str, object]]:
-        return [e for answer in self.ask_all("engines") for e in answer]
+    def look_elsewhere(self) -> list[dict[str, object]]:
+        reports = self.ask_all("report")
+        with self._lock:
+            folders = dict(self._folders)
+        for report in reports:  # the daemon's job folders: `watcher status` reads them
+            for job_id, progress in report["progress"].items():
+                if job_id in folders:
+                    folders[job_id].write_progress(Progress(**progress))
+        return [e for report in reports for e in report["engines"]]
 
     def ask_all(self, call: str) -> list[Any]:
         """Every answering agent's answer to `call`, asked of all at once (the loop waits for
