@@ -64,6 +64,11 @@ def listing(root: Path) -> dict[str, tuple[int, int]]:
     }
 
 
+def judge(files: LocalFiles, **kw: Any) -> completeness.Completeness:
+    """completeness.check as discovery asks it: with the trainer's format its files are in."""
+    return completeness.check(files, native=detect(files.files), **kw)
+
+
 def tensors(folder: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
@@ -99,12 +104,12 @@ def test_rank_files_that_disagree_or_never_come_are_invalid_and_one_being_writte
     (actor / "model_world_size_2_rank_0.pt").write_bytes(whole)
     (actor / "optim_world_size_2_rank_0.pt").write_bytes(b"o" * 50)
 
-    def judge(quiet_for: float | None = None) -> completeness.Completeness:
+    def judge_now(quiet_for: float | None = None) -> completeness.Completeness:
         view = LocalFiles(actor)
-        said = completeness.check(view, now=0.0, stable_seconds=30, settle_seconds=0)
+        said = judge(view, now=0.0, stable_seconds=30, settle_seconds=0)
         if quiet_for is None:
             return said
-        return completeness.check(
+        return judge(
             view,
             now=quiet_for,
             stable_seconds=30,
@@ -113,15 +118,15 @@ def test_rank_files_that_disagree_or_never_come_are_invalid_and_one_being_writte
             previous_mark=said.write_mark,
         )
 
-    said = judge()
+    said = judge_now()
     assert said.state == "incomplete" and "1 of 2 ranks" in said.reason, said
-    said = judge(quiet_for=31)  # rank 1 never came: a broken save, not a model
+    said = judge_now(quiet_for=31)  # rank 1 never came: a broken save, not a model
     assert said.state == "invalid" and "not whole" in said.reason, said
     (actor / "model_world_size_2_rank_1.pt").write_bytes(b"x" * 100)  # no end record yet
-    said = judge()
+    said = judge_now()
     assert said.state == "incomplete" and "rank_1.pt: being written" in said.reason, said
     (actor / "model_world_size_2_rank_1.pt").write_bytes(whole)
-    said = judge()
+    said = judge_now()
     assert said.ready and said.reason == "verl FSDP shards: 2 of 2 ranks whole", said
     # the files a conversion reads: never the optimizer's
     assert needed_files(LocalFiles(actor).files) == [
@@ -131,11 +136,11 @@ def test_rank_files_that_disagree_or_never_come_are_invalid_and_one_being_writte
         "model_world_size_2_rank_1.pt",
     ]
     (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 4}))
-    said = judge()
+    said = judge_now()
     assert said.state == "invalid" and "world_size 4, the files 2" in said.reason, said
     (actor / "fsdp_config.json").unlink()
     (actor / "model_world_size_4_rank_2.pt").write_bytes(whole)
-    said = judge()
+    said = judge_now()
     assert said.state == "invalid" and "world sizes [2, 4]" in said.reason, said
 
 
@@ -155,6 +160,84 @@ def test_a_shard_that_would_run_code_is_refused_without_running_it(tmp_path: Pat
     with pytest.raises(NativeFormatError, match=r"holds a (posix|os)\.system.*not loaded"):
         read_index(path)
     assert not ran.exists()
+
+
+def crafted_pt(path: Path, shape: tuple[int, ...], state: dict[str, Any] | None = None) -> None:
+    """A `model_world_size_1_rank_0.pt` by hand: one float tensor `w` of `shape` over a storage
+    of 4 floats, its record given `state` by pickle's BUILD (what torch.save never writes)."""
+    import collections
+
+    import torch
+
+    storage = object()
+
+    class Tensor:
+        def __reduce__(self) -> tuple[Any, ...]:
+            args = (storage, 0, shape, tuple(1 for _ in shape), False, collections.OrderedDict())
+            return (torch._utils._rebuild_tensor_v2, args, *([state] if state else []))
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            return ("storage", torch.FloatStorage, "0", "cpu", 4) if obj is storage else None
+
+    raw = __import__("io").BytesIO()
+    Pickler(raw, protocol=2).dump({"w": Tensor()})
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("archive/data.pkl", raw.getvalue())
+        zf.writestr("archive/byteorder", "little")
+        zf.writestr("archive/data/0", bytes(16))
+        zf.writestr("archive/data/1", b"neighbour" * 8)
+
+
+def test_a_crafted_pt_can_neither_point_a_tensor_at_a_host_file_nor_outrun_its_storage(
+    tmp_path: Path,
+) -> None:
+    """pickle's BUILD would rewrite a tensor record's fields behind its frozen dataclass (its
+    path: any file the daemon can read, copied into model.safetensors); a declared shape larger
+    than its storage would read the next member, or ask torch for any allocation first. Each is
+    refused before a byte of tensor data is read."""
+    secret = tmp_path / "host-secret"
+    secret.write_bytes(b"AWS_SECRET=" + b"s" * 64)
+    path = tmp_path / "model_world_size_1_rank_0.pt"
+    crafted_pt(path, (4,), {"path": secret, "member": "", "at": 0, "storage_bytes": 1 << 20})
+    with pytest.raises(NativeFormatError, match="sets the state of a LazyTensor.*crafted"):
+        read_index(path)
+    crafted_pt(path, (4,))
+    assert read_index(path)["w"].read().tolist() == [0.0] * 4  # the honest file reads
+    crafted_pt(path, (8,))  # 32 bytes from a storage of 16: the neighbouring member's
+    (w,) = read_index(path).values()
+    with pytest.raises(NativeFormatError, match="needs 32 bytes of its storage.*which has 16"):
+        w.read()
+    crafted_pt(path, (1 << 40,))  # 4 TiB declared: refused, never allocated
+    (w,) = read_index(path).values()
+    with pytest.raises(NativeFormatError, match="which has 16"):
+        next(w.blocks(1 << 20))
+    crafted_pt(path, (-4,))
+    with pytest.raises(NativeFormatError, match="not a tensor"):
+        read_index(path)
+
+
+def test_a_rank_files_few_fields_are_read_without_its_tensors(tmp_path: Path) -> None:
+    """DeepSpeed's completeness asks rank 0's model states for the world size at every look
+    (from S3: at every scan); with frozen parameters (LoRA under ZeRO-3) that file is the base
+    model's size. Its zip directory and pickle are read in ranges, never its tensors."""
+    import torch
+
+    from ckpt_watcher.formats.torchzip import read_index_at
+
+    path = tmp_path / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    torch.save({"dp_world_size": 8, "frozen": torch.zeros(4_000_000)}, path)
+    size, reads = path.stat().st_size, []
+
+    def read_at(start: int, length: int) -> bytes:
+        reads.append(length)
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(length)
+
+    index = read_index_at(path.name, size, read_at)
+    assert index["dp_world_size"] == 8 and index["frozen"].shape == (4_000_000,)
+    assert sum(reads) < 64 * 1024 < size // 100, (sum(reads), size)
 
 
 # --- verl's own files -------------------------------------------------------------------------
@@ -313,7 +396,7 @@ def test_deepspeed_states_wait_for_a_base_model_model_parallel_ones_are_refused_
     tag.mkdir(parents=True)
     (tag / "mp_rank_00_model_states.pt").write_bytes(whole)
     (tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(whole)
-    said = completeness.check(LocalFiles(tag), now=0.0, stable_seconds=0, settle_seconds=0)
+    said = judge(LocalFiles(tag), now=0.0, stable_seconds=0, settle_seconds=0)
     assert said.state == "incomplete" and "set the source's base_model" in said.reason, said
     # found as the step of the run above `_actor` (OpenRLHF's layout), not a run `_actor`
     (found,) = LocalSource(tmp_path).scan()
@@ -321,7 +404,7 @@ def test_deepspeed_states_wait_for_a_base_model_model_parallel_ones_are_refused_
     assert (found.ident.run, found.ident.step) == ("ckpt", 5), found.ident
     assert needed_files(LocalFiles(tag).files) == ["mp_rank_00_model_states.pt"]  # no optimizer
     (tag / "mp_rank_01_model_states.pt").write_bytes(whole)
-    said = completeness.check(LocalFiles(tag), now=0.0, stable_seconds=0, settle_seconds=0)
+    said = judge(LocalFiles(tag), now=0.0, stable_seconds=0, settle_seconds=0)
     assert said.state == "invalid" and "model-parallel" in said.reason, said
     # with LoRA under ZeRO-3 and --ckpt.save_hf, OpenRLHF's copy is the adapter alone, its
     # tensors in adapter_model.bin: that copy is the step (an adapter, merged into its base)
@@ -333,7 +416,7 @@ def test_deepspeed_states_wait_for_a_base_model_model_parallel_ones_are_refused_
     (found,) = LocalSource(tmp_path).scan()
     assert found.location == str(copy) and found.ident is not None
     assert (found.ident.run, found.ident.step) == ("ckpt", 5), found.ident
-    said = completeness.check(LocalFiles(copy), now=0.0, stable_seconds=0, settle_seconds=0)
+    said = judge(LocalFiles(copy), now=0.0, stable_seconds=0, settle_seconds=0)
     assert said.ready and "LoRA/PEFT adapter" in said.reason, said
 
 
@@ -401,7 +484,7 @@ def test_a_dcp_of_a_models_hugging_face_names_is_read_and_one_of_other_names_nee
     dcp_save({"model": weights}, ckpt / "pytorch_model_fsdp_0")
     fmt = detect(LocalFiles(ckpt).files)
     assert fmt is not None and fmt.name == "dcp"
-    said = completeness.check(LocalFiles(ckpt), now=0.0, stable_seconds=0, settle_seconds=0)
+    said = judge(LocalFiles(ckpt), now=0.0, stable_seconds=0, settle_seconds=0)
     assert said.ready and "Hugging Face names under `model.`" in said.reason, said
     (tmp_path / "out").mkdir()
     fmt.convert(ckpt, tmp_path / "out", None, lambda done, total: None)
@@ -414,10 +497,10 @@ def test_a_dcp_of_a_models_hugging_face_names_is_read_and_one_of_other_names_nee
     data = next((ckpt / "pytorch_model_fsdp_0").glob("*.distcp"))
     whole = data.read_bytes()
     data.write_bytes(whole[: len(whole) // 2])
-    said = completeness.check(LocalFiles(ckpt), now=0.0, stable_seconds=5, settle_seconds=0)
+    said = judge(LocalFiles(ckpt), now=0.0, stable_seconds=5, settle_seconds=0)
     assert said.state == "incomplete" and "places pieces up to byte" in said.reason, said
     mark = said.write_mark
-    said = completeness.check(
+    said = judge(
         LocalFiles(ckpt), now=9.0, stable_seconds=5, settle_seconds=0, previous_mark=mark,
         unchanged_since=0.0,
     )  # fmt: skip
@@ -425,10 +508,10 @@ def test_a_dcp_of_a_models_hugging_face_names_is_read_and_one_of_other_names_nee
 
     titan = tmp_path / "titan" / "step-5"
     dcp_save({f"layers.{k}": v for k, v in weights.items()}, titan)
-    said = completeness.check(LocalFiles(titan), now=0.0, stable_seconds=0, settle_seconds=0)
+    said = judge(LocalFiles(titan), now=0.0, stable_seconds=0, settle_seconds=0)
     assert said.state == "invalid" and "accelerate merge-weights" in said.reason, said
     assert "no model state dict under `model.`" in said.reason, said
-    said = completeness.check(
+    said = judge(
         LocalFiles(titan), now=0.0, stable_seconds=0, settle_seconds=0, convert=["x", "{output}"]
     )
     assert said.ready and "by the source's convert command" in said.reason, said
@@ -440,7 +523,7 @@ def test_a_dcp_of_a_models_hugging_face_names_is_read_and_one_of_other_names_nee
             return (os.system, (f"touch {ran}",))
 
     (titan / ".metadata").write_bytes(pickle.dumps(Payload(), protocol=2))
-    said = completeness.check(LocalFiles(titan), now=0.0, stable_seconds=0, settle_seconds=0)
+    said = judge(LocalFiles(titan), now=0.0, stable_seconds=0, settle_seconds=0)
     assert said.state == "invalid" and "not loaded" in said.reason and not ran.exists(), said
 
 
@@ -455,6 +538,7 @@ def test_every_trainers_format_local_and_on_s3_in_one_daemon_scores_as_its_huggi
     addition_tasks: Path,
     s3_endpoint: str,
     bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """One daemon over three folders and an S3 prefix, each step as its trainer writes it by
     default: verl's shards (step 100 in a folder; step 300 on S3, uploaded with its optimizer
@@ -554,3 +638,94 @@ def test_every_trainers_format_local_and_on_s3_in_one_daemon_scores_as_its_huggi
     assert r.returncode == 0, r.stderr[-3000:]
     ours, theirs = tensors(tmp_path / "ours"), tensors(tmp_path / "theirs")
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    # the convert command's output went to the worker's log: nothing left beside the copies
+    from ckpt_watcher.scratch import shared_root
+
+    assert not list(shared_root().glob("*convert.log")), sorted(shared_root().iterdir())
+
+    # the same real saves, not finished or not ours to read: see the helpers below
+    nemo_with_a_rank_missing(watch / "nemo" / "step_300", tmp_path / "nemo_cut")
+    zero3_judged_and_converted_by_what_it_holds(zero3, base, tmp_path / "z3_more", monkeypatch)
+
+
+def nemo_with_a_rank_missing(step: Path, copies: Path) -> None:
+    """NeMo-RL's 2 ranks, one of them still uploading: `-of-N` counts a rank's own files, so
+    nothing in the names says a rank is missing. The last rank missing leaves every tensor short
+    of rows (the embeddings short of the config's vocab_size); the first missing leaves a gap.
+    Incomplete while files may still come, invalid once quiet; never converted into a smaller
+    model."""
+    for gone, why in (("00002", "of the config's"), ("00001", "rank 1's shard files not there")):
+        cut = copies / gone / "step_300"
+        shutil.copytree(step, cut)
+        (shard,) = (cut / "policy" / "weights" / "model").glob(f"shard-{gone}-*.safetensors")
+        shard.unlink()
+        policy = LocalFiles(cut / "policy")
+        said = judge(policy, now=0.0, stable_seconds=30, settle_seconds=0)
+        assert said.state == "incomplete" and why in said.reason, said
+        quiet = judge(
+            policy, now=31.0, stable_seconds=30, settle_seconds=0, unchanged_since=0.0,
+            previous_mark=said.write_mark,
+        )  # fmt: skip
+        assert quiet.state == "invalid", quiet
+        fmt = detect(policy.files)
+        assert fmt is not None and fmt.name == "nemo-rl"
+        (copies / gone / "out").mkdir()
+        with pytest.raises(NativeFormatError, match="rows|not of the shapes"):
+            fmt.convert(cut / "policy", copies / gone / "out", None, lambda d, t: None)
+        assert not list((copies / gone / "out").glob("*.safetensors"))
+
+
+def zero3_judged_and_converted_by_what_it_holds(
+    zero3: Path, base: Path, work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSpeed ZeRO-3 (3 ranks): its completeness reads rank 0's directory and pickle, not
+    the file; with a second model-parallel rank it goes to the convert command (never
+    converted from mp_rank_00 alone); its room is what it writes (4 bytes a parameter here),
+    not the optimizer states it reads (12 and more)."""
+    from ckpt_watcher.worker.convert import converted
+
+    class Counted(LocalFiles):
+        read_bytes = 0
+
+        def read(self, name: str, start: int = 0, length: int | None = None) -> bytes:
+            got = super().read(name, start, length)
+            Counted.read_bytes += len(got)
+            return got
+
+    view = Counted(zero3)
+    said = judge(view, now=0.0, stable_seconds=0, settle_seconds=0, base_model=base)
+    assert said.ready and "3 of 3 ranks" in said.reason, said
+    rank0 = view.files["zero_pp_rank_0_mp_rank_00_model_states.pt"]
+    assert 0 < Counted.read_bytes < rank0, (Counted.read_bytes, rank0)
+
+    mp = work / "mp" / "global_step301"
+    shutil.copytree(zero3, mp)
+    for f in sorted(mp.glob("*mp_rank_00*")):
+        shutil.copyfile(f, f.with_name(f.name.replace("mp_rank_00", "mp_rank_01")))
+    fmt = detect(LocalFiles(mp).files)
+    assert fmt is not None
+    said = judge(LocalFiles(mp), now=0.0, stable_seconds=0, settle_seconds=0, base_model=base)
+    assert said.state == "invalid" and "model-parallel" in said.reason, said
+    (work / "refused").mkdir()
+    with pytest.raises(NativeFormatError, match="model-parallel"):
+        fmt.convert(mp, work / "refused", None, lambda d, t: None, base)
+    copy = [sys.executable, "-c", "import shutil, sys; shutil.copytree(*sys.argv[1:3], "
+            "dirs_exist_ok=True)", "{base_model}", "{output}"]  # fmt: skip
+    (work / "by_command").mkdir()
+    fmt.convert(mp, work / "by_command", None, lambda d, t: None, base, copy)
+    assert tensors(work / "by_command").keys() == tensors(base).keys()  # the command's output
+
+    written = sum(t.nbytes for t in tensors(work.parent / "ours").values())
+    read = sum(f.stat().st_size for f in zero3.glob("*_optim_states.pt"))
+    assert read > 2 * written, (read, written)
+    usage = shutil.disk_usage(work)
+    for free, fits in ((1.5 * written, True), (0.5 * written, False)):
+        with monkeypatch.context() as m:
+            m.setattr(shutil, "disk_usage", lambda _p, f=free: usage._replace(free=int(f)))
+            if fits:
+                done = converted(zero3, {}, lambda d, t: None, base=str(base))
+                assert done is not None and tensors(done.path).keys() == tensors(base).keys()
+                done.release()
+            else:
+                with pytest.raises(OSError, match="the converted copy needs about"):
+                    converted(zero3, {}, lambda d, t: None, base=str(base))

@@ -37,6 +37,7 @@ from typing import Any
 
 import structlog
 
+from ckpt_watcher import formats
 from ckpt_watcher.checkpoints import adapter, completeness
 from ckpt_watcher.checkpoints.completeness import DEFAULT_SETTLE_SECONDS, Completeness
 from ckpt_watcher.checkpoints.files import (
@@ -394,6 +395,7 @@ class Discovery:
                 folder_name=checkpoint_folder(location).rsplit("/", 1)[-1],
                 base_model=source.adapter_base,
                 convert=source.convert,
+                native=formats.detect(view.files),
             )
             observed = self.clock()
             if not verdict.ready:

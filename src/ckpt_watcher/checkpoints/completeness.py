@@ -33,8 +33,8 @@ import re
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
+from typing import Protocol
 
-from ckpt_watcher import formats
 from ckpt_watcher.checkpoints import adapter
 from ckpt_watcher.checkpoints.files import (
     NOT_YET,
@@ -47,7 +47,6 @@ from ckpt_watcher.checkpoints.files import (
 from ckpt_watcher.checkpoints.namefix import plan_fix
 from ckpt_watcher.checkpoints.safetensors_header import read_header
 from ckpt_watcher.errors import HeaderUnreadable, NamingFixError
-from ckpt_watcher.formats import Problem
 
 MARKERS = (".checkpoint_complete", "STABLE", ".metadata")
 # What the HF Trainer writes after the model and before `trainer_state.json`, its last file.
@@ -58,6 +57,28 @@ _NO_TRAINER_STATE = f"HF Trainer folder without {TRAINER_STATE} yet (it writes i
 _HF_TRAINER_FOLDER = re.compile(r"^checkpoint-\d+$")
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.safetensors$")
 _OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.distcp")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a native checkpoint is not ready: `incomplete` or `invalid`, and what an incomplete
+    one becomes if its files then stay unchanged (`quiet_verdict`: a rank that never comes)."""
+
+    state: str
+    reason: str
+    quiet_verdict: str = ""
+
+
+class Native(Protocol):
+    """A trainer's own format, as far as completeness asks it (formats/: `NativeFormat`)."""
+
+    def structure(
+        self,
+        files: CheckpointFiles,
+        tokenizer_required: bool,
+        base: Path | None = None,
+        command: list[str] | None = None,
+    ) -> Problem | str: ...
 
 
 @dataclass(frozen=True)
@@ -93,8 +114,10 @@ def check(
     folder_name: str = "",
     base_model: Path | None = None,
     convert: list[str] | None = None,
+    native: Native | None = None,
 ) -> Completeness:
-    """Decide whether a checkpoint is complete (see the module's docstring).
+    """Decide whether a checkpoint is complete (see the module's docstring). `native`: the
+    trainer's own format its files are in (`formats.detect`'s), which judges its structure.
 
     `previous_mark` and `unchanged_since` are what the caller kept from its last look (the
     returned `write_mark`, and since when it has been the same); `now` is taken before this
@@ -110,6 +133,7 @@ def check(
         settle_seconds=settle_seconds,
         base_model=base_model,
         convert=convert,
+        native=native,
     )
     if problem is not None and problem.quiet_verdict:
         if quiet is not None and quiet >= stable_seconds:
@@ -140,11 +164,11 @@ def structure(
     settle_seconds: float,
     base_model: Path | None = None,
     convert: list[str] | None = None,
+    native: Native | None = None,
 ) -> tuple[Completeness | None, str, float]:
     """Whether everything an eval reads is there, whole: (the problem, or None; what proves it
     complete, for the ready verdict's reason; how long its files must then stay unchanged)."""
     names = files.files
-    native = formats.detect(names)
     if native is not None:
         said = native.structure(files, tokenizer_required, base_model, convert)
         if isinstance(said, Problem):

@@ -3,7 +3,8 @@ an eval reads it (worker/convert.py). Which files a format has is checkpoints/la
 names only); each format's module here reads them, as a `NativeFormat`:
 
 - `structure`: is everything there and whole, from listings and a few bytes per file
-  (checkpoints/completeness.py asks it first);
+  (checkpoints/completeness.py asks it, given the format `detect` finds: discovery.py passes it
+  in, so the checkpoints' floor never imports the formats above it);
 - `convert`: the Hugging Face folder (config, tokenizer, safetensors), written tensor by tensor
   from the shards, which are read without running any of their pickled code.
 
@@ -13,24 +14,16 @@ Nothing here imports torch until a conversion runs.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from ckpt_watcher.checkpoints.completeness import Problem
 from ckpt_watcher.checkpoints.layouts import native_layout
 
 if TYPE_CHECKING:
     from ckpt_watcher.checkpoints.files import CheckpointFiles
 
-
-@dataclass(frozen=True)
-class Problem:
-    """Why a native checkpoint is not ready: `incomplete` or `invalid`, and what an incomplete
-    one becomes if its files then stay unchanged (`quiet_verdict`: a rank that never comes)."""
-
-    state: str
-    reason: str
-    quiet_verdict: str = ""
+__all__ = ["NativeFormat", "Problem", "detect"]
 
 
 class NativeFormat(Protocol):
