@@ -16,6 +16,7 @@ from ckpt_watcher.checkpoints.namefix import apply_fix, plan_fix
 from ckpt_watcher.checkpoints.naming import CheckpointId, parse_checkpoint_dir
 from ckpt_watcher.checkpoints.safetensors_header import read_local_header
 from ckpt_watcher.errors import NamingFixError
+from ckpt_watcher.formats import detect
 
 from .conftest import WATCHER, write_fake_checkpoint, write_safetensors
 
@@ -52,7 +53,8 @@ def test_final_step_comes_from_trainer_state(tmp_path: Path) -> None:
 def check(path: Path, **kw: object) -> completeness.Completeness:
     """The verdict of one look (no settle window unless `settle_seconds` is given)."""
     args: dict = {"now": 1000.0, "stable_seconds": 60.0, "settle_seconds": 0.0} | kw
-    return completeness.check(LocalFiles(path), **args)
+    view = LocalFiles(path)
+    return completeness.check(view, native=detect(view.files), **args)
 
 
 def test_header_gives_expected_size(tmp_path: Path) -> None:
