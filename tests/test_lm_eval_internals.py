@@ -153,3 +153,24 @@ def test_a_marker_of_digits_is_a_token_id_on_hf_only_and_judges_the_raw_output()
         assert lm._unterminated(("<think>a</think>7", [1])) is False
         assert lm._unterminated(("<think>a", [1])) is True
         assert lm._unterminated(None) is None  # an output that was not measured
+
+
+def test_a_worker_imports_lm_evals_hf_model_without_scikit_learn_which_tasks_still_import() -> (
+    None
+):
+    """transformers' generation imports scikit-learn for assisted decoding when it finds it
+    installed (a second of every worker's start): the worker says it is absent first. Should
+    transformers look for it some other way, scikit-learn is imported again, and this fails."""
+    probe = (
+        "import sys\n"
+        "from ckpt_watcher.evaluators.lm_eval_internals import without_sklearn_in_generation\n"
+        "without_sklearn_in_generation()\n"
+        "import lm_eval.models.huggingface\n"
+        "from transformers.generation import candidate_generator\n"
+        "before = 'sklearn' in sys.modules\n"
+        "from sklearn.metrics import f1_score\n"  # as a task's metrics import it
+        "print(before, candidate_generator.is_sklearn_available(), f1_score([1], [1]))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["False", "False", "1.0"], r.stdout

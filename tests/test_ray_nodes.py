@@ -223,7 +223,7 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
             assert row["device"].endswith("/cuda:6"), row
             # its worker writes its progress on its own node: status shows it all the same
             progress = wait_for(
-                lambda: ((r := running(cfg, "r_step500")) or {}).get("progress"),
+                lambda: (running(cfg, "r_step500") or {}).get("progress"),
                 30,
                 "the remote job's progress in status",
                 daemon,

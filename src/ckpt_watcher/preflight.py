@@ -25,7 +25,9 @@ CACHE_NAME = "taskcheck.json"
 TIMEOUT_SECONDS = 600.0
 
 
-def _cache_key(cfg: WatcherConfig) -> str:
+def cache_key(cfg: WatcherConfig) -> str:
+    """What a passed check holds for: the task names, the include_path's YAML files (names,
+    sizes, times) and the lm-eval version."""
     names = sorted({t.task for t in cfg.eval.lm_eval_tasks})
     yamls: list[str] = []
     include = cfg.eval.include_path
@@ -45,7 +47,7 @@ def task_problems(cfg: WatcherConfig) -> list[str]:
     """One line per unknown task (with the closest names) or missing data file; [] if none."""
     if not cfg.eval.lm_eval_tasks:
         return []
-    key = _cache_key(cfg)
+    key = cache_key(cfg)
     cache = cfg.state_dir / CACHE_NAME
     try:
         if json.loads(cache.read_text()).get("ok_for") == key:

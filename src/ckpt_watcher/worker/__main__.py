@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from ckpt_watcher.evaluators.lm_eval_internals import without_sklearn_in_generation
+
+    without_sklearn_in_generation()  # before the starter's imports, or a worker's own
     forked: list[str] | None = None
     if sys.argv[1:2] == ["--starter"]:  # JOBS_ROOT is there for recovery to tell whose it is
         from ckpt_watcher.worker.starter import serve as serve_forks
