@@ -34,7 +34,7 @@ WATCHER = [sys.executable, "-m", "ckpt_watcher"]
 # Tiers: a test that starts `watcher run/once/demo`, a trainer or an engine is marked e2e; the
 # rest (`pytest -m "not e2e"`) is the inner loop. Fixtures that train a model or start a cluster
 # make a test end to end, which collection checks:
-E2E_FIXTURES = frozenset({"trained_checkpoint", "copy_checkpoint", "ray_cluster"})
+E2E_FIXTURES = frozenset({"trained_checkpoint", "copy_checkpoint", "ray_two_nodes"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -302,13 +302,6 @@ def upload_dir(client, folder: Path, bucket: str, prefix: str, skip: tuple[str, 
             client.upload_file(str(p), bucket, prefix + p.name)
 
 
-@pytest.fixture(scope="module")  # a fresh cluster per module, as test_ray's timing checks expect
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One node declaring 2 GPUs and no NVML: the address."""
-    with _one_ray_at_a_time():
-        yield from _ray_cluster(["--num-gpus=2"])
-
-
 @dataclass
 class TwoNodes:
     """A Ray cluster of two raylets on this machine, each with its own fake NVML file (for
@@ -318,10 +311,14 @@ class TwoNodes:
     nvml: list[Path]  # the head's, the second node's
     raylet: list[int]  # their raylets' pids
 
-    def start_second(self) -> None:
-        """The second node (again): a raylet of its own with its NVML file."""
+    def start_second(self, nvml: bool = True) -> None:
+        """The second node (again): a raylet of its own with its NVML file, or (`nvml` false)
+        a node with no NVML whose raylet declares one GPU."""
         before = _raylets()
-        _ray_start(["--address", self.address, "--num-cpus=2", "--num-gpus=0"], self.nvml[1])
+        gpus = "--num-gpus=0" if nvml else "--num-gpus=1"
+        _ray_start(
+            ["--address", self.address, "--num-cpus=2", gpus], self.nvml[1] if nvml else None
+        )
         (self.raylet[1],) = _raylets() - before
 
 
@@ -377,9 +374,9 @@ def _ray_env(**extra: str) -> dict[str, str]:
     )
 
 
-def _ray_start(args: list[str], nvml: Path) -> None:
+def _ray_start(args: list[str], nvml: Path | None) -> None:
     ray = str(Path(os.sys.executable).parent / "ray")
-    env = _ray_env(CKPT_WATCHER_FAKE_NVML=str(nvml))
+    env = _ray_env(**({"CKPT_WATCHER_FAKE_NVML": str(nvml)} if nvml else {}))
     r = subprocess.run(
         [ray, "start", *args, "--disable-usage-stats"],
         capture_output=True,

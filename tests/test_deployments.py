@@ -1,10 +1,10 @@
 """The combinations a deployment uses, end to end with real processes: local and S3 sources in
 one daemon, an S3 endpoint that hangs beside a local folder that works (with the ledger mirror
-going on meanwhile), S3 with Ray, and a checkpoint split over Ray GPUs."""
+going on meanwhile), and a checkpoint's tasks split over two devices. (Local and S3 sources
+under Ray, on two nodes: test_ray_nodes.py.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,7 +20,6 @@ from .conftest import base_config, read_ledger, s3_source, upload_dir, write_con
 from .helpers import HangingEndpoint, status_json, wait_for, watcher_run
 
 pytestmark = pytest.mark.e2e
-needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray not installed")
 
 TWO_TASKS = [{"task": "addition", "num_fewshot": 0}, {"task": "addition", "num_fewshot": 1}]
 
@@ -186,51 +185,16 @@ def test_a_hanging_s3_endpoint_delays_only_itself_and_the_mirror_keeps_up(
     assert len(far) == 1 and far[0]["checkpoint"] == f"s3://{bucket}/ckpts/jobB/far_step300/"
 
 
-@needs_ray
-def test_s3_source_with_ray_executor(
-    tmp_path: Path,
-    s3_endpoint: str,
-    bucket: str,
-    ray_cluster: str,
-    addition_tasks: Path,
-    trained_checkpoint: Path,
+def test_a_checkpoints_tasks_split_over_two_idle_devices_each_file_their_own_line(
+    tmp_path: Path, addition_tasks: Path, copy_checkpoint
 ) -> None:
-    upload_dir(make_client(s3_endpoint), trained_checkpoint, bucket, "sm/jobC/rays3_step300/")
-    raw = base_config(tmp_path, tmp_path / "unused", addition_tasks)
-    raw["sources"] = [
-        {
-            "kind": "s3",
-            "uri": f"s3://{bucket}/sm/",
-            "endpoint_url": s3_endpoint,  # Ray's workers stage from it too
-            "poll_seconds": 1,
-            "cache_dir": str(tmp_path / "cache"),
-        }
-    ]
-    raw["executor"] = {"kind": "ray", "address": ray_cluster}
-    raw["devices"] = {"gpus": "all", "cpu_slots": 0}  # no NVML here: the GPUs Ray counts
-    cfg = write_config(tmp_path / "w.yaml", raw)
-    log = tmp_path / "daemon.log"
-    with watcher_run(cfg, log) as daemon:
-        wait_for(
-            lambda: read_ledger(tmp_path / "ledgers", "jobC/rays3"), 300, "a result", daemon, log
-        )
-        daemon.send_signal(signal.SIGTERM)
-        assert daemon.wait(timeout=60) == 0
-    (line,) = read_ledger(tmp_path / "ledgers", "jobC/rays3")
-    assert line["status"] == "ok", line["error"]
-    assert line["device"].split("/")[1] in ("gpu0", "gpu1")  # a GPU Ray counts on the node
-    assert line["checkpoint"] == f"s3://{bucket}/sm/jobC/rays3_step300/"
-
-
-@needs_ray
-def test_local_checkpoint_split_over_two_ray_gpus(
-    tmp_path: Path, ray_cluster: str, addition_tasks: Path, trained_checkpoint: Path
-) -> None:
+    """One checkpoint, two task entries, two idle devices: the scheduler splits the checkpoint's
+    tasks into a job per device (`job.split`), each files its own line. (Under Ray the same
+    jobs go to two nodes' devices: test_ray_nodes.py.)"""
     watch = tmp_path / "ckpts"
-    publish(trained_checkpoint, watch / "split_step300")
+    copy_checkpoint(watch / "split_step300")
     raw = base_config(tmp_path, watch, addition_tasks, tasks=TWO_TASKS)
-    raw["executor"] = {"kind": "ray", "address": ray_cluster}
-    raw["devices"] = {"gpus": "all", "cpu_slots": 0}  # no NVML here: the GPUs Ray counts
+    raw["devices"] = {"gpus": [], "cpu_slots": 2}
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
@@ -245,6 +209,6 @@ def test_local_checkpoint_split_over_two_ray_gpus(
         assert daemon.wait(timeout=60) == 0
     lines = read_ledger(tmp_path / "ledgers", "split")
     assert sorted((ln["status"], ln["num_fewshot"]) for ln in lines) == [("ok", 0), ("ok", 1)]
-    assert len({ln["device"] for ln in lines}) == 2  # one task per Ray GPU
+    assert {ln["device"] for ln in lines} == {"cpu:0", "cpu:1"}  # one task per device
     assert len({ln["job_id"] for ln in lines}) == 2
     assert '"event": "job.split"' in log.read_text()

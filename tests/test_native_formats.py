@@ -678,7 +678,7 @@ def nemo_with_a_rank_missing(step: Path, copies: Path) -> None:
 def zero3_judged_and_converted_by_what_it_holds(
     zero3: Path, base: Path, work: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """DeepSpeed ZeRO-3 (3 ranks): its completeness reads rank 0's directory and pickle, not
+    """DeepSpeed ZeRO-3 (2 ranks): its completeness reads rank 0's directory and pickle, not
     the file; with a second model-parallel rank it goes to the convert command (never
     converted from mp_rank_00 alone); its room is what it writes (4 bytes a parameter here),
     not the optimizer states it reads (12 and more)."""
@@ -694,7 +694,7 @@ def zero3_judged_and_converted_by_what_it_holds(
 
     view = Counted(zero3)
     said = judge(view, now=0.0, stable_seconds=0, settle_seconds=0, base_model=base)
-    assert said.ready and "3 of 3 ranks" in said.reason, said
+    assert said.ready and "2 of 2 ranks" in said.reason, said
     rank0 = view.files["zero_pp_rank_0_mp_rank_00_model_states.pt"]
     assert 0 < Counted.read_bytes < rank0, (Counted.read_bytes, rank0)
 

@@ -1,9 +1,11 @@
 """Two Ray nodes as good as one host: a real cluster of two raylets on this machine, each with
-its own fake NVML file, one agent per node. No job lands on a GPU that training holds; each
-node keeps its warm workers; a zombie on the second node is reaped there; a job whose GPU
-training takes yields and resumes on the other node; a node that dies mid-task fails only its
-attempt, which resumes on the other node from the shared journal, and a node that (re)joins
-is used at once."""
+its own fake NVML file, one agent per node, a local folder and an S3 prefix watched. No job
+lands on a GPU that training holds; each node keeps its warm workers; a zombie on the second
+node is reaped there; a job whose GPU training takes yields and resumes on the other node; a
+remote job's progress shows in status; a node that dies mid-task fails only its attempt, which
+is retried saying so and resumes on the other node from the shared journal; a node that
+(re)joins, with no NVML this time, offers the GPU its raylet declares and is used at once, for
+a checkpoint from S3; its dead predecessor's agent folder is swept."""
 
 from __future__ import annotations
 
@@ -23,10 +25,20 @@ import pytest
 from ckpt_watcher import scratch
 from ckpt_watcher.executors.node_agent import node_of
 from ckpt_watcher.jobfolder import ENGINE_FILE
+from ckpt_watcher.s3client import make_client
 
-from .conftest import CHUNK, HF, RESPONSES, TwoNodes, base_config, read_ledger, write_config
+from .conftest import (
+    CHUNK,
+    HF,
+    RESPONSES,
+    TwoNodes,
+    base_config,
+    read_ledger,
+    s3_source,
+    upload_dir,
+    write_config,
+)
 from .helpers import Throttle, alive, status_json, wait_for, watcher_run
-from .test_ray import journaled
 
 pytestmark = [
     pytest.mark.e2e,
@@ -68,6 +80,27 @@ def warm_workers() -> dict[int, str]:
 
 def worker_of(device_label: str) -> int | None:
     return next((p for p, d in warm_workers().items() if d == device_label), None)
+
+
+def home_of(worker: int | None) -> Path | None:
+    """The folder of the node agent whose warm worker `worker` is
+    (`ckpt-watcher-task-<agent pid>-agent-*`)."""
+    for path in Path(tempfile.gettempdir()).glob(
+        f"{scratch.TASK_PREFIX}*-agent-*/jobs/_warm/*/{ENGINE_FILE}"
+    ):
+        try:
+            if int(json.loads(path.read_text()).get("pid") or 0) == worker:
+                return path.parents[3]
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def journaled(root: Path) -> int:
+    """Responses kept in the journals under `root` (each file's lines but its header)."""
+    return sum(
+        max(0, len(f.read_bytes().splitlines()) - 1) for f in root.glob("*/journals/*/*.jsonl")
+    )
 
 
 def running(cfg: Path, label: str) -> dict[str, Any] | None:
@@ -134,6 +167,8 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
     addition_tasks: Path,
     copy_checkpoint,
     hf_reference: tuple[Path, dict[str, Any]],
+    s3_endpoint: str,
+    bucket: str,
 ) -> None:
     _, reference = hf_reference
     head, second = ray_two_nodes.nvml
@@ -144,6 +179,9 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
     for step in (100, 200, 300):
         copy_checkpoint(watch / f"r_step{step}")
     raw = base_config(tmp_path, watch, addition_tasks, **HF, warm_engine=True)
+    raw["sources"].append(
+        s3_source(f"s3://{bucket}/ray/", tmp_path / "cache", endpoint_url=s3_endpoint)
+    )
     raw["executor"] = {"kind": "ray", "address": ray_two_nodes.address, "shared_dir": str(shared)}
     raw["devices"] = {
         "gpus": "all",
@@ -222,24 +260,32 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
             )
             assert row["device"].endswith("/cuda:6"), row
             # its worker writes its progress on its own node: status shows it all the same
+            # (as of the daemon's last heartbeat: the chunks it journaled before the cut)
             progress = wait_for(
-                lambda: (running(cfg, "r_step500") or {}).get("progress"),
+                lambda: (p := (running(cfg, "r_step500") or {}).get("progress"))
+                and p["done"] >= CHUNK
+                and p,
                 30,
                 "the remote job's progress in status",
                 daemon,
                 log,
             )
-            assert progress["task"] == "addition" and CHUNK <= progress["done"] < RESPONSES
+            assert progress["task"] == "addition" and progress["done"] < RESPONSES, progress
             lost_worker = worker_of(row["device"])
+            lost_home = home_of(lost_worker)  # its node's agent's folder
             nvml(head, {0: [], 1: [TRAINING]}, "head")
             os.kill(ray_two_nodes.raylet[1], signal.SIGKILL)  # the second node's raylet
             resumed = result_of(500, "the lost node's job's result")
             assert lost_worker is not None and not alive(lost_worker)  # went with its agent
 
-            # the node is back (a new raylet): used at once
-            ray_two_nodes.start_second()
+            # the node is back (a new raylet), with no NVML this time: the GPU its raylet
+            # declares is used at once, for a checkpoint on S3 its agent stages there
+            ray_two_nodes.start_second(nvml=False)
             nvml(head, {0: [TRAINING], 1: [TRAINING]}, "head")
-            copy_checkpoint(watch / "r_step600")
+            upload_dir(
+                make_client(s3_endpoint), copy_checkpoint(tmp_path / "s3" / "r_step600"), bucket,
+                "ray/r_step600/",
+            )  # fmt: skip
             back = result_of(600, "a job on the node that came back")
             daemon.send_signal(signal.SIGTERM)
             assert daemon.wait(timeout=60) == 0
@@ -247,12 +293,14 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
         zombie.kill()
     events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
     joined = {e["node"]: e["devices"] for e in events if e.get("event") == "ray.node_joined"}
-    # the head, the second node, the second node again (a new raylet: another node)
+    # the head, the second node, the second node again (a new raylet: another node, no NVML)
     assert sorted(sorted(d.split("/")[1] for d in ds) for ds in joined.values()) == [
         ["cuda:0", "cuda:1"],
         ["cuda:6"],
-        ["cuda:6"],
+        ["gpu0"],
     ], joined
+    (warned,) = [e for e in events if "no NVML on node" in e.get("message", "")]
+    assert "1 GPUs Ray counts there" in warned["message"], warned
     # training's GPU was never used; every result is the checkpoint's own
     lines = read_ledger(tmp_path / "ledgers", "r")
     assert sorted(ln["step"] for ln in lines) == [100, 200, 300, 400, 450, 500, 600]  # once each
@@ -280,7 +328,10 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
     assert resumed["attempt"] == 2 and resumed["device"].endswith("/cuda:0"), resumed
     assert resumed["resumed"] >= done_lost - CHUNK, (resumed, done_lost)
     lost = [e["node"] for e in events if e.get("event") == "ray.node_lost"]
-    assert lost and back["device"].endswith("/cuda:6") and node_of(back["device"]) not in lost
+    assert lost and back["device"].endswith("/gpu0") and node_of(back["device"]) not in lost
+    assert back["checkpoint"] == f"s3://{bucket}/ray/r_step600/", back
+    # the lost node's agent folder, swept by the agent placed when the node came back
+    assert lost_home is not None and not lost_home.exists(), lost_home
     # retried for what happened: its node was lost (not a signal, not the OOM killer)
     (retry,) = [e for e in events if e.get("event") == "eval.retry"]
     assert f"node {lost[0]} was lost" in retry["reason"] and "OOM" not in retry["reason"], retry

@@ -4,8 +4,10 @@ precision), into `<out>/_actor/global_step<N>/`, DeepSpeed writing its `latest` 
 
 Usage: python tests/writers/deepspeed_save.py MODEL OUT STEP STAGE RANKS
 
-No optimizer step is taken: the saved weights are MODEL's (ZeRO-1/2 keep them in bf16 in the
-model states, ZeRO-3 in fp32 in its optimizer states' flat partitions).
+One optimizer step is taken with a learning rate of 0: the optimizer states hold AdamW's
+moments, as a trainer's save does (with the fp32 weights, 12 bytes a parameter), and the saved
+weights stay MODEL's (ZeRO-1/2 keep them in bf16 in the model states, ZeRO-3 in fp32 in its
+optimizer states' flat partitions).
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ def _rank(
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}},
         "bf16": {"enabled": True},
     }
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
+    ids = torch.tensor([[1, 2, 3, 4]])
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
     engine.save_checkpoint(str(Path(out) / "_actor"), tag=f"global_step{step}")
 
 
