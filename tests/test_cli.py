@@ -200,9 +200,13 @@ def test_doctor_reports_each_check_and_fails_on_a_missing_source(tmp_path: Path)
 
     from .conftest import WATCHER
 
+    from ckpt_watcher.demo.tiny import write_task
+
+    # a task of an include_path: lm-eval's own thousands of task YAMLs are never indexed for it
+    tasks = {"tasks": [{"task": "addition"}], "include_path": str(write_task(tmp_path / "t"))}
     cfg = idle_config(
         tmp_path,
-        eval={"backend": "hf", "tasks": [{"task": "gsm8k"}]},
+        eval={"backend": "hf", **tasks},
         sinks=[
             {"kind": "webhook", "url": "http://hooks.example:8080/x"},
             {"kind": "wandb", "project": "p", "mode": "offline"},

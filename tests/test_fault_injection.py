@@ -1,6 +1,7 @@
-"""20 kill -9s of `watcher run` at random (seeded) moments across several checkpoints x 2 tasks,
+"""14 kill -9s of `watcher run` at random (seeded) moments across several checkpoints x 2 tasks,
 each followed by a restart, with the default settings (warm workers, max_attempts 3): nothing
-lost, nothing duplicated, nothing failed. With one-shot workers, 10 kills.
+lost, nothing duplicated, nothing failed. With one-shot workers, 8 kills. (`bench/kill9.py`
+runs longer loops: docs/benchmarks.md.)
 
 Replay a failure with CKPT_WATCHER_FAULT_SEED=<the seed in the assertion message>.
 """
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.parametrize(
-    "warm, kills", [(False, 10), (True, 20)], ids=["one-shot workers", "warm workers"]
+    "warm, kills", [(False, 8), (True, 14)], ids=["one-shot workers", "warm workers"]
 )
 def test_random_kill_9s_lose_duplicate_and_fail_nothing(
     tmp_path: Path, trained_checkpoint: Path, warm: bool, kills: int
@@ -39,5 +40,5 @@ def test_random_kill_9s_lose_duplicate_and_fail_nothing(
     assert figures["workers_left"] == [], figures
     assert figures["kills_survived"] == kills, figures
     assert len(lines) == 6
-    # the seed puts 2 of the first 10 kills and 3 of 20 right after an append
-    assert figures["kills_right_after_a_ledger_append"] >= kills // 10, figures
+    # the seed puts some kills right after an append (the moment a duplicate would be made)
+    assert figures["kills_right_after_a_ledger_append"] >= 1, figures

@@ -148,7 +148,7 @@ def test_a_crash_a_timeout_and_a_lost_host_each_resume_from_the_journal_on_hf(
 
     tmp = tmp_path / "cut"
     copy_checkpoint(tmp / "ckpts" / "r_step300", same_content=True)
-    cfg = _config(tmp, tmp / "ckpts", addition_tasks, timeout_seconds=40, **HF)
+    cfg = _config(tmp, tmp / "ckpts", addition_tasks, timeout_seconds=30, **HF)
     log = tmp / "daemon.log"
     with watcher_run(cfg, log) as daemon:
         # attempt 1: the worker dies part way (the OOM killer, a crash)
@@ -156,8 +156,9 @@ def test_a_crash_a_timeout_and_a_lost_host_each_resume_from_the_journal_on_hf(
         assert first.pid is not None
         os.killpg(first.pid, signal.SIGKILL)
         # attempt 2 takes the journal's units and goes on, then hangs (left stopped) until
-        # eval.timeout_seconds kills it; frozen, it shows how far it got (40 s: a worker's
-        # start and a slowed chunk take 10-20 s; each second of it is a second of this test)
+        # eval.timeout_seconds kills it; frozen, it shows how far it got (30 s: a worker forked
+        # from the starter and a slowed chunk take 5-15 s; each second of it is a second of
+        # this test)
         second, _ = _cut_mid_task(
             tmp / "state", daemon, log, attempt=2, past=progress["done"], own_work=True
         )
