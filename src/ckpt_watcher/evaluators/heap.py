@@ -5,8 +5,10 @@ live as long as it does, and every full collection walks them all. vLLM runs sev
 start and per shutdown (memory profiling, `freeze_gc_heap`, `cleanup_dist_env_and_memory`):
 they were most of a warm worker's release and fresh load (docs/benchmarks.md, warm engines).
 `gc.freeze()` moves every live object to a generation no collection walks, as vLLM itself does
-once its engine is up; objects made later are collected as before. Imported only inside worker
-processes.
+once its engine is up; objects made later are collected as before. A worker ends with
+`os._exit` once its results are written, so no collection over the frozen heap (nor the
+teardown warnings of extension modules that count their objects) happens at exit. Imported only
+inside worker processes.
 """
 
 from __future__ import annotations
@@ -20,11 +22,3 @@ def settle() -> None:
     only dropped but not collected: it would be frozen with the rest and never freed."""
     gc.collect()
     gc.freeze()
-
-
-def thaw() -> None:
-    """Before the process exits: unfreeze, so that CPython's last collection finalizes every
-    object, as in a worker that never froze. A frozen exit is faster, but extension modules that
-    count their objects at teardown (Triton's nanobind bindings, which vLLM imports) then wrote
-    31 lines of "leaked instances" warnings into the worker's log."""
-    gc.unfreeze()
