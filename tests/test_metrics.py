@@ -3,6 +3,8 @@ real eval runs, and after its ledger line is written."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import urllib.request
 from collections.abc import Callable
@@ -15,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ckpt_watcher.sinks.prometheus import DaemonMetrics
 
 from .conftest import WATCHER, base_config, idle_config, read_ledger, write_config
-from .helpers import status_json, wait_for, watcher_run
+from .helpers import running_job, status_json, wait_for, watcher_run
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -136,7 +138,14 @@ def test_watcher_run_serves_metrics_while_a_job_runs(
             s = scrape(url)
             return s if value(s, "ckpt_watcher_jobs", state="running") == 1 else None
 
-        during = wait_for(scraped_running, 60, "a scrape while the job runs", daemon, log)
+        # the eval takes a second or two: frozen while it runs, for the scrapes to see it
+        job = wait_for(lambda: running_job(tmp_path / "state"), 120, "the job", daemon, log)
+        assert job.pid is not None
+        os.killpg(job.pid, signal.SIGSTOP)
+        try:
+            during = wait_for(scraped_running, 60, "a scrape while the job runs", daemon, log)
+        finally:
+            os.killpg(job.pid, signal.SIGCONT)
         assert value(during, "ckpt_watcher_devices", state="busy") == 1
         assert value(during, "ckpt_watcher_device_busy", device="cpu:0") == 1
         assert value(during, "ckpt_watcher_ledger_lines_total", status="ok") == 0
