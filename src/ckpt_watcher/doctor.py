@@ -101,6 +101,31 @@ def check_tasks(cfg: WatcherConfig) -> Check:
     return Check("tasks", True, f"{names}: known to lm-eval, local data files present")
 
 
+def check_sandbox(cfg: WatcherConfig) -> Check:
+    """Whether model-written code can run here (a program run and judged in the sandbox)."""
+    from ckpt_watcher.sandbox import SandboxUnavailable, open_sandbox
+
+    settings = cfg.eval.sandbox
+    code = [t.name or t.task for t in cfg.eval.lm_eval_tasks if t.allow_code_execution]
+    uses = f"for {', '.join(code)}" if code else "no entry runs code"
+    limits = (
+        f"{settings.cpu_seconds:g} CPU-s, {settings.memory_mb} MiB, "
+        f"{settings.processes} process(es) a program"
+    )
+    try:
+        box = open_sandbox(settings)
+    except SandboxUnavailable as e:
+        return Check("sandbox", not code, f"{e} ({uses})")
+    if settings.run_model_code_unsandboxed:
+        return Check(
+            "sandbox",
+            True,
+            f"UNSANDBOXED (eval.sandbox.run_model_code_unsandboxed): model-written code runs "
+            f"with this user's files, network and credentials; {limits} ({uses})",
+        )
+    return Check("sandbox", True, f"{box.name}: a program ran and passed; {limits} ({uses})")
+
+
 def check_harnesses(cfg: WatcherConfig) -> list[Check]:
     """Each other harness's interpreter and version (OLMES: its task specs too; verifiers: its
     uv), and vLLM in the watcher's own environment where an entry is served."""
@@ -302,6 +327,7 @@ def run_checks(cfg: WatcherConfig) -> list[Check]:
     checks.append(check_devices(cfg))
     checks += check_backend(cfg)
     checks.append(check_tasks(cfg))
+    checks.append(check_sandbox(cfg))
     checks += check_harnesses(cfg)
     checks += check_sources(cfg)
     checks += check_baseline(cfg)

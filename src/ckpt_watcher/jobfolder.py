@@ -87,6 +87,7 @@ class TaskRun:
     harness: str = "lm-eval"  # lm-eval, or another harness (olmes, verifiers, command)
     harness_version: str = ""  # another harness's version, as probed in its interpreter
     spec: dict[str, Any] | None = None  # another harness's entry (harnesses/entries.py)
+    sandbox: dict[str, Any] | None = None  # a code task's sandbox (config.SandboxConfig)
 
     @property
     def sampled(self) -> bool:

@@ -117,11 +117,42 @@ def harness_problems(cfg: WatcherConfig) -> tuple[dict[str, str], list[str]]:
     return versions, problems
 
 
+def sandbox_problem(cfg: WatcherConfig) -> str | None:
+    """Why the entries that run model-written code cannot run on this host (the sandbox does
+    not start here), or None. Run-unsandboxed is said loudly in the log, never silently."""
+    code = [t.name or t.task for t in cfg.eval.lm_eval_tasks if t.allow_code_execution]
+    if not code:
+        return None
+    from ckpt_watcher.sandbox import SandboxUnavailable, open_sandbox
+
+    settings = cfg.eval.sandbox
+    if settings.run_model_code_unsandboxed:
+        log.warning(
+            "sandbox.unsandboxed",
+            entries=code,
+            message="eval.sandbox.run_model_code_unsandboxed is true: model-written code runs "
+            "as this user, with its files, network and credentials in reach",
+        )
+    try:
+        box = open_sandbox(settings)
+    except SandboxUnavailable as e:
+        return (
+            f"config field eval.sandbox: {', '.join(code)} run model-written code, and {e} "
+            "(or leave those entries out)"
+        )
+    log.info("sandbox.ready", sandbox=box.name, entries=code)
+    return None
+
+
 def require_known_tasks(cfg: WatcherConfig) -> None:
-    """Raise ConfigError (exit 2) naming every task problem; records each other harness's
-    version in the config (part of its results' settings hash)."""
+    """Raise ConfigError (exit 2) naming every task problem, or why the code tasks' sandbox
+    cannot run here; records each other harness's version in the config (part of its results'
+    settings hash)."""
     versions, problems = harness_problems(cfg)
     cfg.eval.set_harness_versions(versions)
     problems += task_problems(cfg)
     if problems:
         raise ConfigError("config field eval.tasks: " + "; ".join(problems))
+    sandbox = sandbox_problem(cfg)
+    if sandbox:
+        raise ConfigError(sandbox)

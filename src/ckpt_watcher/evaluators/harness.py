@@ -31,7 +31,14 @@ import structlog
 from ckpt_watcher import redact
 from ckpt_watcher.durable import write_atomic, write_json_atomic
 from ckpt_watcher.errors import EvalError, ResultsNotWritten, TaskSetupError
-from ckpt_watcher.evaluators import compile_cache, engine_watch, heap, lengths, vllm_internals
+from ckpt_watcher.evaluators import (
+    code_eval,
+    compile_cache,
+    engine_watch,
+    heap,
+    lengths,
+    vllm_internals,
+)
 from ckpt_watcher.evaluators import lm_eval_internals as lmi
 from ckpt_watcher.evaluators.clamp import ClampCounts
 from ckpt_watcher.evaluators.failures import classify
@@ -124,20 +131,20 @@ def load_model(req: EvalRequest, swappable: bool = False) -> Any:
 
 
 @contextmanager
-def _code_execution(allowed: bool) -> Iterator[None]:
-    """HF_ALLOW_CODE_EVAL=1 only while a task that was allowed to execute code runs."""
-    before = os.environ.get("HF_ALLOW_CODE_EVAL")
-    if allowed:
-        os.environ["HF_ALLOW_CODE_EVAL"] = "1"
-    else:
-        os.environ.pop("HF_ALLOW_CODE_EVAL", None)
+def _code_execution(t: TaskRun) -> Iterator[None]:
+    """While the entry `t` is loaded and evaluated: lm-eval's `code_eval` is the sandbox's
+    (`evaluators/code_eval.py`), which runs programs only for an entry that says
+    `allow_code_execution: true`; Hugging Face's own, if a task reached it, refuses (no
+    HF_ALLOW_CODE_EVAL). Each program's verdict is kept for the entry's records."""
+    os.environ.pop("HF_ALLOW_CODE_EVAL", None)
+    judge = code_eval.judge_for(t.sandbox) if t.allow_code_execution else code_eval.JUDGE
+    lmi.serve_code_eval(judge)
+    judge.allowed = t.allow_code_execution
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("HF_ALLOW_CODE_EVAL", None)
-        else:
-            os.environ["HF_ALLOW_CODE_EVAL"] = before
+        judge.allowed = False
+        judge.forget()
 
 
 def run_tasks(
@@ -292,20 +299,22 @@ def _evaluate(
     per-document records."""
     import lm_eval
 
-    top, leaves = lmi.load_task(task_manager, t.task)
-    if t.sampled:
-        plain = sorted(n for n, leaf in leaves.items() if lmi.output_type(leaf) != "generate_until")
-        if plain:
-            raise TaskSetupError(
-                f"{t.task}: samples/pass_at need generative tasks; {', '.join(plain)} "
-                "scores choices by likelihood, where more samples change nothing"
+    with _code_execution(t):  # (a code task's utils run a first program when lm-eval loads it)
+        top, leaves = lmi.load_task(task_manager, t.task)
+        if t.sampled:
+            plain = sorted(
+                n for n, leaf in leaves.items() if lmi.output_type(leaf) != "generate_until"
             )
-        for leaf in leaves.values():
-            lmi.set_repeats(leaf, t.samples)
-        if t.samples > 1:
-            lm.sampling = SamplingPlan(t.samples, req.seed)
-    gen_kwargs = task_gen_kwargs(req, t)
-    with _code_execution(t.allow_code_execution):
+            if plain:
+                raise TaskSetupError(
+                    f"{t.task}: samples/pass_at need generative tasks; {', '.join(plain)} "
+                    "scores choices by likelihood, where more samples change nothing"
+                )
+            for leaf in leaves.values():
+                lmi.set_repeats(leaf, t.samples)
+            if t.samples > 1:
+                lm.sampling = SamplingPlan(t.samples, req.seed)
+        gen_kwargs = task_gen_kwargs(req, t)
         results = lm_eval.simple_evaluate(
             model=lm,
             tasks=top if isinstance(top, list) else [top],
@@ -324,9 +333,10 @@ def _evaluate(
         if results is None:
             raise EvalError("lm-eval returned no results (not rank 0?)")
         logged = results.pop("samples", {})
-        if not t.sampled:
-            return results, logged_records(logged)
-        records = scored_records(leaves, logged)
+        records = logged_records(logged) if not t.sampled else scored_records(leaves, logged)
+        code_eval.JUDGE.attach(records)  # each program's verdict, where it ran any
+    if not t.sampled:
+        return results, records
     prefix = len(leaves) > 1 or t.task not in leaves
     metrics: dict[str, Any] = {}
     for name, leaf in sorted(leaves.items()):

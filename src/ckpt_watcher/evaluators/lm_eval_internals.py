@@ -466,6 +466,60 @@ def unit_keys(requests: list[Any], samples: list[Any]) -> list[str]:
     return keys
 
 
+def serve_code_eval(judge: Any) -> None:
+    """`evaluate.load("code_eval")` answers `judge` (evaluators/code_eval.py) in this process:
+    lm-eval's code task utils (humaneval, mbpp and their variants) load the metric by that name
+    when imported, and any task YAML may. Nothing is fetched from the Hub; other metrics load as
+    before. `evaluate` (0.7 s to import) is patched when something imports it, not before."""
+    import sys
+
+    _CodeEvalHook.judge = judge
+    if "evaluate" in sys.modules:
+        _patch_evaluate(sys.modules["evaluate"])
+    elif not any(isinstance(f, _CodeEvalHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _CodeEvalHook())
+
+
+def _patch_evaluate(evaluate: Any) -> None:
+    load = evaluate.load
+    original = getattr(load, "original", load)
+
+    def load_metric(path: str, *args: Any, **kwargs: Any) -> Any:
+        if str(path).rstrip("/").rsplit("/", 1)[-1].removesuffix(".py") == "code_eval":
+            return _CodeEvalHook.judge
+        return original(path, *args, **kwargs)
+
+    load_metric.original = original  # type: ignore[attr-defined]
+    evaluate.load = load_metric
+
+
+class _CodeEvalHook:
+    """Patches `evaluate` the moment it is imported (a finder ahead of the others that finds
+    nothing itself: it wraps the module's own loader)."""
+
+    judge: Any = None
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "evaluate":
+            return None
+        import sys
+
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                exec_module = spec.loader.exec_module
+
+                def patched(module: Any, exec_module: Any = exec_module) -> None:
+                    exec_module(module)
+                    _patch_evaluate(module)
+
+                spec.loader.exec_module = patched  # type: ignore[method-assign]
+                return spec
+        return None
+
+
 def without_sklearn_in_generation() -> None:
     """lm-eval's hf model imports transformers' generation, whose assisted-decoding module
     imports scikit-learn when it is installed (lm-eval's dependencies install it): 1.1 of the

