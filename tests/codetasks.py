@@ -65,8 +65,7 @@ def _problem(i: int, sum_: str, solution: str, checked: str) -> dict:
         "prompt": f'"""{sum_}',
         "canonical_solution": solution,
         "test": (
-            f'"""\n\n\ndef sum_{i}():\n    return __doc__\n\n\n'
-            f"def check(candidate):\n{checked}"
+            f'"""\n\n\ndef sum_{i}():\n    return __doc__\n\n\ndef check(candidate):\n{checked}'
         ),
         "entry_point": f"sum_{i}",
     }

@@ -86,9 +86,7 @@ def test_humaneval_and_mbpp_run_sandboxed_offline_and_score_as_human_evals_execu
     }, (ours, theirs)
     assert statuses[hostile] == "runtime_error" and theirs[hostile]
     assert (ckpt / "owned.txt").exists()
-    assert human["metrics"]["pass@1,create_test"] == pytest.approx(
-        sum(ours.values()) / len(ours)
-    )
+    assert human["metrics"]["pass@1,create_test"] == pytest.approx(sum(ours.values()) / len(ours))
     assert {"failed", "timeout", "runtime_error", "memory"} <= set(statuses.values()), statuses
     for rec in _records(ledgers, mbpp):
         (verdict,) = rec["verdicts"]["none"]

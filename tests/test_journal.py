@@ -635,3 +635,27 @@ def test_lease_liveness_reads_the_filesystems_clock_not_this_hosts(
     journal._lease.drop(own)
     time.sleep(1.3)  # the server's clock moved past its last touch by more than a lease
     assert not me.busy_elsewhere("00001-x") and me.claim("00001-x")
+
+
+def test_an_older_claim_naming_only_our_host_is_judged_by_its_pid_and_a_touch_from_the_future_is_no_lease(
+    tmp_path: Path,
+) -> None:
+    """A claim written by a version before node identities names its host only: on that host it
+    is judged by its pid (a dead pid frees the chunk at once, not a lease later). A claim touched
+    more than a lease ahead of the filesystem's clock (the server's clock stepped back) is not
+    kept alive by that touch."""
+    import socket
+
+    dead_here = 2**22 + 12345
+    old = journal.Holder(socket.gethostname(), dead_here, "0", "old/cuda:0")  # no node
+    assert not old.alive(touched=None)
+    me = journal.Holder.me("here/cuda:0")
+    old_live = journal.Holder(me.host, me.pid, me.start, "old/cuda:0")
+    assert old_live.alive(touched=None)
+    far = journal.Holder("far", 1, "0", "far/cuda:0", "far-node")
+    claim = tmp_path / "claim"
+    claim.write_text("{}", encoding="utf-8")
+    now = os.stat(claim).st_mtime
+    assert far.alive(claim, clock=lambda: now + 0.5)
+    os.utime(claim, (now + 3600, now + 3600))
+    assert not far.alive(claim, clock=lambda: now)

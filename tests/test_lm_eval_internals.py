@@ -188,9 +188,7 @@ def test_a_marker_of_digits_is_a_token_id_on_hf_only_and_judges_the_raw_output()
         assert lm._unterminated(None) is None  # an output that was not measured
 
 
-def test_a_worker_imports_lm_evals_hf_model_without_scikit_learn_which_tasks_still_import() -> (
-    None
-):
+def test_a_worker_imports_lm_evals_hf_model_without_scikit_learn_which_tasks_still_import() -> None:
     """transformers' generation imports scikit-learn for assisted decoding when it finds it
     installed (a second of every worker's start): the worker says it is absent first. Should
     transformers look for it some other way, scikit-learn is imported again, and this fails."""

@@ -670,7 +670,7 @@ def nemo_with_a_rank_missing(step: Path, copies: Path) -> None:
         fmt = detect(policy.files)
         assert fmt is not None and fmt.name == "nemo-rl"
         (copies / gone / "out").mkdir()
-        with pytest.raises(NativeFormatError, match="rows|not of the shapes"):
+        with pytest.raises(NativeFormatError, match="rows|not as"):
             fmt.convert(cut / "policy", copies / gone / "out", None, lambda d, t: None)
         assert not list((copies / gone / "out").glob("*.safetensors"))
 
@@ -729,3 +729,92 @@ def zero3_judged_and_converted_by_what_it_holds(
             else:
                 with pytest.raises(OSError, match="the converted copy needs about"):
                     converted(zero3, {}, lambda d, t: None, base=str(base))
+
+
+def test_a_crafted_pickle_nested_deep_compressed_or_overlapping_is_refused_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    """What a completeness check reads in the daemon: a key nested a million tuples deep (a
+    hash that recursed in C and killed the process), a compressed pickle (a decompression
+    bomb), a tensor whose elements overlap (a few bytes read as any size): each refused."""
+    from ckpt_watcher.formats.torchzip import read_index_at
+
+    path = tmp_path / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+
+    def zip_with(pkl: bytes, how: int = zipfile.ZIP_STORED) -> None:
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+            zf.writestr(zipfile.ZipInfo("archive/data.pkl"), pkl, compress_type=how)
+            zf.writestr("archive/byteorder", "little")
+
+    def read() -> Any:
+        data = path.read_bytes()
+        return read_index_at(path.name, len(data), lambda at, n: data[at : at + n])
+
+    zip_with(b"\x80\x02}" + b")" + b"\x85" * 1_000_000 + b"Ns.")  # {((((...)))): None}
+    with pytest.raises(NativeFormatError, match="nested past"):
+        read()
+    zip_with(pickle.dumps({"dp_world_size": 2, "pad": "x" * 100_000}), zipfile.ZIP_DEFLATED)
+    with pytest.raises(NativeFormatError, match="compressed"):
+        read()
+    crafted_pt(path, (8192, 8192))  # stride (1, 1): 64 Mi elements over a storage of 4
+    with pytest.raises(NativeFormatError, match="not a tensor a state dict holds"):
+        read_index(path)
+
+
+def nemo_step(root: Path, slices: dict[int, dict[str, tuple[list[int], list[int]]]],
+              config: dict[str, Any]) -> LocalFiles:  # fmt: skip
+    """A NeMo-RL `step_N/policy` as torch's writer lays it out: per rank, its slices (key ->
+    (offsets, shape)) in a safetensors file with DCP_SHARDING_INFO; the config beside."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = root / "step_5" / "policy" / "weights" / "model"
+    (model / ".hf_metadata").mkdir(parents=True)
+    (model / ".hf_metadata" / "config.json").write_text(json.dumps(config))
+    (root / "step_5" / "policy" / "tokenizer").mkdir()
+    (root / "step_5" / "policy" / "tokenizer" / "tokenizer.json").write_text("{}")
+    for rank, mine in slices.items():
+        info = {k: {"saved_offsets": o} for k, (o, _) in mine.items()}
+        save_file(
+            {k: torch.zeros(shape) for k, (_, shape) in mine.items()},
+            model / f"shard-{rank:05d}-model-00001-of-00001.safetensors",
+            metadata={"DCP_SHARDING_INFO": json.dumps(info)},
+        )
+    return LocalFiles(root / "step_5" / "policy")
+
+
+def test_nemo_rl_slices_that_overlap_lack_a_vocabulary_or_misnumber_are_judged_never_read_as_whole(
+    tmp_path: Path,
+) -> None:
+    emb = "model.embed_tokens.weight"
+    whole = {1: {emb: ([0, 0], [4, 2])}, 2: {emb: ([4, 0], [4, 2])}}
+    cases = {
+        "whole": (whole, {"vocab_size": 8}, "ready"),
+        "vocab of its language model": (whole, {"llm_config": {"vocab_size": 8}}, "ready"),
+        "short of the vocab": ({1: whole[1]}, {"vocab_size": 8}, "incomplete"),
+        "no vocab to hold it to": (whole, {"hidden_size": 2}, "invalid"),
+        "overlap": ({1: whole[1], 2: {emb: ([2, 0], [6, 2])}}, {"vocab_size": 8}, "invalid"),
+        "a scalar in two": ({1: {emb: ([], [])}, 2: {emb: ([], [])}}, {"vocab_size": 8}, "invalid"),
+    }
+    for i, (name, (slices, config, state)) in enumerate(cases.items()):
+        files = nemo_step(tmp_path / str(i), slices, config)
+        said = judge(files, now=0.0, stable_seconds=30, settle_seconds=0)
+        assert said.state == state, (name, said)
+    files = nemo_step(tmp_path / "x", whole, {"vocab_size": 8})
+    shard = next(n for n in files.files if n.startswith("weights/model/shard-00002"))
+    (files.root / shard).rename(files.root / shard.replace("00001-of-00001", "00003-of-00001"))
+    said = judge(LocalFiles(files.root), now=0.0, stable_seconds=30, settle_seconds=0)
+    assert said.state == "invalid" and "number past 1" in said.reason, said
+
+
+def test_a_deepspeed_world_size_past_its_files_is_judged_before_listing_it(tmp_path: Path) -> None:
+    tag = tmp_path / "run" / "global_step5"
+    tag.mkdir(parents=True)
+    (tmp_path / "config.json").write_text("{}")  # the base model's
+    for world, state in ((10**12, "invalid"), (4, "incomplete")):
+        with zipfile.ZipFile(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt", "w") as zf:
+            zf.writestr("archive/data.pkl", pickle.dumps({"dp_world_size": world}, protocol=2))
+            zf.writestr("archive/byteorder", "little")
+        said = judge(LocalFiles(tag), now=0.0, stable_seconds=30, settle_seconds=0,
+                     base_model=tmp_path)  # fmt: skip
+        assert said.state == state, (world, said)

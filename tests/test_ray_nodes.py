@@ -262,9 +262,11 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
             # its worker writes its progress on its own node: status shows it all the same
             # (as of the daemon's last heartbeat: the chunks it journaled before the cut)
             progress = wait_for(
-                lambda: (p := (running(cfg, "r_step500") or {}).get("progress"))
-                and p["done"] >= CHUNK
-                and p,
+                lambda: (
+                    (p := (running(cfg, "r_step500") or {}).get("progress"))
+                    and p["done"] >= CHUNK
+                    and p
+                ),
                 30,
                 "the remote job's progress in status",
                 daemon,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from ckpt_watcher.redact import REDACTED, Redactor, resolved, secret_key, text
@@ -65,7 +66,7 @@ def test_the_saved_config_keeps_settings_and_loses_secrets() -> None:
     assert task["extra_args"] == ["--header", f"Bearer {REDACTED}"]
     assert out["sinks"][0]["url"] == f"https://hooks.slack.com/{REDACTED}"
     assert out["ledger_mirror"] == "s3://bucket/ledgers/"
-    assert out["sources"][0]["endpoint_url"] == f"http://user:{REDACTED}@minio:9000"
+    assert out["sources"][0]["endpoint_url"] == f"http://{REDACTED}@minio:9000"
     assert data["eval"]["tasks"][0]["env"]["HF_TOKEN"] == "hf_x"  # the config itself unchanged
 
 
@@ -133,3 +134,49 @@ def test_a_ledger_line_and_lm_evals_results_keep_the_engines_arguments_but_no_se
         "hf_token": REDACTED,
         "pretrained": "/c",
     }
+
+
+def test_text_keeps_numbers_paths_and_words_and_loses_url_credentials_and_secret_pairs() -> None:
+    """An env value `1`, `true`, `8` or `/data/hf` is a setting: redacting it would blank every
+    `1` of a log. A secret is redacted where it stands as a word, not inside a longer one; URL
+    userinfo and the value of a secret name (`?token=`, `api_key=` in a model_args string) go."""
+    env = {"CUDA_VISIBLE_DEVICES": "1", "HF_HOME": "/data/hf", "TRUST": "true", "KEY": "abc123xyz"}
+    redact = Redactor.of({"eval": {"tasks": [{"env": env}]}})
+    assert redact.secrets == ("abc123xyz",)
+    said = redact("step 1 read /data/hf true; abc123xyz, xabc123xyzx")
+    assert said == f"step 1 read /data/hf true; {REDACTED}, xabc123xyzx"
+    assert text("https://bob:pw@host/x?a=1&token=t0ps3cret&b=2") == (
+        f"https://{REDACTED}@host/x?a=1&token={REDACTED}&b=2"
+    )
+    assert text("pretrained=/c,api_key=k-1,dtype=float32") == (
+        f"pretrained=/c,api_key={REDACTED},dtype=float32"
+    )
+
+
+def test_everything_under_a_secret_key_is_secret_and_a_harness_json_file_stays_json(
+    tmp_path: Path,
+) -> None:
+    from ckpt_watcher.redact import in_file
+
+    config = {"eval": {"tasks": [{"extra": {"credentials": {"user": "u", "pass": "pa55word!"}}}]}}
+    assert resolved(config)["eval"]["tasks"][0]["extra"]["credentials"] == REDACTED
+    redact = Redactor.of(config)
+    assert "pa55word!" in redact.secrets
+    results = tmp_path / "results.json"
+    doc = {
+        "acc": 0.5,
+        "n": 12,
+        "note": 'used pa55word! and "quotes"',
+        "nested": [{"k": "pa55word!"}],
+    }
+    results.write_text(json.dumps(doc), encoding="utf-8")
+    in_file(results, redact)
+    back = json.loads(results.read_text(encoding="utf-8"))
+    assert back == {
+        "acc": 0.5, "n": 12, "note": f'used {REDACTED} and "quotes"', "nested": [{"k": REDACTED}]
+    }  # fmt: skip
+    clean = tmp_path / "samples.jsonl"
+    clean.write_text('{"acc": 1}\n', encoding="utf-8")
+    before = os.stat(clean).st_mtime_ns
+    in_file(clean, redact)
+    assert os.stat(clean).st_mtime_ns == before  # nothing to redact: not rewritten

@@ -422,6 +422,12 @@ class Discovery:
         except (OSError, WatcherError) as e:  # unreadable now (S3 down?): judged next scan
             log.warning("checkpoint.check_failed", location=location, error=str(e))
             return None
+        except (ValueError, TypeError, AttributeError, IndexError, KeyError, RecursionError) as e:
+            # what its files hold is not what any reader expects: this checkpoint is invalid
+            # (until it is written again), and the rest of its source is judged as usual
+            log.exception("checkpoint.unreadable", location=location)
+            why = f"its files cannot be read as a checkpoint ({type(e).__name__}: {e})"
+            return Judged(Completeness("invalid", why[:500], mark or ""), self.clock())
 
     # --- back on the loop: apply a finished scan -------------------------------------------
     def _finish(self, w: _Watched, now: float) -> None:

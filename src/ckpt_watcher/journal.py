@@ -192,6 +192,10 @@ class Writer:
         self._file.close()
 
 
+def _hostname() -> str:
+    return socket.gethostname()
+
+
 @functools.cache
 def node_identity() -> str:
     """Where a pid names one process: this kernel (its boot id) and this pid namespace. Two
@@ -230,10 +234,11 @@ class Holder:
         """Seen from this node: a holder here while its pid has its start time; a holder on
         another node while `touched` (its claim or done file, which its lease keeps touching)
         was touched within LEASE_SECONDS of `clock()` (the filesystem's time now)."""
-        if self.node == node_identity():
+        here = self.node == node_identity() or (not self.node and self.host == _hostname())
+        if here:  # (a claim of an older version names its host only)
             return process_alive(self.pid) and process_start_token(self.pid) == self.start
-        try:
-            return touched is not None and clock() - os.stat(touched).st_mtime < LEASE_SECONDS
+        try:  # a touch in the future by more than a lease: the server's clock stepped back
+            return touched is not None and abs(clock() - os.stat(touched).st_mtime) < LEASE_SECONDS
         except OSError:  # gone: its chunk is done, or taken over
             return False
 

@@ -18,6 +18,7 @@ What a harness's process receives is not changed: it gets its environment as con
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,16 +29,21 @@ from ckpt_watcher.durable import write_atomic
 
 REDACTED = "<redacted>"
 SECRET_KEY = re.compile(
-    r"(?i)^(?:token|.*(?:password|passwd|secret|api[-_.]?key|access[-_.]?key|private[-_.]?key"
-    r"|credentials?|(?:api|auth|access|hf|bearer|refresh|session)[-_.]?token))$"
+    r"(?i)^(?:tokens?|authorization|cookies?|.*(?:passwords?|passwd|secrets?|api[-_.]?keys?"
+    r"|access[-_.]?keys?|private[-_.]?keys?|credentials?|signature|sig"
+    r"|(?:api|auth|access|hf|bearer|refresh|session)[-_.]?tokens?))$"
 )
 TOKEN_SHAPES = re.compile(
     r"\b(?:sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
     r"|xox[abprs]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16})\b"
 )
-URL_PASSWORD = re.compile(r"(?<=://)([^/\s:@]+):[^/\s@]+@")
-URL_PATH = re.compile(r"^([a-z][a-z0-9+.-]*://[^/]+)/.+$", re.IGNORECASE)
+URL_USERINFO = re.compile(r"(?<=://)[^/\s@]+@")  # user:password@, or a token@
+# name=value pairs (a URL's query, lm-eval's model_args string): the value of a secret name
+NAME_VALUE = re.compile(r"(?<![\w.-])([A-Za-z][\w.-]*)=([^&#,\s\"']+)")
+URL_PATH = re.compile(r"^([a-z][a-z0-9+.-]*://[^/?#]+)[/?#].*$", re.IGNORECASE)
 SHORTEST_SECRET = 6  # a shorter value (`on`, `1`) is left in text: it would blank out words
+# env values that are settings, never credentials: numbers, switches, absolute paths
+_NOT_SECRET = re.compile(r"(?i)^(?:[-+]?[\d.]+|true|false|yes|no|on|off|none|/[^\s]*)$")
 
 
 def secret_key(name: str) -> bool:
@@ -46,67 +52,108 @@ def secret_key(name: str) -> bool:
 
 
 def text(value: str, secrets: Iterable[str] = ()) -> str:
-    """`value` with the given secret values, token shapes and URL passwords redacted."""
+    """`value` with the given secret values (where they stand as words of their own, never
+    inside a longer one), token shapes and URL credentials (userinfo, secret query values)
+    redacted."""
     for secret in sorted(set(secrets), key=len, reverse=True):
         if len(secret) >= SHORTEST_SECRET:
-            value = value.replace(secret, REDACTED)
+            value = re.sub(rf"(?<![\w]){re.escape(secret)}(?![\w])", REDACTED, value)
     value = TOKEN_SHAPES.sub(REDACTED, value)
-    return URL_PASSWORD.sub(rf"\1:{REDACTED}@", value)
+    value = URL_USERINFO.sub(f"{REDACTED}@", value)
+    return NAME_VALUE.sub(
+        lambda m: f"{m[1]}={REDACTED}" if secret_key(m[1].rsplit(".", 1)[-1]) else m[0], value
+    )
 
 
 def url(value: str) -> str:
-    """A URL that is itself a credential (a webhook's) with its path and password redacted."""
+    """A URL that is itself a credential (a webhook's) with its path and query redacted."""
     return text(URL_PATH.sub(rf"\1/{REDACTED}", value))
 
 
 def resolved(data: Any, key: str = "") -> Any:
     """Plain settings (a config's dump, the engine's arguments, lm-eval's results) with their
     secrets redacted, for whatever is written beside the ledgers."""
+    if key == "env" and isinstance(data, dict):
+        return {k: REDACTED for k in data}
+    if secret_key(key) and data not in (None, "", [], {}):
+        return REDACTED  # all of it, whatever it holds
     if isinstance(data, dict):
-        if key == "env":
-            return {k: REDACTED for k in data}
         out = {k: resolved(v, str(k)) for k, v in data.items()}
         if data.get("kind") == "webhook" and isinstance(data.get("url"), str):
             out["url"] = url(data["url"])
         return out
-    if isinstance(data, list):
+    if isinstance(data, list | tuple):
         return [resolved(v, key) for v in data]
-    if secret_key(key) and data not in (None, ""):
-        return REDACTED
     if isinstance(data, str):
         return text(data)
     return data
 
 
 def secret_values(data: Any, key: str = "") -> list[str]:
-    """The secret values in plain config data: every value of an entry's `env` (whatever its
-    name: `OPENROUTER_KEY`, `GH_TOKEN` and `JUDGE_KEY` are as secret as `HF_TOKEN`), values
-    under secret keys, and webhook URLs."""
+    """The secret values in plain config data: the values of an entry's `env` (whatever their
+    name: `OPENROUTER_KEY`, `GH_TOKEN` and `JUDGE_KEY` are as secret as `HF_TOKEN`; but numbers,
+    switches and paths, which are settings), everything under a secret key, webhook URLs."""
     found: list[str] = []
     if isinstance(data, dict):
         for k, v in data.items():
-            if isinstance(v, str) and (
-                key == "env" or secret_key(str(k)) or (k == "url" and data.get("kind") == "webhook")
-            ):
-                found.append(v)
+            if key == "env":
+                if isinstance(v, str) and not _NOT_SECRET.match(v.strip()):
+                    found.append(v)
+            elif secret_key(str(k)) or (k == "url" and data.get("kind") == "webhook"):
+                found += _leaves(v)
             else:
                 found += secret_values(v, str(k))
-    elif isinstance(data, list):
+    elif isinstance(data, list | tuple):
         for v in data:
             found += secret_values(v, key)
     return found
 
 
+def _leaves(data: Any) -> list[str]:
+    if isinstance(data, str):
+        return [data]
+    if isinstance(data, dict):
+        return [x for v in data.values() for x in _leaves(v)]
+    if isinstance(data, list | tuple):
+        return [x for v in data for x in _leaves(v)]
+    return []
+
+
 def in_file(path: Path, redactor: Redactor) -> None:
-    """Rewrite a log in place with its secrets redacted (a harness's own output, kept in the
-    ledger folder); nothing when it holds none."""
+    """Rewrite a file a harness left (its log, its results) with its secrets redacted; nothing
+    when it holds none. JSON stays JSON: its strings are redacted, its numbers never."""
     try:
-        raw = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
+        raw = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):  # not text: left as it is
         return
     clean = redactor(raw)
+    if path.suffix in (".json", ".jsonl"):
+        try:
+            docs = (
+                [json.loads(raw)]
+                if path.suffix == ".json"
+                else [json.loads(x) for x in raw.splitlines() if x.strip()]
+            )
+        except ValueError:
+            pass
+        else:  # each string redacted as it is, not as JSON escapes it
+            redacted = [_strings(d, redactor) for d in docs]
+            if redacted == docs:
+                return
+            dumped = [json.dumps(d, ensure_ascii=False) for d in redacted]
+            clean = dumped[0] if path.suffix == ".json" else "".join(x + "\n" for x in dumped)
     if clean != raw:
         write_atomic(path, clean)
+
+
+def _strings(data: Any, redactor: Redactor) -> Any:
+    if isinstance(data, str):
+        return redactor(data)
+    if isinstance(data, dict):
+        return {k: _strings(v, redactor) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_strings(v, redactor) for v in data]
+    return data
 
 
 @dataclass(frozen=True)

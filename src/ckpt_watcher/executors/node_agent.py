@@ -85,7 +85,13 @@ class NodeAgent:
         self.inventory = inventory
         self.local = inventory.devices()
         nvml = isinstance(inventory, NvmlInventory | FileInventory)
-        counted = ray_counted(devices.gpus, nvml, int(settings.get("ray_gpus") or 0))
+        ray_gpus = int(settings.get("ray_gpus") or 0)
+        counted = ray_counted(devices.gpus, nvml, ray_gpus)
+        if not nvml and isinstance(devices.gpus, list) and len(counted) < len(devices.gpus):
+            self.warnings.append(
+                f"no NVML on node {node}: of devices.gpus {devices.gpus}, only indexes below the "
+                f"{ray_gpus} GPUs Ray counts there can be used (a UUID needs NVML)"
+            )
         if counted:
             self.warnings.append(
                 f"no NVML on node {node}: the {len(counted)} GPUs Ray counts there that "

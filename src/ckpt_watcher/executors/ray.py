@@ -208,29 +208,37 @@ class RayExecutor(Executor):
         return WorkerHandle(job_id, 0, "ray")
 
     def _wait(self, job_id: str, agent: _Agent, started: Any, folder: JobFolder) -> None:
+        rc = -9
         try:
             pid = self._ray.get(started)
             result = self._ray.get(agent.handle.wait.remote(job_id))
         except self._ray.exceptions.RayTaskError as e:  # the agent could not start it
-            folder.log.write_text(f"[node {agent.name}] could not start the worker: {e}\n")
             rc = 1
+            _note(folder, f"[node {agent.name}] could not start the worker: {e}\n")
         except Exception as e:  # the node died, the agent was killed, Ray lost it
-            folder.log.write_text(f"[node {agent.name}] lost: {type(e).__name__}: {e}\n")
+            with self._lock:
+                self._lost(agent, f"a job's call failed: {type(e).__name__}")
+            _note(folder, f"[node {agent.name}] lost: {type(e).__name__}: {e}\n")
             # the reason the attempt is retried with (its worker died with its node; no signal
             # of its own, no OOM killer to suspect)
             lost = f"node {agent.name} was lost while the job ran there ({type(e).__name__})"
-            folder.write_crash(Crash(lost, heals=True))
-            with self._lock:
-                self._lost(agent, f"a job's call failed: {type(e).__name__}")
-            rc = -9
+            try:
+                folder.write_crash(Crash(lost, heals=True))
+            except OSError as err:
+                log.warning("ray.crash_unwritten", job_id=job_id, error=str(err))
         else:
-            folder.put_results(result["files"])
-            folder.log.write_text(f"[ran on node {agent.name}, pid {pid}]\n" + result["log"])
             rc = int(result["rc"])
-        with self._lock:
-            self._jobs.pop(job_id, None)
-            self._folders.pop(job_id, None)
-        self.on_exit(job_id, rc)
+            try:
+                folder.put_results(result["files"])
+            except OSError as err:  # its outcomes are lost: the attempt is retried
+                log.warning("ray.results_unwritten", job_id=job_id, error=str(err))
+                rc = -9
+            _note(folder, f"[ran on node {agent.name}, pid {pid}]\n" + result["log"])
+        finally:
+            with self._lock:
+                self._jobs.pop(job_id, None)
+                self._folders.pop(job_id, None)
+            self.on_exit(job_id, rc)  # whatever happened above: the job is never left running
 
     def kill(self, job_id: str) -> None:
         with self._lock:
@@ -294,6 +302,13 @@ class RayExecutor(Executor):
                 self._ray.kill(agent.handle)
             except Exception:
                 pass
+
+
+def _note(folder: JobFolder, text: str) -> None:
+    try:
+        folder.log.write_text(text)
+    except OSError as e:  # the job's folder gone: its exit is still reported
+        log.warning("ray.log_unwritten", folder=str(folder.path), error=str(e))
 
 
 class RayInventory:

@@ -41,6 +41,7 @@ from ckpt_watcher.formats.torchzip import (
 )
 
 FULL = "mp_rank_00_model_states.pt"
+MAX_WORLD = 1 << 16  # ranks of one data-parallel save
 _MP = re.compile(r"^(?:.*_)?mp_rank_(\d{2})_(?:model|optim)_states\.pt$")
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 NO_BASE = (
@@ -80,7 +81,18 @@ class DeepSpeed:
             return problem
         # its directory and pickle only (a few ranged reads), never its tensors: with frozen
         # parameters (LoRA under ZeRO-3) the file is the base model's size
-        world = _world(read_index_at(first, names[first], lambda at, n: files.read(first, at, n)))
+        try:
+            world = _world(
+                read_index_at(first, names[first], lambda at, n: files.read(first, at, n))
+            )
+        except NativeFormatError as e:
+            return Problem("invalid", str(e))
+        if world > len(ranks):  # (before listing them: a crafted world size is any number)
+            return Problem(
+                "incomplete",
+                f"{len(ranks)} of {world} ranks' states",
+                quiet_verdict="invalid",
+            )
         wanted = [_model_states(r) for r in range(world)]
         wanted += [_optim_states(r, names) for r in range(world)]
         if missing := [n for n in wanted if n not in names]:
@@ -157,8 +169,8 @@ def _whole(files: CheckpointFiles, names: list[str]) -> Problem | None:
 
 def _world(states: dict[str, Any]) -> int:
     world = states.get("dp_world_size")
-    if not isinstance(world, int) or world < 1:
-        raise NativeFormatError("DeepSpeed model states without a dp_world_size")
+    if type(world) is not int or not 1 <= world <= MAX_WORLD:
+        raise NativeFormatError(f"DeepSpeed model states with a dp_world_size of {world!r:.40}")
     return world
 
 

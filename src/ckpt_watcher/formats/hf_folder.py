@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,13 +39,19 @@ class Pieces:
     numel: int | None = None
 
 
-def tiling(slices: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[list[int], str]:
+def tiling(
+    slices: Sequence[tuple[Sequence[int], Sequence[int]]],
+) -> tuple[list[int], str, bool]:
     """How a tensor's slices (each its offsets in the tensor and its shape) make it: the order
-    to take them in, and "" where they lie as FSDP's do (whole in every dim but the first, end
-    to end along it from row 0: no gap, no overlap), else what is wrong. The rows they make
-    are the tensor's only where no slice is missing at the end: a caller compares them with
-    what the tensor must be (its config, or the metadata that lists it)."""
+    to take them in; "" where they lie as FSDP's do (whole in every dim but the first, end to
+    end along it from row 0: no gap, no overlap), else what is wrong; and whether what is wrong
+    is only rows missing (slices still to come). The rows they make are the tensor's only where
+    no slice is missing at the end: a caller compares them with what the tensor must be (its
+    config, or the metadata that lists it)."""
     order = sorted(range(len(slices)), key=lambda i: tuple(slices[i][0]))
+    if any(len(shape) == 0 for _, shape in slices):  # a scalar: one whole slice
+        ok = len(slices) == 1 and len(slices[0][0]) == 0
+        return order, "" if ok else "a scalar in several slices", False
     row = 0
     rest = tuple(slices[order[0]][1][1:]) if order else ()
     for i in order:
@@ -54,12 +60,14 @@ def tiling(slices: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[list[
             return (
                 order,
                 f"a slice at {list(offsets)} of shape {list(shape)} is not whole past dim 0",
+                False,
             )
         if offsets[0] != row:
-            kind = "missing" if offsets[0] > row else "given twice"
-            return order, f"rows {min(row, offsets[0])}-{max(row, offsets[0]) - 1} {kind}"
+            gap = offsets[0] > row
+            kind = "missing" if gap else "given twice"
+            return order, f"rows {min(row, offsets[0])}-{max(row, offsets[0]) - 1} {kind}", gap
         row += shape[0]
-    return order, ""
+    return order, "", False
 
 
 def tiled(
@@ -72,7 +80,7 @@ def tiled(
     """A tensor of `shape` from its slices (each with its offsets in it): FSDP's slices, whole
     in every dim but the first and end to end along it, else NativeFormatError naming the
     trainer's `converter`."""
-    order, problem = tiling([(offsets, piece.shape) for offsets, piece in found])
+    order, problem, _ = tiling([(offsets, piece.shape) for offsets, piece in found])
     ordered = [found[i] for i in order]
     if problem:
         raise NativeFormatError(
@@ -95,9 +103,10 @@ def write_hf_folder(
     """Write the model's weights and `meta`'s config and tokenizer files into `out`. A head tied
     to the embeddings (`tie_word_embeddings: true`) is written once, as transformers saves it."""
     config = json.loads((meta / "config.json").read_text())
-    if config.get("tie_word_embeddings") is True and "lm_head.weight" in tensors:
+    tied = config.get("tie_word_embeddings") is True
+    if tied and "lm_head.weight" in tensors:
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
-    check_shapes(tensors, meta)
+    check_shapes(tensors, meta, {"lm_head.weight"} if tied else set())
     plan = [planned for planned, _ in tensors.values()]
     total = sum(p.nbytes for p in plan)
     ensure_room(out, total)
@@ -118,20 +127,24 @@ def ensure_room(out: Path, nbytes: int) -> None:
         )
 
 
-def check_shapes(tensors: dict[str, tuple[Planned, Pieces]], meta: Path) -> None:
-    """Every tensor the model of `meta`'s config has is of the shape that model gives it: a save
-    with a rank's slices missing (its tensors short of rows) or of another model is refused,
-    never converted into a smaller model. A config transformers cannot build here (a model of
-    remote code) is checked by what its format's own metadata says alone."""
+def check_shapes(
+    tensors: dict[str, tuple[Planned, Pieces]], meta: Path, unsaved: Collection[str] = ()
+) -> None:
+    """Every tensor the model of `meta`'s config has is there (but `unsaved`: a tied head), of
+    the shape that model gives it: a save with a rank's slices missing (its tensors short of
+    rows), a tensor missing, or a model of another config is refused, never converted into a
+    smaller or partly random model. A config transformers cannot build here (a model of remote
+    code) is checked by what its format's own metadata says alone."""
     expected = model_shapes(meta)
     wrong = [
         f"{key} {list(planned.shape)} (its config's: {list(expected[key])})"
         for key, (planned, _) in sorted(tensors.items())
         if key in expected and tuple(expected[key]) != planned.shape
     ]
+    wrong += [f"{key} missing" for key in sorted(set(expected) - set(tensors) - set(unsaved))]
     if wrong:
         raise NativeFormatError(
-            f"{len(wrong)} tensor(s) not of the shapes {meta / 'config.json'} gives: "
+            f"{len(wrong)} tensor(s) not as {meta / 'config.json'} gives them: "
             f"{'; '.join(wrong[:3])}: a rank's files missing, or a config of another model"
         )
 

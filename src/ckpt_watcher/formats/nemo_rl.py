@@ -39,7 +39,8 @@ from ckpt_watcher.formats.torchzip import LazyTensor
 
 # the input embeddings' (and an untied head's) names: rows = the config's vocab_size
 _EMBEDDINGS = ("embed_tokens.weight", "lm_head.weight", "wte.weight", "embed_in.weight",
-               "embed_out.weight", "word_embeddings.weight")  # fmt: skip
+               "embed_out.weight", "word_embeddings.weight", "tok_embeddings.weight",
+               "output.weight")  # fmt: skip
 _SHARD = re.compile(r"^weights/model/shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
 SHARDING_INFO = "DCP_SHARDING_INFO"
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -69,6 +70,8 @@ class NemoRl:
         if missing := sorted(set(range(1, (ranks[-1] if ranks else 0) + 1)) - set(ranks)):
             return _not_yet(f"rank {missing[0]}'s shard files not there (ranks {ranks} are)")
         for rank, (total, have) in sorted(series.items()):
+            if not have <= set(range(1, total + 1)):
+                return Problem("invalid", f"rank {rank}'s shard files number past {total}")
             if len(have) < total:
                 return _not_yet(f"rank {rank}'s shard files: {len(have)} of {total}")
         slices: dict[str, list[tuple[list[int], list[int]]]] = {}
@@ -91,7 +94,7 @@ class NemoRl:
         if isinstance(config, str):
             return Problem("invalid", f"{NEMO_RL.config}/{config}")
         if problem := _short(slices, config):
-            return _not_yet(problem)
+            return problem
         if tokenizer_required and not any(
             f"{NEMO_RL.tokenizer}/{t}" in names for t in TOKENIZER_FILES
         ):
@@ -134,13 +137,17 @@ def _offsets(
     entries: dict[str, Any], metadata: dict[str, Any]
 ) -> dict[str, tuple[list[int], list[int]]]:
     """Each tensor slice of one shard file: its offsets in its tensor and its shape."""
+    raw = metadata.get(SHARDING_INFO)
     try:
-        info = json.loads(metadata.get(SHARDING_INFO) or "{}")
+        info = json.loads(raw) if isinstance(raw, str) else None
     except ValueError:
-        raise NativeFormatError(f"an unreadable {SHARDING_INFO}") from None
+        info = None
+    if not isinstance(info, dict):
+        raise NativeFormatError(f"no readable {SHARDING_INFO} in its metadata")
     out = {}
     for key, entry in entries.items():
-        saved = info.get(key, {}).get("saved_offsets") if isinstance(info, dict) else None
+        mine = info.get(key)
+        saved = mine.get("saved_offsets") if isinstance(mine, dict) else None
         shape = entry.get("shape") if isinstance(entry, dict) else None
         if not (_ints(saved) and _ints(shape) and len(saved) == len(shape)):
             raise NativeFormatError(f"{key} has no offsets in {SHARDING_INFO}")
@@ -152,19 +159,46 @@ def _ints(value: Any) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(type(n) is int and n >= 0 for n in value)
 
 
-def _short(slices: dict[str, list[tuple[list[int], list[int]]]], config: dict[str, Any]) -> str:
-    """Why the slices do not make whole tensors: a gap between two of a tensor's slices, or an
-    embedding with fewer rows than the config's `vocab_size` (every FSDP rank holds a slice of
-    it, so a rank still to come leaves it short)."""
-    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+def _short(
+    slices: dict[str, list[tuple[list[int], list[int]]]], config: dict[str, Any]
+) -> Problem | None:
+    """What is wrong with the slices: a gap between two of a tensor's slices, or an embedding
+    with fewer rows than the config's `vocab_size` (every FSDP rank holds a slice of it, so a
+    rank still to come leaves it short): files to come; slices that overlap or do not fit:
+    invalid. With no embedding to hold to a vocabulary size, nothing could tell a rank still
+    to come: refused (the source's convert command, NeMo-RL's converter, reads it)."""
+    vocab = vocab_size(config)
+    checked = False
     for key, found in sorted(slices.items()):
-        _, problem = tiling(found)
+        _, problem, gap = tiling(found)
         if problem:
-            return f"{key}'s slices: {problem}"
-        rows = sum(shape[0] for _, shape in found)
-        if isinstance(vocab, int) and key.endswith(_EMBEDDINGS) and rows != vocab:
-            return f"{key}: {rows} of the config's {vocab} rows (vocab_size)"
-    return ""
+            return (
+                _not_yet(f"{key}'s slices: {problem}")
+                if gap
+                else Problem("invalid", f"{key}'s slices: {problem}")
+            )
+        if vocab is not None and key.endswith(_EMBEDDINGS):
+            rows = sum(shape[0] for _, shape in found)
+            if rows != vocab:
+                return _not_yet(f"{key}: {rows} of the config's {vocab} rows (vocab_size)")
+            checked = True
+    if not checked:
+        return Problem(
+            "invalid",
+            "no embedding of the config's vocab_size among its tensors, so a rank's slices "
+            "still to come could not be told: set the source's convert command to NeMo-RL's "
+            "converter (examples/converters/convert_dcp_to_hf.py)",
+        )
+    return None
+
+
+def vocab_size(config: dict[str, Any]) -> int | None:
+    """The config's vocabulary size: its own, or its language model's (multimodal configs)."""
+    for where in (config, *(v for v in config.values() if isinstance(v, dict))):
+        value = where.get("vocab_size")
+        if type(value) is int and value > 0:
+            return value
+    return None
 
 
 def _slices(path: Path) -> dict[str, tuple[list[int], LazyTensor]]:

@@ -30,6 +30,8 @@ import collections
 import io
 import math
 import pickle
+import re
+import reprlib
 import struct
 import zipfile
 from collections.abc import Callable, Iterator
@@ -39,6 +41,11 @@ from typing import Any, cast
 
 from ckpt_watcher.errors import NativeFormatError
 
+MAX_PICKLE = 256 << 20  # a rank file's pickle: its tensors' records, not their bytes
+MAX_WINDOW_READ = 512 << 20  # what reading a zip's directory and pickle may take in all
+MAX_DIMS = 64
+_STORAGE_KEY = re.compile(r"[A-Za-z0-9_]{1,64}")  # torch names them 0, 1, ...
+MAX_EXTENT = 1 << 48  # an element count, stride or offset past this is no tensor of a model
 EOCD = b"PK\x05\x06"  # a zip's end of central directory record: the last thing torch.save writes
 EOCD_SIZE = 22
 # the storage types torch.save names (its legacy typed storages) -> the dtype's name in torch
@@ -97,12 +104,17 @@ class LazyTensor:
         if (
             self.dtype not in _DTYPES
             or len(self.shape) != len(self.stride)
-            or not all(type(n) is int and n >= 0 for n in dims)
+            or len(self.shape) > MAX_DIMS
+            or not all(type(n) is int and 0 <= n < MAX_EXTENT for n in dims)
             or (not self.member and (self.storage_bytes is None or self.storage_bytes < 0))
+            # elements that share storage (a stride 0, overlapping strides): a file of a few
+            # bytes read as a tensor of any size; torch.save writes none in a state dict
+            or (self.numel > 0 and self.numel > self.span)
         ):
             raise NativeFormatError(
-                f"{self.path.name}: a tensor declared as {self.dtype} {self.shape} (stride "
-                f"{self.stride}, offset {self.offset}) in {self.member or 'its file'}: not a tensor"
+                f"{self.path.name}: a tensor declared as {self.dtype} {_short(self.shape)} "
+                f"(stride {_short(self.stride)}, offset {_short(self.offset)}) in "
+                f"{self.member or 'its file'}: not a tensor a state dict holds"
             )
 
     @property
@@ -206,7 +218,9 @@ def read_index(path: Path, window: _Window | None = None) -> dict[str, Any]:
     loaded = _load(path, window if window is not None else path)
     if not isinstance(loaded, dict):
         raise NativeFormatError(f"{path.name}: holds a {type(loaded).__name__}, not a state dict")
-    return {str(k): v for k, v in loaded.items()}
+    if not all(isinstance(k, str) for k in loaded):
+        raise NativeFormatError(f"{path.name}: a state dict whose keys are not all names")
+    return dict(loaded)
 
 
 def read_index_at(name: str, size: int, read_at: Callable[[int, int], bytes]) -> dict[str, Any]:
@@ -241,15 +255,23 @@ def _load(path: Path, source: Any) -> Any:
             if pkl is None:
                 raise NativeFormatError(f"{path.name}: no data.pkl: not a torch.save file")
             archive = pkl[: -len("data.pkl")]
+            for member in (pkl, f"{archive}byteorder"):
+                if member in names:  # torch stores them; anything else is not its file
+                    info = zf.getinfo(member)
+                    if info.compress_type != zipfile.ZIP_STORED or info.file_size > MAX_PICKLE:
+                        raise NativeFormatError(
+                            f"{path.name}: {member} compressed, or of {info.file_size} bytes: "
+                            "not a torch.save file"
+                        )
             order = (
                 zf.read(f"{archive}byteorder").decode()
                 if f"{archive}byteorder" in names
                 else "little"
             )
             if order.strip() != "little":
-                raise NativeFormatError(f"{path.name}: saved {order.strip()}-endian; not read")
+                raise NativeFormatError(f"{path.name}: saved {_short(order)}-endian; not read")
             raw = zf.read(pkl)
-    except (zipfile.BadZipFile, OSError, KeyError) as e:
+    except (zipfile.BadZipFile, OSError, KeyError, ValueError, EOFError) as e:
         raise NativeFormatError(f"{path.name}: not a whole torch.save file ({e})") from None
     return _unpickle(io.BytesIO(raw), path, archive)
 
@@ -280,6 +302,7 @@ class _Window(io.RawIOBase):
     def __init__(self, read_at: Callable[[int, int], bytes], start: int, length: int) -> None:
         super().__init__()
         self.read_at, self.start, self.length, self.pos = read_at, start, length, 0
+        self.given = 0
 
     def readable(self) -> bool:
         return True
@@ -298,6 +321,11 @@ class _Window(io.RawIOBase):
     def read(self, size: int | None = -1) -> bytes:
         left = max(0, self.length - self.pos)
         size = left if size is None or size < 0 else min(size, left)
+        self.given += size
+        if self.given > MAX_WINDOW_READ:  # a directory that claims gigabytes
+            raise NativeFormatError(
+                f"reading its zip directory and pickle took over {MAX_WINDOW_READ} bytes"
+            )
         data = self.read_at(self.start + self.pos, size) if size else b""
         self.pos += len(data)
         return data
@@ -379,8 +407,43 @@ class _TensorMark:
     """torch.Tensor as a rebuilt tensor's type (DeepSpeed's flat groups): a type only."""
 
 
+def _flat_key(key: Any) -> bool:
+    scalar = (str, int, float, bool, bytes, type(None))
+    return (
+        isinstance(key, (*scalar, _Record))
+        or isinstance(key, tuple)
+        and len(key) <= 64
+        and all(isinstance(k, scalar) for k in key)
+    )
+
+
+def _check_keys(path: Path, keys: Any) -> None:
+    for key in keys:
+        if not _flat_key(key):
+            raise NativeFormatError(
+                f"{path.name}: a key or set item of type {type(key).__name__} nested past what a "
+                "state dict holds; not loaded"
+            )
+
+
+def _set(items: Any = ()) -> set:
+    items = list(items)
+    _check_keys(Path("pickle"), items)
+    return set(items)
+
+
+def _frozenset(items: Any = ()) -> frozenset:
+    return frozenset(_set(items))
+
+
+def _ordered_dict(*args: Any) -> collections.OrderedDict:
+    pairs = list(args[0]) if args else []
+    _check_keys(Path("pickle"), [p[0] if isinstance(p, tuple) and p else p for p in pairs])
+    return collections.OrderedDict(pairs)
+
+
 _BUILTINS = {
-    ("builtins", n): t for n, t in (("set", set), ("frozenset", frozenset), ("slice", slice))
+    ("builtins", n): t for n, t in (("set", _set), ("frozenset", _frozenset), ("slice", slice))
 }
 
 
@@ -397,11 +460,21 @@ _STORAGE = collections.namedtuple("_STORAGE", "dtype")
 def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> LazyTensor:
     if not isinstance(storage, _StorageRef):
         raise NativeFormatError("a tensor without a saved storage")
-    try:
-        shape, strides = tuple(int(n) for n in size), tuple(int(n) for n in stride)
-    except (TypeError, ValueError):
-        raise NativeFormatError(f"a tensor of shape {size!r}, stride {stride!r}") from None
-    return LazyTensor(storage.path, storage.member, storage.dtype, offset, shape, strides)
+    if not (_ints(size) and _ints(stride)):
+        raise NativeFormatError(f"a tensor of shape {_short(size)}, stride {_short(stride)}")
+    return LazyTensor(
+        storage.path, storage.member, storage.dtype, offset, tuple(size), tuple(stride)
+    )
+
+
+def _ints(value: Any) -> bool:
+    """A shape or stride as torch.save writes one: a tuple (or torch.Size) of ints."""
+    return isinstance(value, tuple) and all(type(n) is int for n in value)
+
+
+def _short(value: Any) -> str:
+    """A value from the file, shown whole only if small (a crafted one may be nested deep)."""
+    return reprlib.repr(value)
 
 
 def _rebuild_parameter(data: Any, *_: Any) -> Any:
@@ -479,18 +552,52 @@ class _Unpickler(_PythonUnpickler):
 
     dispatch[pickle.BUILD[0]] = load_build
 
+    # what may be a dict's key or a set's item: hashing a tuple nested a million deep (a few
+    # bytes a level) recurses in C with no guard and crashes the process, and shared subtuples
+    # make it exponential. A state dict's keys, and a distributed checkpoint's, are names,
+    # numbers and inert records (flat tuples of those at most).
+    def load_setitem(self) -> None:
+        _check_keys(self.path, [self.stack[-2]])
+        super().load_setitem()
+
+    def load_setitems(self) -> None:
+        _check_keys(self.path, self.stack[0::2])  # (the items since the mark: key, value...)
+        super().load_setitems()
+
+    def load_dict(self) -> None:
+        _check_keys(self.path, self.stack[0::2])
+        super().load_dict()
+
+    def load_additems(self) -> None:
+        _check_keys(self.path, self.stack)
+        super().load_additems()
+
+    def load_frozenset(self) -> None:
+        _check_keys(self.path, self.stack)
+        super().load_frozenset()
+
+    dispatch[pickle.SETITEM[0]] = load_setitem
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+    dispatch[pickle.DICT[0]] = load_dict
+    dispatch[pickle.ADDITEMS[0]] = load_additems
+    dispatch[pickle.FROZENSET[0]] = load_frozenset
+
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and pid and pid[0] == "storage" and len(pid) >= 3):
-            raise NativeFormatError(f"{self.path.name}: an unknown persistent reference {pid!r}")
+            raise NativeFormatError(
+                f"{self.path.name}: an unknown persistent reference {_short(pid)}"
+            )
         kind, key = pid[1], pid[2]
         dtype = kind.dtype if isinstance(kind, _STORAGE) else None
-        if dtype is None:
-            raise NativeFormatError(f"{self.path.name}: a storage of unknown type {kind!r}")
+        if dtype is None or not (isinstance(key, str) and _STORAGE_KEY.fullmatch(key)):
+            raise NativeFormatError(
+                f"{self.path.name}: a storage of unknown type or key {_short(kind)}, {_short(key)}"
+            )
         return _StorageRef(self.path, f"{self.archive}data/{key}", dtype)
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
+            return _ordered_dict
         if module == "torch" and name in _STORAGE_DTYPES:
             return _STORAGE(_STORAGE_DTYPES[name])
         if module == "torch" and name in _DTYPES:

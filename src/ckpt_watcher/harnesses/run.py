@@ -168,7 +168,8 @@ def run_entry(
 def _text_files(out: Path) -> list[Path]:
     """What a harness wrote in its results folder that may quote its settings (OLMES's metrics
     keep its model arguments): its JSON and text files."""
-    return [p for p in out.rglob("*") if p.suffix in (".json", ".jsonl", ".txt") and p.is_file()]
+    text = (".json", ".jsonl", ".txt", ".log", ".csv", ".tsv", ".yaml", ".yml", ".md")
+    return [p for p in out.rglob("*") if p.suffix in text and p.is_file()]
 
 
 def _run(
