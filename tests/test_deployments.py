@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from ckpt_watcher.s3client import make_client
+from ckpt_watcher.state import State
+from ckpt_watcher.status import DEGRADED_MIN_SECONDS
 
 from .conftest import base_config, read_ledger, s3_source, upload_dir, write_config
 from .helpers import HangingEndpoint, status_json, wait_for, watcher_run
@@ -151,7 +153,16 @@ def test_a_hanging_s3_endpoint_delays_only_itself_and_the_mirror_keeps_up(
 
             wait_for(lambda: mirrored() == local_ledger, 30, "the mirror", daemon, log)
             assert s3_source(status())["unreachable_since"]  # still down while all that happened
-            # down for 3 polls and 30 s: status says the daemon runs degraded, and exits 5
+            # down for 3 polls and 30 s (its outage moved back by that, as the daemon keeps
+            # the first failure's time): status says the daemon runs degraded, and exits 5
+            back = State(tmp_path / "state")
+            with back.conn:
+                back.conn.execute(
+                    "UPDATE sources SET unreachable_since = unreachable_since - ? "
+                    "WHERE name LIKE 's3://%' AND unreachable_since IS NOT NULL",
+                    (DEGRADED_MIN_SECONDS,),
+                )
+            back.close()
             st = wait_for(
                 lambda: (r := status_json(cfg))[0] == 5 and r[1], 60, "exit 5", daemon, log
             )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 
 from ckpt_watcher.errors import StateError
 from ckpt_watcher.state import Job, State
+from ckpt_watcher.status import STALE_AFTER
 
 from .conftest import (
     WATCHER,
@@ -137,7 +139,8 @@ def test_status_tells_a_hung_daemon_from_a_dead_one(tmp_path: Path) -> None:
     with watcher_run(cfg, log) as daemon:
         wait_for(lambda: status_json(cfg)[0] == 0, 30, "running", daemon, log)
         os.kill(daemon.pid, signal.SIGSTOP)  # hung: alive, holding its lock, no heartbeat
-        try:
+        try:  # its last heartbeat STALE_AFTER ago (rather than waiting that long)
+            State(tmp_path / "s").set_meta(heartbeat=time.time() - STALE_AFTER - 5)
             code, st = wait_for(lambda: (r := status_json(cfg))[0] == 4 and r, 60, "stale")
             assert st["daemon"]["alive"] and st["daemon"]["stale"]
         finally:

@@ -28,7 +28,7 @@ from ckpt_watcher.timestamps import iso
 
 log = structlog.get_logger("ckpt_watcher.jobs")
 
-RETRY_SECONDS = 15.0  # how often filings that failed, and the probe after one, are tried again
+RETRY_SECONDS = 5.0  # how often filings that failed, and the probe after one, are tried again
 WAITING_HINT = (
     "free space on it or fix it; the results wait in the state folder's job folders and are "
     "filed as soon as it can be written, and no eval starts until then"
