@@ -152,6 +152,9 @@ def test_each_checkpoint_is_evaluated_by_the_command_in_its_own_venv(
         assert seen["flag"] == "on"
     assert not list(tmp_path.rglob("PWNED"))
     assert lines[str(a)]["metrics"]["size"] != lines[str(b)]["metrics"]["size"]
+    # no lm-eval entry: no worker starter importing torch and lm-eval for workers that run a
+    # command (each worker was a fresh process)
+    assert not list(tmp_path.rglob("worker-starter.log"))
     # the per-sample file is what `watcher samples` shows
     s = subprocess.run(
         [*WATCHER, "samples", "run1", "-c", str(cfg), "--task", "my_eval", "--step", "100"],

@@ -218,7 +218,8 @@ class ExecutorConfig(_Model):
     preload: bool = True
     """Fork each worker, warm ones too, from a process that imported torch, transformers and
     lm-eval once (10 to 30 s a worker otherwise); under Ray one such process per node. Off:
-    every worker is a fresh process."""
+    every worker is a fresh process, as it is where no task entry is lm-eval's (the other
+    harnesses' workers import little)."""
 
 
 class TaskSpec(_Model):
@@ -846,6 +847,15 @@ class WatcherConfig(_Model):
                     "elsewhere), so it is not found as a checkpoint of a run"
                 )
         return self
+
+    @property
+    def forks_workers(self) -> bool:
+        """Whether workers are forked from a worker starter (`executor.preload`): only where an
+        lm-eval entry will use its imports. The other harnesses' workers (OLMES, verifiers,
+        commands) run a program of their own and import little themselves (torch for a
+        conversion or a swap's check, when they need one), so a starter's 6-7 s of CPU and
+        about 590 MiB held from the first job on would buy them nothing."""
+        return self.executor.preload and bool(self.eval.lm_eval_tasks)
 
     def resolved(self) -> dict[str, Any]:
         """The config with every default filled in, as plain data (saved beside results)."""

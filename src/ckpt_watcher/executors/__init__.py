@@ -20,7 +20,7 @@ def build_executor(
 
         ray = RayExecutor(on_exit, cfg)
         return ray, RayInventory(ray)
-    preload_in = cfg.state_dir if cfg.executor.preload else None
+    preload_in = cfg.state_dir if cfg.forks_workers else None
     if cfg.eval.warm:
         from ckpt_watcher.executors.warm import WarmExecutor
 
@@ -29,7 +29,7 @@ def build_executor(
             cfg.state_dir,
             idle_seconds=cfg.eval.warm_idle_seconds,
             verify_every=cfg.eval.warm_verify_every,
-            preload=cfg.executor.preload,
+            preload=cfg.forks_workers,
             wake=wake,
         )
         return warm, None

@@ -92,7 +92,7 @@ class RayExecutor(Executor):
             "warm": cfg.eval.warm,
             "warm_idle_seconds": cfg.eval.warm_idle_seconds,
             "warm_verify_every": cfg.eval.warm_verify_every,
-            "preload": cfg.executor.preload,
+            "preload": cfg.forks_workers,
             # each node keeps what its workers stage within the source's budget
             "caches": {
                 str(src.cache_dir): int(src.cache_max_gb * 2**30)
