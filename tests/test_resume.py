@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from ckpt_watcher.proctable import children
-from ckpt_watcher.state import Job
+from ckpt_watcher.state import Job, State
 
 from .conftest import (
     CHUNK,
@@ -157,8 +157,8 @@ def test_a_crash_a_timeout_and_a_lost_host_each_resume_from_the_journal_on_hf(
         os.killpg(first.pid, signal.SIGKILL)
         # attempt 2 takes the journal's units and goes on, then hangs (left stopped) until
         # eval.timeout_seconds kills it; frozen, it shows how far it got (30 s: a worker forked
-        # from the starter and a slowed chunk take 5-15 s; each second of it is a second of
-        # this test)
+        # from the starter and a slowed chunk take 5-15 s; once it is frozen, its start is moved
+        # back by that much, so that this test does not wait the rest out)
         second, _ = _cut_mid_task(
             tmp / "state", daemon, log, attempt=2, past=progress["done"], own_work=True
         )
@@ -172,6 +172,12 @@ def test_a_crash_a_timeout_and_a_lost_host_each_resume_from_the_journal_on_hf(
             [*WATCHER, "status", "-c", str(cfg)], capture_output=True, text=True, timeout=60
         ).stdout
         assert f"addition: {progress['done']}/{RESPONSES} responses, ~" in text, text
+        back = State(tmp / "state")
+        with back.conn:
+            back.conn.execute(
+                "UPDATE jobs SET started_at = started_at - 30 WHERE id = ?", (second.id,)
+            )
+        back.close()
         # attempt 3, part way: the machine goes, the daemon and its worker die together
         third, _ = _cut_mid_task(tmp / "state", daemon, log, attempt=3)  # from its first write
         assert third.pid is not None
