@@ -211,6 +211,21 @@ def test_as_an_unprivileged_user_the_same_sandbox_runs(tmp_path: Path) -> None:
     assert r.stdout.startswith("passed runtime_error"), r.stdout
 
 
+def test_an_interpreter_under_tmp_is_seen_through_the_private_tmp(tmp_path: Path) -> None:
+    """A checkout (and its virtualenv) under /tmp, as CI clones it: the sandbox's private /tmp
+    must not hide the interpreter that runs the program."""
+    venv = tmp_path / "venv"  # pytest's folders are under /tmp
+    assert str(venv).startswith("/tmp/")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    box = Sandbox(LIMITS, python=str(venv / "bin" / "python"))
+    box.check()
+    said = box.run(Program("import sys\nassert sys.prefix != sys.base_prefix\n"))
+    assert said.passed, said  # in its virtualenv, not the Python it was made from
+    wrote = box.run(Program(f"open({str(venv / 'x')!r}, 'w')\n"))
+    assert wrote.status == "runtime_error" and "Read-only" in wrote.error, wrote
+    assert not (venv / "x").exists()
+
+
 def _our_processes() -> int:
     """Processes of this test's process tree (its descendants)."""
     mine = os.getpid()

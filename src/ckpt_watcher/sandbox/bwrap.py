@@ -66,6 +66,7 @@ def interpreter_folders(executable: str = sys.executable) -> list[str]:
     """The folders the interpreter needs, outside /usr: its prefixes (a virtualenv's and the
     Python it was made from) and where the executable really is."""
     wanted = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    wanted.add(str(Path(executable).parent.parent))  # a virtualenv of its own, maybe
     wanted.add(str(Path(os.path.realpath(executable)).parent.parent))
     out = set()
     for folder in wanted:
@@ -91,7 +92,12 @@ def argv(
     if bwrap_version >= (0, 8):
         args.append("--disable-userns")
     args += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
-    args += ["--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
+    args += ["--cap-drop", "ALL"]
+    # the private /tmp first: what is bound after it may lie under /tmp (a checkout's
+    # virtualenv there), and a tmpfs mounted after would hide it
+    if bwrap_version >= (0, 9):
+        args += ["--size", str(int(limits.tmp_mb) << 20)]
+    args += ["--tmpfs", "/tmp", "--ro-bind", "/usr", "/usr"]
     for top in _TOP:
         if os.path.islink(top):
             args += ["--symlink", os.readlink(top), top]
@@ -102,10 +108,7 @@ def argv(
             args += ["--symlink", os.readlink(folder), folder]
         else:
             args += ["--ro-bind", folder, folder]
-    args += ["--proc", "/proc", "--dev", "/dev"]
-    if bwrap_version >= (0, 9):
-        args += ["--size", str(int(limits.tmp_mb) << 20)]
-    args += ["--tmpfs", "/tmp", "--chdir", "/tmp", "--clearenv"]
+    args += ["--proc", "/proc", "--dev", "/dev", "--chdir", "/tmp", "--clearenv"]
     for key, value in CLEAN_ENV.items():
         args += ["--setenv", key, value]
     args += ["--seccomp", str(seccomp_fd), "--", *command]
