@@ -1,17 +1,37 @@
 """What every writer here does to run its ranks: W processes of one gloo group on a free local
-port, each calling `rank(r, *args, port)` (as torchrun would start them)."""
+port, each calling `rank(r, *args, port)` (as torchrun would start them).
+
+The standard library's spawn, not torch's: this parent then never imports torch (about 2 s of
+CPU a writer), only its ranks do."""
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
 
 def spawn(rank: Callable[..., None], world: int, *args: Any) -> None:
-    import torch.multiprocessing as mp
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(rank, args=(*args, port), nprocs=world, join=True)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=rank, args=(r, *args, port)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        while any(p.exitcode is None for p in procs):
+            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:  # the others would wait for it in the group for ever
+                raise SystemExit(f"rank {failed[0][0]} exited with {failed[0][1]}")
+            time.sleep(0.05)
+        failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        if failed:
+            raise SystemExit(f"rank {failed[0][0]} exited with {failed[0][1]}")
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+            p.join()
