@@ -17,6 +17,7 @@ import pytest
 
 from ckpt_watcher.sandbox import Limits, Program, Sandbox, SandboxFailure, seccomp
 from ckpt_watcher.sandbox.launch import OUTPUT_BYTES
+from ckpt_watcher.sandbox.program import SandboxUnavailable
 
 SECRET = "AKIA" + "S3CR3T" * 6
 LIMITS = Limits(cpu_seconds=2, wall_seconds=8, memory_mb=512, tmp_mb=8, file_size_mb=1)
@@ -224,6 +225,18 @@ def test_an_interpreter_under_tmp_is_seen_through_the_private_tmp(tmp_path: Path
     wrote = box.run(Program(f"open({str(venv / 'x')!r}, 'w')\n"))
     assert wrote.status == "runtime_error" and "Read-only" in wrote.error, wrote
     assert not (venv / "x").exists()
+
+
+def test_an_interpreter_whose_folder_is_a_top_level_one_is_refused_not_bound_whole() -> None:
+    """A Python at /tmp/bin/python or /root/bin/python: its prefix bound read-only would show
+    the program every file beside it."""
+    from ckpt_watcher.sandbox.bwrap import interpreter_folders
+
+    for python in ("/tmp/bin/python", "/root/bin/python", "/python"):
+        with pytest.raises(SandboxUnavailable, match="folder of its own"):
+            interpreter_folders(python)
+        with pytest.raises(SandboxUnavailable, match="folder of its own"):
+            Sandbox(LIMITS, python=python).check()  # at start, as code tasks are refused
 
 
 def _our_processes() -> int:

@@ -71,6 +71,15 @@ def interpreter_folders(executable: str = sys.executable) -> list[str]:
     out = set()
     for folder in wanted:
         real = os.path.realpath(folder)
+        if real == "/usr" or real.startswith("/usr/"):
+            continue  # bound read-only as it is
+        if len(Path(real).parts) < 3 or real.startswith("/proc/") or real == "/tmp":
+            # "/", "/root", "/tmp": bound whole, the host's files would be the program's
+            raise SandboxUnavailable(
+                f"the interpreter {executable} lives in {real}, which cannot be shown to "
+                "model-written code without the host's other files: run the watcher from a "
+                "virtualenv or Python installed in a folder of its own (e.g. /opt/venv)"
+            )
         if not real.startswith("/usr/") and real != "/usr" and Path(real).is_dir():
             out.add(real)
             if real != folder:
