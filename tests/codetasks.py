@@ -16,16 +16,8 @@ from ckpt_watcher.demo.tiny import addition_pairs, answer
 
 LM_EVAL_TASKS = Path(lm_eval.__file__).parent / "tasks"
 
-HUMANEVAL_YAML = """include: {lm_eval}/humaneval/humaneval.yaml
-task: {name}
-dataset_path: json
-dataset_name: null
-dataset_kwargs:
-  data_files:
-    test: {data}
-"""
-
-MBPP_YAML = """include: {lm_eval}/mbpp/mbpp.yaml
+# lm-eval's own task YAML (`family`: humaneval or mbpp) over a local data file
+LOCAL_COPY_YAML = """include: {lm_eval}/{family}/{family}.yaml
 task: {name}
 dataset_path: json
 dataset_name: null
@@ -109,13 +101,13 @@ def write_code_tasks(folder: Path, n: int = 12, hostile: Path | None = None) -> 
     sums = humaneval_problems(n)
     if hostile is not None:
         sums.append(hostile_problem(len(sums), hostile))
-    for name, template, problems in (
-        ("sums_humaneval", HUMANEVAL_YAML, sums),
-        ("sums_mbpp", MBPP_YAML, mbpp_problems(n)),
-    ):
+    for family, problems in (("humaneval", sums), ("mbpp", mbpp_problems(n))):
+        name = f"sums_{family}"
         data = folder / f"{name}.jsonl"
         data.write_text("".join(json.dumps(p) + "\n" for p in problems))
         (folder / f"{name}.yaml").write_text(
-            template.format(lm_eval=LM_EVAL_TASKS, name=name, data=json.dumps(str(data)))
+            LOCAL_COPY_YAML.format(
+                lm_eval=LM_EVAL_TASKS, family=family, name=name, data=json.dumps(str(data))
+            )
         )
     return folder

@@ -620,6 +620,11 @@ class EvalConfig(_Model):
         return [t for t in self.tasks if isinstance(t, TaskSpec)]
 
     @property
+    def code_entries(self) -> list[str]:
+        """The names of the lm-eval entries that run model-written code (in the sandbox)."""
+        return [t.name or t.task for t in self.lm_eval_tasks if t.allow_code_execution]
+
+    @property
     def harness_tasks(self) -> list[OlmesTask | VerifiersTask | CommandTask]:
         """The entries of the other harnesses (OLMES, verifiers, commands)."""
         return [t for t in self.tasks if not isinstance(t, TaskSpec)]

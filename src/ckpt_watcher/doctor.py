@@ -106,7 +106,7 @@ def check_sandbox(cfg: WatcherConfig) -> Check:
     from ckpt_watcher.sandbox import SandboxUnavailable, open_sandbox
 
     settings = cfg.eval.sandbox
-    code = [t.name or t.task for t in cfg.eval.lm_eval_tasks if t.allow_code_execution]
+    code = cfg.eval.code_entries
     uses = f"for {', '.join(code)}" if code else "no entry runs code"
     limits = (
         f"{settings.cpu_seconds:g} CPU-s, {settings.memory_mb} MiB, "

@@ -120,7 +120,7 @@ def harness_problems(cfg: WatcherConfig) -> tuple[dict[str, str], list[str]]:
 def sandbox_problem(cfg: WatcherConfig) -> str | None:
     """Why the entries that run model-written code cannot run on this host (the sandbox does
     not start here), or None. Run-unsandboxed is said loudly in the log, never silently."""
-    code = [t.name or t.task for t in cfg.eval.lm_eval_tasks if t.allow_code_execution]
+    code = cfg.eval.code_entries
     if not code:
         return None
     from ckpt_watcher.sandbox import SandboxUnavailable, open_sandbox

@@ -80,7 +80,7 @@ def interpreter_folders(executable: str = sys.executable) -> list[str]:
                 "model-written code without the host's other files: run the watcher from a "
                 "virtualenv or Python installed in a folder of its own (e.g. /opt/venv)"
             )
-        if not real.startswith("/usr/") and real != "/usr" and Path(real).is_dir():
+        if Path(real).is_dir():
             out.add(real)
             if real != folder:
                 out.add(folder)  # the path the interpreter knows itself by, as a link
