@@ -149,6 +149,10 @@ def _server_env(req: EvalRequest, swappable: bool) -> dict[str, str]:
     if req.device == "cpu":
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # the model runs in the engine core's process: on CPU vLLM's default adds a third
+        # process (its "mp" executor's worker) that imports torch and vLLM again, ~9 s of
+        # every start here (the API server's engine core stays a process of its own)
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if env.get("CUDA_VISIBLE_DEVICES") == "":
             env["CUDA_VISIBLE_DEVICES"] = "-1"
     if swappable:  # /collective_rpc and /reset_prefix_cache, on its private socket only
