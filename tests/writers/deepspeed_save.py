@@ -35,6 +35,10 @@ def _rank(
     import torch
     from transformers import AutoModelForCausalLM
 
+    # DeepSpeed's CPU collectives over shared memory are a C++ op it builds on first use (46 s
+    # of g++ on a fresh machine); gloo's own do the same exchanges, and the save is the same
+    # (`deepspeed.comm.torch` is torch itself there: the module is looked up by name)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
     deepspeed.init_distributed(dist_backend="gloo")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = {
