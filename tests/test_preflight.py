@@ -78,3 +78,40 @@ def test_a_passed_check_is_cached_until_the_task_files_change(
     (folder / "addition.yaml").write_text((folder / "addition.yaml").read_text() + "\n# edited\n")
     with pytest.raises(WatcherError, match="cannot check the task names"):
         task_problems(cfg)  # the YAML changed: checked again (and here it cannot be)
+
+
+def test_a_built_in_task_is_loaded_from_its_own_folder_found_in_an_index_kept_per_install(
+    tmp_path: Path, addition_tasks: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lm-eval's index of its built-in YAMLs is built once per installation into the host's
+    cache (the run's shared compile cache, as one host's daemons share theirs): a job of gsm8k
+    then indexes gsm8k's folder and the user's, not lm-eval's thousands of YAMLs, and gets the
+    same task; a group still gets lm-eval's full index; a name in neither is unknown at once."""
+    import lm_eval.tasks
+
+    from ckpt_watcher.evaluators import lm_eval_internals as lmi
+    from ckpt_watcher.evaluators import taskcheck
+
+    from .conftest import COMPILE_CACHE
+
+    paths = [str(addition_tasks)]
+    index = lmi.builtin_tasks(COMPILE_CACHE)
+    assert index["gsm8k"]["kind"] == "TASK" and index["minerva_math"]["kind"] == "GROUP"
+    full = lmi.task_manager(["minerva_math"], paths, index_dir=COMPILE_CACHE)  # a group
+    assert len(full.all_tasks) == len(index) + 2  # lm-eval's all, and the user's two
+    narrow = lmi.task_manager(["gsm8k", "addition"], paths, index_dir=COMPILE_CACHE)
+    assert {"gsm8k", "addition"} <= set(narrow.all_tasks) and len(narrow.all_tasks) < 50
+    for name in ("gsm8k", "addition"):
+        assert lmi.task_yaml_config(narrow, name) == lmi.task_yaml_config(full, name)
+
+    built = []
+    real = lm_eval.tasks.TaskManager
+
+    def counted(*args: object, **kwargs: object) -> object:
+        built.append(kwargs.get("include_defaults", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", counted)
+    said = taskcheck.check(["gsm8k", "addition", "gsm8kk"], str(addition_tasks), str(COMPILE_CACHE))
+    assert said == {"unknown": {"gsm8kk": ["gsm8k", "gsm8k_cot"]}, "missing_data": {}}, said
+    assert built and True not in built, built  # the index file answered: no full index

@@ -854,6 +854,11 @@ class WatcherConfig(_Model):
         return self
 
     @property
+    def compile_cache(self) -> Path:
+        """The host's cache (`eval.compile_cache_dir`, default `<state_dir>/compile-cache`)."""
+        return self.eval.compile_cache_dir or self.state_dir / "compile-cache"
+
+    @property
     def forks_workers(self) -> bool:
         """Whether workers are forked from a worker starter (`executor.preload`): only where an
         lm-eval entry will use its imports. The other harnesses' workers (OLMES, verifiers,

@@ -60,6 +60,7 @@ def task_problems(cfg: WatcherConfig) -> list[str]:
         "tasks": names,
         "include_path": str(cfg.eval.include_path) if cfg.eval.include_path else None,
         "cache": {"path": str(cache), "key": key},
+        "index_dir": str(cfg.compile_cache),
     }
     try:
         r = subprocess.run(

@@ -167,7 +167,9 @@ def run_tasks(
     lm = engine.lm
     metadata = dict(req.model_args) | {"pretrained": req.checkpoint}
     names = [t.task for t in req.tasks]
-    task_manager = lmi.task_manager(names, task_paths(req.include_path), metadata=metadata)
+    task_manager = lmi.task_manager(
+        names, task_paths(req.include_path), metadata=metadata, index_dir=req.compile_cache
+    )
     results_dir = Path(req.results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     outcomes = []

@@ -35,7 +35,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from ckpt_watcher.durable import write_atomic
+from ckpt_watcher.durable import write_atomic, write_json_atomic
 from ckpt_watcher.errors import BackendUnavailable, EvalError
 from ckpt_watcher.evaluators.clamp import ClampCounts, clamp_gen_toks
 
@@ -678,17 +678,62 @@ def n_samples(results: dict[str, Any], task: str) -> int | None:
 
 
 def task_manager(
-    names: list[str], include_paths: list[str], metadata: dict[str, Any] | None = None
+    names: list[str],
+    include_paths: list[str],
+    metadata: dict[str, Any] | None = None,
+    index_dir: str | Path | None = None,
 ) -> Any:
     """lm-eval's TaskManager for `names`. It indexes only `include_paths` (the shipped tasks and
-    the user's own: well under a second) when every name is there, and lm-eval's thousands of
-    built-in YAMLs too (many seconds) only when a name needs them."""
+    the user's own: well under a second) when every name is there. A built-in task (gsm8k)
+    adds its own folder, found in lm-eval's index of its built-in YAMLs kept in `index_dir`
+    (`builtin_tasks`); only a group or tag of those, or a name the index lacks, makes it index
+    all of lm-eval's thousands of YAMLs (7 s of CPU here, at every job)."""
     from lm_eval.tasks import TaskManager
 
     tm = TaskManager(include_path=include_paths, include_defaults=False, metadata=metadata)
-    if set(names) <= set(tm.all_tasks):
+    missing = set(names) - set(tm.all_tasks)
+    if not missing:
         return tm
+    if index_dir is not None:
+        # a name the index lacks is in none of lm-eval's YAMLs: indexing them all finds nothing
+        index = builtin_tasks(index_dir)
+        builtin = {n: index[n] for n in missing if n in index}
+        if all(e["kind"] == "TASK" and e["yaml"] for e in builtin.values()):
+            folders = sorted({str(Path(e["yaml"]).parent) for e in builtin.values()})
+            narrow = TaskManager(
+                include_path=[*include_paths, *folders], include_defaults=False, metadata=metadata
+            )
+            if set(builtin) <= set(narrow.all_tasks):
+                return narrow
     return TaskManager(include_path=include_paths, metadata=metadata)
+
+
+def builtin_tasks(index_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """lm-eval's built-in tasks, groups and tags by name (`{"kind", "yaml"}`), indexed once per
+    lm-eval installation and kept in `index_dir` (the host's compile cache): building the index
+    reads all of lm-eval's YAMLs."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    tasks_dir = Path(lm_eval.__file__).parent / "tasks"
+    stamp = f"{importlib.metadata.version('lm-eval')}:{tasks_dir}:{tasks_dir.stat().st_mtime_ns}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    path = Path(index_dir) / "lm-eval-tasks" / f"{key}.json"
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        pass
+    full = TaskManager(include_defaults=True)
+    index = {
+        name: {
+            "kind": getattr(entry.kind, "name", str(entry.kind)),
+            "yaml": str(entry.yaml_path) if entry.yaml_path else None,
+        }
+        for name, entry in full.task_index.items()
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, index)
+    return index
 
 
 def task_yaml_config(task_manager: Any, name: str) -> dict[str, Any]:

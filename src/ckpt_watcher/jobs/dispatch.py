@@ -225,7 +225,7 @@ class Dispatcher:
             results_dir=str((self.cfg.ledger_dir / job.run_path / folder).resolve()),
             device=device.compute,
             tensor_parallel_size=ev.tensor_parallel_size,
-            compile_cache=str(ev.compile_cache_dir or self.cfg.state_dir / "compile-cache"),
+            compile_cache=str(self.cfg.compile_cache),
             adapter_base=self.discovery.adapter_base(self.book.source_name(job)),
             convert=self.discovery.convert(self.book.source_name(job)),
         )
