@@ -459,8 +459,9 @@ class EvalConfig(_Model):
     compile_cache_dir: Path | None = None
     """Where compiled kernels are kept (vLLM's torch.compile cache, one folder per model shape,
     and torch inductor's, Triton's and FlashInfer's caches), so a model shape compiles once, not
-    once per checkpoint, and again after a restart only if this folder is gone; and torch's
-    environment report that lm-eval puts in every results file, once per environment. Default:
+    once per checkpoint, and again after a restart only if this folder is gone; torch's
+    environment report that lm-eval puts in every results file, once per environment; and
+    lm-eval's index of its built-in tasks, once per installation. Default:
     `<state_dir>/compile-cache`; keep it on the host's persistent local disk."""
     warm_idle_seconds: float = Field(600.0, gt=0)
     """A warm engine with no job for this long is released."""
