@@ -17,7 +17,7 @@ from ckpt_watcher.demo.tiny import addition_pairs, answer
 LM_EVAL_TASKS = Path(lm_eval.__file__).parent / "tasks"
 
 # lm-eval's own task YAML (`family`: humaneval or mbpp) over a local data file
-LOCAL_COPY_YAML = """include: {lm_eval}/{family}/{family}.yaml
+LOCAL_COPY_YAML = """include: {lm_eval}/{family}/{variant}.yaml
 task: {name}
 dataset_path: json
 dataset_name: null
@@ -95,8 +95,8 @@ def hostile_problem(i: int, target: Path) -> dict:
 
 
 def write_code_tasks(folder: Path, n: int = 12, hostile: Path | None = None) -> Path:
-    """`sums_humaneval` and `sums_mbpp` in `folder` (an include_path); `hostile`: a folder that
-    one more humaneval problem tries to write into."""
+    """`sums_humaneval`, `sums_humaneval_plus` and `sums_mbpp` in `folder` (an include_path);
+    `hostile`: a folder that one more humaneval problem tries to write into."""
     folder.mkdir(parents=True, exist_ok=True)
     sums = humaneval_problems(n)
     if hostile is not None:
@@ -105,9 +105,15 @@ def write_code_tasks(folder: Path, n: int = 12, hostile: Path | None = None) -> 
         name = f"sums_{family}"
         data = folder / f"{name}.jsonl"
         data.write_text("".join(json.dumps(p) + "\n" for p in problems))
-        (folder / f"{name}.yaml").write_text(
-            LOCAL_COPY_YAML.format(
-                lm_eval=LM_EVAL_TASKS, family=family, name=name, data=json.dumps(str(data))
+        # EvalPlus's HumanEval+ (lm-eval's humaneval_plus: HumanEval's fields, more tests)
+        for variant in (family, f"{family}_plus") if family == "humaneval" else (family,):
+            (folder / f"sums_{variant}.yaml").write_text(
+                LOCAL_COPY_YAML.format(
+                    lm_eval=LM_EVAL_TASKS,
+                    family=family,
+                    variant=variant,
+                    name=f"sums_{variant}",
+                    data=json.dumps(str(data)),
+                )
             )
-        )
     return folder

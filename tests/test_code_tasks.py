@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from ckpt_watcher.evaluators.passk import pass_at_k
+
 from .codetasks import write_code_tasks
 from .conftest import WATCHER, base_config, write_config
 from .helpers import watcher_once
@@ -42,7 +44,10 @@ def test_humaneval_and_mbpp_run_sandboxed_offline_and_score_as_human_evals_execu
         {"task": "sums_humaneval", "allow_code_execution": True},
         {"task": "sums_mbpp", "num_fewshot": 0, "allow_code_execution": True},
         {"task": "sums_mbpp", "num_fewshot": 1},  # not allowed
-    ]
+        # EvalPlus's HumanEval+ as reasoning runs report it: pass@k over K samples
+        {"task": "sums_humaneval_plus", "samples": 4, "pass_at": [1, 2, 4],
+         "gen_kwargs": {"temperature": 1.0}, "allow_code_execution": True},
+    ]  # fmt: skip
     raw = base_config(tmp_path, watch, tasks, tasks=entries, batch_size=16)
     raw["eval"]["sandbox"] = {"cpu_seconds": 2, "wall_seconds": 10}
     cfg = write_config(tmp_path / "w.yaml", raw)
@@ -52,7 +57,10 @@ def test_humaneval_and_mbpp_run_sandboxed_offline_and_score_as_human_evals_execu
     lines = watcher_once(cfg, ledgers, "code", expect=1, env=env)  # 1: the refused entry
     by = {(ln["task"], ln["num_fewshot"]): ln for ln in lines}
     human, mbpp = by[("sums_humaneval", None)], by[("sums_mbpp", 0)]
-    assert human["status"] == mbpp["status"] == "ok", (human["error"], mbpp["error"])
+    plus = by[("sums_humaneval_plus", None)]
+    assert human["status"] == mbpp["status"] == plus["status"] == "ok", (
+        human["error"], mbpp["error"], plus["error"],
+    )  # fmt: skip
 
     refused = by[("sums_mbpp", 1)]
     assert refused["status"] == "failed" and refused["attempt"] == 1, refused
@@ -95,6 +103,18 @@ def test_humaneval_and_mbpp_run_sandboxed_offline_and_score_as_human_evals_execu
         passed = check_correctness(problem, rec["responses"][0], timeout=3.0)["passed"]
         assert (verdict["status"] == "passed") == passed, (rec, verdict)
         assert rec["scores"]["pass_at_1,none"] == [float(passed)]
+
+    # pass@k over each problem's 4 samples, from their verdicts, by the unbiased estimator
+    passed = []
+    for rec in _records(ledgers, plus):
+        said = rec["verdicts"]["create_test"]
+        assert len(said) == len(rec["responses"]) == 4
+        assert rec["scores"]["pass@1,create_test"] == [float(v["status"] == "passed") for v in said]
+        passed.append(sum(v["status"] == "passed" for v in said))
+    assert 0 < sum(passed) < 4 * len(passed), passed  # the figures below can differ
+    for k in (1, 2, 4):
+        want = sum(pass_at_k(4, c, k) for c in passed) / len(passed)
+        assert plus["metrics"][f"pass@1_pass@{k},create_test"] == pytest.approx(want)
 
     # why a response failed, as `watcher samples` shows it
     shown = subprocess.run(

@@ -36,7 +36,8 @@ class CodeEval:
     def __init__(self) -> None:
         self.sandbox: Sandbox | None = None
         self.allowed = False
-        self.verdicts: dict[tuple[str, str], Verdict] = {}  # (test, candidate) -> verdict
+        # (test, candidate) -> verdict; for the shipped tasks' programs, (problem, source)
+        self.verdicts: dict[tuple[str, str], Verdict] = {}
         self.settings: Any = None  # the sandbox's (config.SandboxConfig)
 
     def compute(
@@ -83,6 +84,24 @@ class CodeEval:
         }
         return pass_at_k, results
 
+    def judge_programs(self, items: Sequence[tuple[str, Program]]) -> list[Verdict]:
+        """Each program's verdict, kept by (`key`, its source): a task's own programs (the
+        shipped code tasks' filters), `key` naming its problem as the task's target does. A
+        program judged before under its key is not run again; the others run at once."""
+        if not self.allowed or self.sandbox is None:
+            raise ValueError(REFUSED)
+        todo: dict[tuple[str, str], Program] = {}
+        for key, program in items:
+            if (key, program.source) not in self.verdicts:
+                todo.setdefault((key, program.source), program)
+        for known, verdict in zip(todo, self.sandbox.run_many(list(todo.values())), strict=True):
+            self.verdicts[known] = verdict
+        return [self.verdicts[(key, program.source)] for key, program in items]
+
+    def remember(self, key: str, source: str, verdict: Verdict) -> None:
+        """A verdict reached without running (a response with no program in it)."""
+        self.verdicts[(key, source)] = verdict
+
     def attach(self, records: list[dict[str, Any]]) -> int:
         """Each record's verdicts, per filter, for the candidates its filter made (a code
         task's filter builds the programs: prompt and response); how many were found."""
@@ -92,10 +111,9 @@ class CodeEval:
             if not isinstance(test, str):
                 continue
             for filt, extracted in (rec.get("extracted") or {}).items():
-                candidates = extracted[0] if len(extracted) == 1 else extracted
-                if isinstance(candidates, str):
-                    candidates = [candidates]
-                said = [self.verdicts.get((test, str(c))) for c in candidates]
+                # one program per response, however lm-eval's filters nested them (a list per
+                # document, or per response of a sampled task)
+                said = [self.verdicts.get((test, str(c))) for c in _flat(extracted)]
                 if any(v is not None for v in said):
                     rec.setdefault("verdicts", {})[filt] = [
                         {"status": v.status, "error": v.error} if v else None for v in said
@@ -105,6 +123,12 @@ class CodeEval:
 
     def forget(self) -> None:
         self.verdicts.clear()
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, list | tuple):
+        return [leaf for item in value for leaf in _flat(item)]
+    return [value]
 
 
 def code_eval_result(verdict: Verdict) -> str:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,14 @@ class Sandbox:
             return list(pool.map(self.run, programs))
 
     def run(self, program: Program) -> Verdict:
+        limits = self.limits
+        if program.tests:  # each test has the CPU limit: the process, all of them
+            n = len(program.tests)
+            limits = replace(
+                limits,
+                cpu_seconds=limits.cpu_seconds * n,
+                wall_seconds=limits.wall_seconds + limits.cpu_seconds * n,
+            )
         command = [self.python, "-s", "-P", "-c", RUNNER]
         report_r, report_w = os.pipe()
         info_r, info_w = os.pipe()
@@ -129,9 +137,10 @@ class Sandbox:
             for fd in keep:
                 os.close(fd)
         request = {"source": program.source, "stdin": program.stdin, "as_main": program.as_main,
-                   "limits": asdict(self.limits), "report_fd": report_w}  # fmt: skip
+                   "limits": asdict(self.limits), "report_fd": report_w,
+                   "tests": program.tests, "call": program.call}  # fmt: skip
         try:
-            read, timed_out = _collect(proc, [report_r, info_r], request, self.limits)
+            read, timed_out = _collect(proc, [report_r, info_r], request, limits)
             rc, usage = _reap(proc)
         finally:
             os.close(report_r)
@@ -154,13 +163,14 @@ class Sandbox:
                 stdout,
                 float(report.get("cpu_seconds") or 0.0),
                 wall,
+                {k: v for k, v in report.items() if k == "tests_passed"},
             )
         cpu = round(usage.ru_utime + usage.ru_stime, 3) if usage is not None else 0.0
         if timed_out:
-            why = f"no end after {self.limits.wall_seconds:g} s of wall-clock time"
+            why = f"no end after {limits.wall_seconds:g} s of wall-clock time"
             return Verdict("timeout", why, stdout, cpu, wall)
         signum = -rc if rc < 0 else rc - 128 if rc > 128 else 0
-        if signum in (signal.SIGXCPU, signal.SIGKILL) and cpu >= self.limits.cpu_seconds:
+        if signum in (signal.SIGXCPU, signal.SIGKILL) and cpu >= limits.cpu_seconds:
             return Verdict("timeout", "CPU time limit reached", stdout, cpu, wall)
         why = (
             f"its process ended by signal {signal.Signals(signum).name}"

@@ -24,11 +24,16 @@ class Limits:
 class Program:
     """A model-written program: its source, its stdin, and how it runs: as lm-eval's
     `code_eval` runs one (`as_main` false: an empty namespace, output swallowed, the same
-    guard), or as a script (`as_main`: `__name__ == "__main__"`, its stdout kept)."""
+    guard), as a script (`as_main`: `__name__ == "__main__"`, its stdout kept), or against
+    `tests`, each with the CPU limit on its own (LiveCodeBench's protocol)."""
 
     source: str
     stdin: str = ""
     as_main: bool = False
+    # judged against these tests instead ({"input", "output"} each; runner.py's protocol):
+    # `call` names the function (or Solution's method) each test calls; None: stdin/stdout
+    tests: tuple[dict[str, str], ...] | None = None
+    call: str | None = None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,14 @@ writes its verdict (JSON) to the file descriptor the request names: `passed`, `f
 `runtime_error`, `memory`, `timeout` (CPU time) or `syntax_error`, with the first lines of the
 error. A program that ends the process itself leaves no verdict; the host then judges by how it
 ended. What the program prints goes to stdout, which the host reads.
+
+A request with `tests` judges the program against them, in order, in this one process, as
+LiveCodeBench's own grader does (its `testing_util.py`): each test a fresh run of the program
+(`call` absent: as `__main__`, the test's input as stdin, its stdout compared line by line, as
+whitespace-stripped lines or as decimal numbers) or a call (`call` names a function, or a method
+of `class Solution`: the input's lines are its JSON arguments, the result compared with the
+output's JSON value, a tuple as a list). LiveCodeBench's import header comes first. Each test
+gets the CPU limit on its own; the first test that does not pass decides the verdict.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import resource
 import signal
 import sys
 import traceback
+import types
 
 PROGRAM = "<program>"
 ERROR_LINES = 6
@@ -43,8 +52,8 @@ def _error(e: BaseException) -> str:
     return "\n".join(lines[-ERROR_LINES:])[:1000]
 
 
-def _limits(limits: dict) -> None:
-    cpu = int(limits["cpu_seconds"])
+def _limits(limits: dict, tests: int = 1) -> None:
+    cpu = int(limits["cpu_seconds"]) * max(1, tests)  # each test's own limit: _TestClock
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL
     memory = int(limits["memory_mb"]) << 20
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
@@ -75,14 +84,16 @@ class _Unreadable(io.StringIO):
         return False
 
 
-def _guard() -> None:
+def _guard(exit_too: bool = True) -> None:
     """What lm-eval's `code_eval` takes away from a program before running it (its
-    `reliability_guard`), so that a program relying on any of these fails here as there."""
+    `reliability_guard`), so that a program relying on any of these fails here as there
+    (LiveCodeBench's own guard keeps `exit`: `exit_too` false)."""
     import shutil
     import subprocess
 
     os.environ["OMP_NUM_THREADS"] = "1"  # (before putenv goes)
-    builtins.exit = None  # type: ignore[assignment]
+    if exit_too:
+        builtins.exit = None  # type: ignore[assignment]
     builtins.quit = None  # type: ignore[assignment]
     builtins.help = None  # type: ignore[assignment]
     for name in (
@@ -98,11 +109,133 @@ def _guard() -> None:
         sys.modules[name] = None  # type: ignore[assignment]
 
 
+# --- a program judged against tests (LiveCodeBench's protocol) -----------------------------
+
+# LiveCodeBench's header (lcb_runner/evaluation/testing_util.py), before every program it runs
+IMPORTS = (
+    "from string import *\nfrom re import *\nfrom datetime import *\nfrom collections import *\n"
+    "from heapq import *\nfrom bisect import *\nfrom copy import *\nfrom math import *\n"
+    "from random import *\nfrom statistics import *\nfrom itertools import *\n"
+    "from functools import *\nfrom operator import *\nfrom io import *\nfrom sys import *\n"
+    "from json import *\nfrom builtins import *\nfrom typing import *\nimport string\nimport re\n"
+    "import datetime\nimport collections\nimport heapq\nimport bisect\nimport copy\nimport math\n"
+    "import random\nimport statistics\nimport itertools\nimport functools\nimport operator\n"
+    "import io\nimport sys\nimport json\nsys.setrecursionlimit(50000)\n"
+)
+SHOWN = 200  # characters of an input, output or answer quoted in a verdict
+
+
+class _TestTimeLimit(BaseException):
+    """One test's CPU time is spent (not an Exception: a program's `except Exception` must not
+    swallow it)."""
+
+
+def _on_test_clock(signum: int, frame: object) -> None:
+    raise _TestTimeLimit
+
+
+def _short(value: object) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= SHOWN else text[: SHOWN // 2] + " ... " + text[-SHOWN // 2 :]
+
+
+def _lines(text: str) -> list[str]:
+    return [line.strip() for line in text.strip().split("\n")]
+
+
+def _same_output(got: str, expected: str) -> bool:
+    """LiveCodeBench's comparison of a stdin program's output: the same stripped lines, each
+    equal as text or as a row of decimal numbers."""
+    from decimal import Decimal, InvalidOperation
+
+    a, b = _lines(got), _lines(expected)
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x == y:
+            continue
+        try:
+            if [Decimal(t) for t in x.split()] != [Decimal(t) for t in y.split()]:
+                return False
+        except (InvalidOperation, ValueError):
+            return False
+    return True
+
+
+def _one_test(
+    header: types.CodeType, code: types.CodeType, call: str | None, test: dict
+) -> tuple[bool, str]:
+    """Run one test; (passed, what was wrong)."""
+    import json
+
+    namespace: dict = {"__name__": "__main__" if call is None else "solution",
+                       "__builtins__": builtins}  # fmt: skip
+    if call is None:
+        stdin = io.TextIOWrapper(io.BytesIO(str(test["input"]).encode()), encoding="utf-8")
+        out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
+        sys.stdin, sys.stdout = stdin, out
+        try:
+            exec(header, namespace)
+            exec(code, namespace)
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                raise
+        finally:
+            sys.stdin, sys.stdout = sys.__stdin__, sys.__stdout__
+        got = out.buffer.getvalue().decode("utf-8", errors="replace")
+        if _same_output(got, str(test["output"])):
+            return True, ""
+        return False, f"printed {_short(got)!r}, expected {_short(test['output'])!r}"
+    exec(header, namespace)
+    exec(code, namespace)
+    owner = namespace["Solution"]() if "Solution" in namespace else None
+    function = getattr(owner, call, None) if owner is not None else namespace.get(call)
+    if function is None:
+        raise NameError(f"the program defines no {call}()")
+    args = [json.loads(line) for line in str(test["input"]).split("\n")]
+    expected = json.loads(test["output"])
+    result = function(*args)
+    if isinstance(result, tuple):
+        result = list(result)
+    if result == expected:
+        return True, ""
+    return False, f"returned {_short(result)}, expected {_short(expected)}"
+
+
+def _run_tests(request: dict) -> dict:
+    tests, call = request["tests"], request.get("call")
+    cpu = float(request["limits"]["cpu_seconds"])
+    header = compile(IMPORTS, "<imports>", "exec")
+    try:
+        code = compile(request["source"], PROGRAM, "exec")
+    except (SyntaxError, ValueError) as e:
+        return {"status": "syntax_error", "error": _error(e), "tests_passed": 0}
+    _guard(exit_too=False)
+    signal.signal(signal.SIGPROF, _on_test_clock)
+    for i, test in enumerate(tests):
+        which = f"test {i + 1} of {len(tests)}"
+        signal.setitimer(signal.ITIMER_PROF, cpu)  # CPU time of this process, this test
+        try:
+            ok, wrong = _one_test(header, code, call, test)
+        except _TestTimeLimit:
+            return {"status": "timeout", "error": f"{which}: over {cpu:g} s of CPU time",
+                    "tests_passed": i}  # fmt: skip
+        except MemoryError as e:
+            return {"status": "memory", "error": f"{which}: {_error(e)}", "tests_passed": i}
+        except BaseException as e:  # what the program raised is its verdict
+            return {"status": "runtime_error", "error": f"{which}: {_error(e)}", "tests_passed": i}
+        finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+        if not ok:
+            return {"status": "failed", "error": f"{which}: {wrong}", "tests_passed": i}
+    return {"status": "passed", "error": "", "tests_passed": len(tests)}
+
+
 def main() -> None:
     global _report_fd
     request = json.loads(sys.stdin.buffer.read())
     _report_fd = int(request["report_fd"])
-    _limits(request["limits"])
+    _limits(request["limits"], len(request.get("tests") or ()))
     signal.signal(signal.SIGXCPU, _on_cpu_limit)
     # the program's own stdin, as a real file descriptor 0
     fd = os.open("/tmp/.program-stdin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -112,6 +245,9 @@ def main() -> None:
     os.close(fd)
     os.unlink("/tmp/.program-stdin")
     sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
+    if request.get("tests") is not None:
+        _report(_run_tests(request))
+        return
     as_main = bool(request.get("as_main"))
     try:
         code = compile(request["source"], PROGRAM, "exec")
