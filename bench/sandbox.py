@@ -12,7 +12,12 @@ a Manager, `reliability_guard`, a 3 s wall-clock limit, 4 programs at a time).
 3. The same set again with every core busy (two busy loops per core): the verdicts that flip
    from the idle run, for each.
 
-Usage: python bench/sandbox.py [--quick N]
+4. LiveCodeBench's protocol (`--tests-only` runs this part alone): 24 stdin/stdout programs
+   (1 in 3 wrong at its last test) against 30 tests each, judged with all of a program's tests
+   in one sandboxed process (`Program(tests=...)`, as the shipped `passk_livecodebench` does)
+   and with one sandboxed process per test: wall time of each, and the same verdicts.
+
+Usage: python bench/sandbox.py [--quick N] [--tests-only]
 """
 
 from __future__ import annotations
@@ -67,6 +72,37 @@ def sandbox_way(box: Sandbox, items: list[tuple[str, str, bool]]) -> tuple[float
     return time.perf_counter() - t0, [v.passed for v in verdicts]
 
 
+def tests_protocol(box: Sandbox, n: int = 24, tests: int = 30) -> None:
+    """All of a program's tests in one process, against one process per test."""
+    source = "a, b = map(int, input().split())\nprint(a + b)\n"
+    cases = []
+    for i in range(n):
+        wrong = i % 3 == 0
+        ts = [{"input": f"{i} {j}\n", "output": f"{i + j}\n"} for j in range(tests)]
+        if wrong:
+            ts[-1] = {"input": f"{i} 0\n", "output": "-1\n"}
+        cases.append((tuple(ts), not wrong))
+    t0 = time.perf_counter()
+    together = box.run_many([Program(source, tests=ts) for ts, _ in cases])
+    one_process = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    apart = box.run_many(
+        [Program(source, stdin=t["input"], as_main=True) for ts, _ in cases for t in ts]
+    )
+    per_test = time.perf_counter() - t0
+    said_apart, k = [], 0
+    for ts, _ in cases:
+        outs = apart[k : k + len(ts)]
+        k += len(ts)
+        said_apart.append(
+            all(v.stdout.strip() == t["output"].strip() for v, t in zip(outs, ts, strict=True))
+        )
+    right = [v.passed for v in together] == [c for _, c in cases] == said_apart
+    print(f"tests protocol: {n} programs x {tests} tests: one process a program {one_process:.2f} s, "
+          f"one a test {per_test:.2f} s (ratio {one_process / per_test:.2f}); verdicts as written "
+          f"and equal: {right}")  # fmt: skip
+
+
 def busy_cores() -> list[subprocess.Popen]:
     return [
         subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -77,9 +113,14 @@ def busy_cores() -> list[subprocess.Popen]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", type=int, default=50, help="programs for the per-program cost")
+    ap.add_argument("--tests-only", action="store_true", help="only part 4")
     args = ap.parse_args()
     limits = Limits(cpu_seconds=3, wall_seconds=60)
     box = Sandbox(limits)
+    if args.tests_only:
+        box.check()
+        tests_protocol(box)
+        return
     bare = Sandbox(limits, jail=False, parallel=1)
     one = Program("def add(a, b):\n    return a + b\nassert add(2, 3) == 5\n")
     box.check()
@@ -124,6 +165,7 @@ def main() -> None:
     for i, name in ((0, "sandbox"), (1, "code_eval's way")):
         flips = sum(a != b for a, b in zip(rows["idle"][i][1], rows["busy"][i][1], strict=True))
         print(f"verdicts that flip from idle to busy, {name}: {flips} of {len(items)}")
+    tests_protocol(box)
 
 
 if __name__ == "__main__":
