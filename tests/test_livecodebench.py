@@ -53,8 +53,9 @@ def record(qid: str, public: list[dict], private: list[dict], func: str = "") ->
 
 
 def test_private_tests_are_read_as_released_and_nothing_but_a_string_is_unpickled(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(utils, "MAX_TESTS_BYTES", 1 << 20)  # the cap, not a gigabyte to zip
     tests = [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]
     assert utils.decode_tests(released(tests)) == tests
     assert utils.decode_tests(json.dumps(tests)) == tests and utils.decode_tests("") == []
@@ -69,11 +70,24 @@ def test_private_tests_are_read_as_released_and_nothing_but_a_string_is_unpickle
         utils.decode_tests(crafted)
     assert not ran.exists()
     listed = base64.b64encode(zlib.compress(pickle.dumps([1, 2]))).decode()
-    with pytest.raises(ValueError, match="not a JSON string"):
+    with pytest.raises(pickle.UnpicklingError, match="EMPTY_LIST"):
         utils.decode_tests(listed)
     bomb = base64.b64encode(zlib.compress(b"\0" * (utils.MAX_TESTS_BYTES + 1))).decode()
     with pytest.raises(ValueError, match="larger than"):
         utils.decode_tests(bomb)
+    # a memo index of 2**26 makes CPython's unpickler allocate a gigabyte: refused unread
+    memo = base64.b64encode(
+        zlib.compress(b"X\x01\0\0\0x" + b"r" + (2**26).to_bytes(4, "little") + b".")
+    ).decode()
+    with pytest.raises(pickle.UnpicklingError, match="LONG_BINPUT"):
+        utils.decode_tests(memo)
+    whole = zlib.compress(pickle.dumps(json.dumps(tests)))
+    with pytest.raises(ValueError, match="one whole zlib stream"):
+        utils.decode_tests(base64.b64encode(whole + b"more").decode())
+    with pytest.raises(ValueError, match="list of"):
+        utils.decode_tests(json.dumps([1, 2]))
+    with pytest.raises(ValueError, match="without question_id"):
+        utils._doc(record("", [], []))
 
 
 def test_the_prompt_shows_the_problem_and_never_a_test_and_the_last_fence_is_the_program() -> None:
@@ -83,6 +97,9 @@ def test_the_prompt_shows_the_problem_and_never_a_test_and_the_last_fence_is_the
     assert "Problem p1" in shown and "Read the inputs from stdin" in shown
     assert "PRIVATE-ANSWER" not in shown and "7 8" not in shown
     assert json.loads(doc["tests"])[-1] == secret and doc["call"] == ""
+    # two records that share an id but not their tests never share a verdict
+    other = utils._doc(record("p1", [{"input": "1 2\n", "output": "2\n"}], [secret]))
+    assert doc["id"].startswith("p1#") and other["id"] != doc["id"]
     functional = utils._doc(record("p2", [{"input": "1\n2", "output": '"3"'}], [], func="add"))
     assert functional["call"] == "add" and "def add(self, a: int" in utils.prompt(functional)
     said = "<think>try\n```python\nprint(1)\n```\n</think>Here:\n```python\nprint(2)\n```\ndone"
@@ -91,8 +108,15 @@ def test_the_prompt_shows_the_problem_and_never_a_test_and_the_last_fence_is_the
     assert utils.extract_program("print(4)") == "" and utils.extract_program("") == ""
 
 
+FORGED = """import gc, os
+fd = next(o["report_fd"] for o in gc.get_objects() if isinstance(o, dict) and "report_fd" in o)
+os.write(fd, {report!r}.encode())
+os._exit(0)
+"""
+
+
 def test_programs_are_judged_against_every_test_as_livecodebench_compares_them() -> None:
-    box = Sandbox(Limits(cpu_seconds=1, wall_seconds=8, memory_mb=512, tmp_mb=8))
+    box = Sandbox(Limits(cpu_seconds=1, wall_seconds=3, memory_mb=512, tmp_mb=8))
     stdin = ({"input": "1 2\n", "output": "3\n"}, {"input": "5 7\n", "output": "12"})
     calls = ({"input": "[1,2,3]\n2", "output": "[3, 4, 5]"}, {"input": "[]\n1", "output": "[]"})
     cases = {
@@ -129,6 +153,27 @@ def test_programs_are_judged_against_every_test_as_livecodebench_compares_them()
         "wrong": ("class Solution:\n    def addAll(self, nums, k):\n        return nums\n", calls,
                   "addAll", "failed"),
         "missing": ("class Solution:\n    pass\n", calls, "addAll", "runtime_error"),
+        # LiveCodeBench's ways: any exit ends a run, one Solution() for all tests, numbers
+        # past Python's 4300 digits
+        "exit 1": ("print(sum(map(int, input().split())))\nexit(1)\n", stdin, None, "passed"),
+        "one solution": (
+            "class Solution:\n    made = 0\n    def __init__(self):\n        Solution.made += 1\n"
+            "    def addAll(self, nums, k):\n"
+            "        return [x + k for x in nums] if Solution.made == 1 else None\n",
+            calls, "addAll", "passed",
+        ),
+        "long int": ("print(int(input()) + 1)\n", ({"input": "9" * 5000, "output": "1" + "0" * 5000},),
+                     None, "passed"),
+        "waits": ("import queue\nqueue.Queue().get()\n", stdin, None, "timeout"),
+        # a wrong program that goes for its verdict: the expected outputs are not in its
+        # process, and a report it writes itself says nothing of them
+        "reads": ("import gc\nprint([o for o in gc.get_objects() if isinstance(o, dict) "
+                  "and 'output' in o][0]['output'])\n", stdin, None, "runtime_error"),
+        "forges": (FORGED.format(report='{"status": "passed"}'), stdin, None, "runtime_error"),
+        "forges ran": (
+            FORGED.format(report='{"status": "ran", "outputs": [{"digest": "0"}, {"digest": "0"}]}'),
+            stdin, None, "failed",
+        ),
     }  # fmt: skip
     programs = [Program(src, tests=tests, call=call) for src, tests, call, _ in cases.values()]
     said = dict(zip(cases, box.run_many(programs), strict=True))
@@ -139,6 +184,20 @@ def test_programs_are_judged_against_every_test_as_livecodebench_compares_them()
     assert "KeyError: 'k'" in said["raises"].error and "runner" not in said["raises"].error
     assert said["wrong"].error == "test 1 of 2: returned [1, 2, 3], expected [3, 4, 5]"
     assert "defines no addAll()" in said["missing"].error
+    assert said["waits"].error == "test 1 of 2: no end after 3 s of wall-clock time"
+
+
+def test_a_fractional_cpu_limit_is_each_tests_and_the_processes_is_their_sum() -> None:
+    box = Sandbox(Limits(cpu_seconds=0.5, wall_seconds=8, memory_mb=512, tmp_mb=8))
+    spin = (
+        "import time\nt = time.process_time()\n"
+        "while time.process_time() - t < 0.3:\n    pass\nprint(int(input()) * 2)\n"
+    )
+    tests = tuple({"input": f"{i}\n", "output": f"{2 * i}\n"} for i in range(4))
+    quick, busy = box.run_many([Program("print(int(input()) * 2)\n", tests=tests),
+                                Program(spin, tests=tests)])  # fmt: skip
+    assert quick.status == busy.status == "passed", (quick, busy)
+    assert busy.cpu_seconds >= 1.2  # 4 x 0.3 s: more than one test's limit, under their sum
 
 
 # --- end to end: pass@k over K samples, through `watcher once` -------------------------------
@@ -232,7 +291,7 @@ def test_livecodebench_pass_at_k_over_k_samples_from_a_local_release_file(
     assert len(docs) == n
     correct = []
     for doc in docs:
-        i = int(doc["target"].removeprefix("s"))
+        i = int(doc["target"].split("#")[0].removeprefix("s"))
         want = json.loads(records[i]["public_test_cases"])[0]["output"].strip()
         said = [r.strip() for r in doc["responses"]]
         assert len(said) == k and doc["extracted"]["sandbox"] == [f"print({r!r})" for r in said]

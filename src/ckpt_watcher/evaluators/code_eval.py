@@ -110,10 +110,17 @@ class CodeEval:
             test = rec.get("target")
             if not isinstance(test, str):
                 continue
+            responses = rec.get("responses") or []
             for filt, extracted in (rec.get("extracted") or {}).items():
-                # one program per response, however lm-eval's filters nested them (a list per
-                # document, or per response of a sampled task)
-                said = [self.verdicts.get((test, str(c))) for c in _flat(extracted)]
+                if len(extracted) == len(responses):  # one answer per response
+                    candidates = [_one(answer) for answer in extracted]
+                else:  # one document's answers, its repeats' programs in one list
+                    candidates = extracted[0] if len(extracted) == 1 else extracted
+                    if not isinstance(candidates, list | tuple):
+                        candidates = [candidates]
+                said = [
+                    self.verdicts.get((test, str(c))) if c is not None else None for c in candidates
+                ]
                 if any(v is not None for v in said):
                     rec.setdefault("verdicts", {})[filt] = [
                         {"status": v.status, "error": v.error} if v else None for v in said
@@ -125,10 +132,12 @@ class CodeEval:
         self.verdicts.clear()
 
 
-def _flat(value: Any) -> list[Any]:
-    if isinstance(value, list | tuple):
-        return [leaf for item in value for leaf in _flat(item)]
-    return [value]
+def _one(answer: Any) -> Any:
+    """A response's program, whether a filter left it alone or in a list of one (None where
+    it left none, or several)."""
+    if isinstance(answer, list | tuple):
+        return answer[0] if len(answer) == 1 else None
+    return answer
 
 
 def code_eval_result(verdict: Verdict) -> str:

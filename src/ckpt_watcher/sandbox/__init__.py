@@ -7,6 +7,10 @@ explicit setting whose name says it (`eval.sandbox.run_model_code_unsandboxed`),
 with its limits and no isolation. `open_sandbox` builds one from the config and proves it works
 on this host first, else raises `SandboxUnavailable` saying why and what to do.
 
+A program judged against tests (LiveCodeBench's) gets their inputs only and reports what it
+gave; `judge.py` compares outside the sandbox, so the expected outputs are never within a
+program's reach.
+
 Each program runs in a process of its own, under `runner.py`, which sets its limits and reports
 its verdict: `passed`, `failed` (an assertion), `timeout` (CPU time), `memory`, `runtime_error`
 or `syntax_error`, with the first lines of its error. Limits are CPU seconds, so a correct

@@ -25,7 +25,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ckpt_watcher.sandbox import bwrap, seccomp
+from ckpt_watcher.sandbox import bwrap, judge, seccomp
 from ckpt_watcher.sandbox.program import (
     Limits,
     Program,
@@ -138,7 +138,8 @@ class Sandbox:
                 os.close(fd)
         request = {"source": program.source, "stdin": program.stdin, "as_main": program.as_main,
                    "limits": asdict(self.limits), "report_fd": report_w,
-                   "tests": program.tests, "call": program.call}  # fmt: skip
+                   "tests": judge.inputs_only(program.tests) if program.tests else None,
+                   "call": program.call}  # fmt: skip
         try:
             read, timed_out = _collect(proc, [report_r, info_r], request, limits)
             rc, usage = _reap(proc)
@@ -156,6 +157,9 @@ class Sandbox:
             report = json.loads(read[report_r]) if read[report_r] else None
         except ValueError:
             report = None
+        if isinstance(report, dict) and program.tests:
+            cpu_used = float(report.get("cpu_seconds") or 0.0)
+            return judge.verdict(program.tests, program.call, report, stdout, cpu_used, wall)
         if isinstance(report, dict):
             return Verdict(
                 str(report.get("status")),
@@ -163,7 +167,6 @@ class Sandbox:
                 stdout,
                 float(report.get("cpu_seconds") or 0.0),
                 wall,
-                {k: v for k, v in report.items() if k == "tests_passed"},
             )
         cpu = round(usage.ru_utime + usage.ru_stime, 3) if usage is not None else 0.0
         if timed_out:

@@ -10,13 +10,15 @@ writes its verdict (JSON) to the file descriptor the request names: `passed`, `f
 error. A program that ends the process itself leaves no verdict; the host then judges by how it
 ended. What the program prints goes to stdout, which the host reads.
 
-A request with `tests` judges the program against them, in order, in this one process, as
-LiveCodeBench's own grader does (its `testing_util.py`): each test a fresh run of the program
-(`call` absent: as `__main__`, the test's input as stdin, its stdout compared line by line, as
-whitespace-stripped lines or as decimal numbers) or a call (`call` names a function, or a method
-of `class Solution`: the input's lines are its JSON arguments, the result compared with the
-output's JSON value, a tuple as a list). LiveCodeBench's import header comes first. Each test
-gets the CPU limit on its own; the first test that does not pass decides the verdict.
+A request with `tests` (their inputs only) runs the program on each, in order, in this one
+process, as LiveCodeBench's own grader does (its `testing_util.py`): a fresh run of the program
+(`call` absent: as `__main__`, the test's input as stdin, its stdout kept in the form
+LiveCodeBench compares, `canonical_output`) or a call (`call` names a function, or a method of
+one `Solution()`: the input's lines are its JSON arguments, the result kept as JSON, a tuple as a
+list). LiveCodeBench's import header comes first. Each test gets the CPU and wall-clock limits
+on its own; an error or a limit ends the run. The expected outputs never come in: the host
+compares what each test gave (`sandbox/judge.py`), so a program cannot read them or change the
+comparison.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from __future__ import annotations
 import builtins
 import io
 import json
+import math
 import os
 import resource
 import signal
 import sys
+import time
 import traceback
 import types
 
@@ -53,7 +57,9 @@ def _error(e: BaseException) -> str:
 
 
 def _limits(limits: dict, tests: int = 1) -> None:
-    cpu = int(limits["cpu_seconds"]) * max(1, tests)  # each test's own limit: _TestClock
+    # each test has its own limit (a timer, _run_tests): the process, all of theirs, whole
+    # seconds up, and one for the runner itself where there are tests
+    cpu = math.ceil(float(limits["cpu_seconds"]) * max(1, tests)) + (1 if tests else 0)
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL
     memory = int(limits["memory_mb"]) << 20
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
@@ -143,92 +149,127 @@ def _lines(text: str) -> list[str]:
     return [line.strip() for line in text.strip().split("\n")]
 
 
-def _same_output(got: str, expected: str) -> bool:
-    """LiveCodeBench's comparison of a stdin program's output: the same stripped lines, each
-    equal as text or as a row of decimal numbers."""
+def canonical_output(text: str) -> str:
+    """A stdin program's output as LiveCodeBench compares it (stripped lines, each equal as
+    text or as a row of decimal numbers), in one form: two outputs it takes for equal have the
+    same form. The host compares these (`sandbox/judge.py`); also used there."""
     from decimal import Decimal, InvalidOperation
 
-    a, b = _lines(got), _lines(expected)
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b, strict=True):
-        if x == y:
-            continue
+    rows: list[object] = []
+    for line in _lines(text):
         try:
-            if [Decimal(t) for t in x.split()] != [Decimal(t) for t in y.split()]:
-                return False
+            numbers = [Decimal(t) for t in line.split()]
         except (InvalidOperation, ValueError):
-            return False
-    return True
+            numbers = None
+        if not numbers or any(n.is_nan() for n in numbers):
+            rows.append(["t", line])
+        else:
+            rows.append(["d", ["0" if n.is_zero() else str(n.normalize()) for n in numbers]])
+    return json.dumps(rows)
+
+
+def _digest(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
+
+
+def _has_tuple(value: object) -> bool:
+    if isinstance(value, tuple):
+        return True
+    if isinstance(value, list):
+        return any(_has_tuple(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_tuple(v) for v in value.values())
+    return False
 
 
 def _one_test(
-    header: types.CodeType, code: types.CodeType, call: str | None, test: dict
-) -> tuple[bool, str]:
-    """Run one test; (passed, what was wrong)."""
-    import json
-
-    namespace: dict = {"__name__": "__main__" if call is None else "solution",
-                       "__builtins__": builtins}  # fmt: skip
+    header: types.CodeType, code: types.CodeType, call: str | None, test: dict, solved: dict
+) -> dict:
+    """Run one test (its input only: its expected output never enters the sandbox); what the
+    program gave, for the host to compare. `solved`: a functional program's function, made at
+    its first test and called by every test (LiveCodeBench makes one `Solution()`)."""
     if call is None:
+        namespace: dict = {"__name__": "__main__", "__builtins__": builtins}
         stdin = io.TextIOWrapper(io.BytesIO(str(test["input"]).encode()), encoding="utf-8")
         out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
         sys.stdin, sys.stdout = stdin, out
         try:
             exec(header, namespace)
             exec(code, namespace)
-        except SystemExit as e:
-            if e.code not in (None, 0):
-                raise
+        except SystemExit:  # any exit ends the run, as LiveCodeBench's grader takes it
+            pass
         finally:
             sys.stdin, sys.stdout = sys.__stdin__, sys.__stdout__
         got = out.buffer.getvalue().decode("utf-8", errors="replace")
-        if _same_output(got, str(test["output"])):
-            return True, ""
-        return False, f"printed {_short(got)!r}, expected {_short(test['output'])!r}"
-    exec(header, namespace)
-    exec(code, namespace)
-    owner = namespace["Solution"]() if "Solution" in namespace else None
-    function = getattr(owner, call, None) if owner is not None else namespace.get(call)
+        return {"digest": _digest(canonical_output(got)), "shown": _short(got)}
+    if "function" not in solved:
+        namespace = {"__name__": "solution", "__builtins__": builtins}
+        exec(header, namespace)
+        exec(code, namespace)
+        owner = namespace["Solution"]() if "Solution" in namespace else None
+        solved["function"] = (
+            getattr(owner, call, None) if owner is not None else namespace.get(call)
+        )
+    function = solved["function"]
     if function is None:
         raise NameError(f"the program defines no {call}()")
     args = [json.loads(line) for line in str(test["input"]).split("\n")]
-    expected = json.loads(test["output"])
     result = function(*args)
-    if isinstance(result, tuple):
+    if isinstance(result, tuple):  # LiveCodeBench's one allowance
         result = list(result)
-    if result == expected:
-        return True, ""
-    return False, f"returned {_short(result)}, expected {_short(expected)}"
+    if _has_tuple(result):  # equal to no JSON value, as in LiveCodeBench's comparison
+        return {"unequal": "a tuple inside the result", "shown": _short(result)}
+    try:
+        text = json.dumps(result, allow_nan=True)
+    except (TypeError, ValueError, RecursionError):
+        return {"unequal": f"a {type(result).__name__}, not a JSON value", "shown": _short(result)}
+    if len(text) <= INLINE_JSON:
+        return {"json": text}
+    return {"digest": _digest(json.dumps(json.loads(text), sort_keys=True)), "shown": _short(text)}
+
+
+INLINE_JSON = 2048  # a functional test's result sent whole up to this; past it, its digest
 
 
 def _run_tests(request: dict) -> dict:
     tests, call = request["tests"], request.get("call")
     cpu = float(request["limits"]["cpu_seconds"])
+    wall = float(request["limits"]["wall_seconds"])
+    # LiveCodeBench's grader lifts Python's 4300-digit limit on int <-> str (its tests have
+    # longer numbers); the tests' own JSON is read under it too
+    sys.set_int_max_str_digits(50000)
     header = compile(IMPORTS, "<imports>", "exec")
     try:
         code = compile(request["source"], PROGRAM, "exec")
     except (SyntaxError, ValueError) as e:
-        return {"status": "syntax_error", "error": _error(e), "tests_passed": 0}
+        return {"status": "syntax_error", "error": _error(e), "outputs": []}
     _guard(exit_too=False)
     signal.signal(signal.SIGPROF, _on_test_clock)
+    signal.signal(signal.SIGALRM, _on_test_clock)
+    solved: dict = {}
+    outputs: list[dict] = []
     for i, test in enumerate(tests):
         which = f"test {i + 1} of {len(tests)}"
         signal.setitimer(signal.ITIMER_PROF, cpu)  # CPU time of this process, this test
+        signal.setitimer(signal.ITIMER_REAL, wall)  # a test that waits instead of computing
+        began = time.monotonic()
         try:
-            ok, wrong = _one_test(header, code, call, test)
+            outputs.append(_one_test(header, code, call, test, solved))
         except _TestTimeLimit:
-            return {"status": "timeout", "error": f"{which}: over {cpu:g} s of CPU time",
-                    "tests_passed": i}  # fmt: skip
+            over = (f"no end after {wall:g} s of wall-clock time"
+                    if time.monotonic() - began >= wall else f"over {cpu:g} s of CPU time")  # fmt: skip
+            return {"status": "timeout", "error": f"{which}: {over}", "outputs": outputs}
         except MemoryError as e:
-            return {"status": "memory", "error": f"{which}: {_error(e)}", "tests_passed": i}
+            return {"status": "memory", "error": f"{which}: {_error(e)}", "outputs": outputs}
         except BaseException as e:  # what the program raised is its verdict
-            return {"status": "runtime_error", "error": f"{which}: {_error(e)}", "tests_passed": i}
+            return {"status": "runtime_error", "error": f"{which}: {_error(e)}",
+                    "outputs": outputs}  # fmt: skip
         finally:
             signal.setitimer(signal.ITIMER_PROF, 0)
-        if not ok:
-            return {"status": "failed", "error": f"{which}: {wrong}", "tests_passed": i}
-    return {"status": "passed", "error": "", "tests_passed": len(tests)}
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    return {"status": "ran", "error": "", "outputs": outputs}
 
 
 def main() -> None:

@@ -9,14 +9,16 @@ LiveCodeBench's generic one (`prompt`): the problem, and only the problem; no te
 shown to the model beyond what its statement says. A response's program is its last fenced
 block after any reasoning (`extract_program`, LiveCodeBench's rule); every response's program of
 a batch is judged at once in the sandbox (`judge`, the task's filter), each against all of its
-problem's tests (sandbox/runner.py: each test with the CPU limit on its own, stopping at the
-first that fails), and a response scores 1 when its program passes them all (`process_results`).
+problem's tests (sandbox/runner.py runs each with the limits on its own and never sees the
+expected outputs; sandbox/judge.py compares), and a response scores 1 when its program passes
+them all (`process_results`).
 Run with `samples: K` and `pass_at` for pass@k (evaluators/passk.py).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import pickle
@@ -46,6 +48,14 @@ MAX_TESTS_BYTES = 1 << 30  # decompressed tests of one problem (a zip bomb stops
 NO_PROGRAM = Verdict("failed", "no fenced code block in the response")
 
 
+# A pickled string is these opcodes and no other: a global, a call, a memo index or a
+# container that could make the unpickler allocate at will is refused before loading
+STRING_OPCODES = frozenset(
+    {"PROTO", "FRAME", "STOP", "MEMOIZE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8",
+     "UNICODE", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BINPUT", "LONG_BINPUT", "PUT"}
+)  # fmt: skip
+
+
 class _StringOnly(pickle.Unpickler):
     """Private tests are a pickled JSON string: any global (a class, a function) is refused."""
 
@@ -53,23 +63,44 @@ class _StringOnly(pickle.Unpickler):
         raise pickle.UnpicklingError(f"private tests may hold a string only, not {module}.{name}")
 
 
+def _load_string(raw: bytes) -> Any:
+    import pickletools
+
+    for op, arg, _ in pickletools.genops(raw):
+        if op.name not in STRING_OPCODES or (op.name.endswith("PUT") and arg not in (0, "0")):
+            raise pickle.UnpicklingError(
+                f"private tests may hold a string only, not pickle's {op.name}"
+            )
+    return _StringOnly(io.BytesIO(raw)).load()
+
+
 def decode_tests(field: Any) -> list[dict[str, Any]]:
     """A test-case field as released: a JSON list, or base64(zlib(pickle(JSON string)))."""
     if isinstance(field, list):
-        return field
+        return _test_list(field)
     text = str(field or "").strip()
     if not text:
         return []
     if text.startswith("["):
-        return list(json.loads(text))
+        return _test_list(json.loads(text))
     inflate = zlib.decompressobj()
-    raw = inflate.decompress(base64.b64decode(text), MAX_TESTS_BYTES)
+    raw = inflate.decompress(base64.b64decode(text, validate=True), MAX_TESTS_BYTES)
     if inflate.unconsumed_tail:
         raise ValueError(f"private tests larger than {MAX_TESTS_BYTES >> 20} MiB")
-    value = _StringOnly(io.BytesIO(raw)).load()
+    if not inflate.eof or inflate.unused_data:
+        raise ValueError("private tests: not one whole zlib stream")
+    value = _load_string(raw)
     if not isinstance(value, str | bytes):
         raise ValueError(f"private tests hold {type(value).__name__}, not a JSON string")
-    return list(json.loads(value))
+    return _test_list(json.loads(value))
+
+
+def _test_list(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, dict) and "input" in t and "output" in t for t in value
+    ):
+        raise ValueError("tests must be a list of {input, output} objects")
+    return value
 
 
 def _doc(record: dict[str, Any]) -> dict[str, Any]:
@@ -80,11 +111,18 @@ def _doc(record: dict[str, Any]) -> dict[str, Any]:
         meta = json.loads(meta or "{}")
     tests = [{"input": str(t["input"]), "output": str(t["output"])} for t in public + private]
     functional = any(t.get("testtype") == "functional" for t in public + private)
+    qid = record.get("question_id") or record.get("id")
+    if not qid:
+        raise ValueError("a LiveCodeBench record without question_id")
+    call = str(meta.get("func_name") or "") if functional else ""
+    # a program's verdict is kept under its problem's id and tests: two records that share an
+    # id (converted or hand-made data) never share verdicts
+    digest = hashlib.sha256(json.dumps([tests, call]).encode()).hexdigest()[:8]
     return {
-        "id": str(record.get("question_id") or record.get("id")),
+        "id": f"{qid}#{digest}",
         "question": str(record["question_content"]),
         "starter_code": str(record.get("starter_code") or ""),
-        "call": str(meta.get("func_name") or "") if functional else "",
+        "call": call,
         "tests": json.dumps(tests),
         "platform": str(record.get("platform") or ""),
         "difficulty": str(record.get("difficulty") or ""),

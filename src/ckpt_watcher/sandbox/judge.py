@@ -1,0 +1,87 @@
+"""A program's verdict on its tests, reached outside the sandbox: the runner (runner.py) gets
+each test's input and reports what the program gave, in the form LiveCodeBench compares; the
+expected outputs stay here, so a program can neither read them nor change the comparison. The
+first test that did not give its expected output decides (`failed`), unless the run ended on
+an error or a limit before it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ckpt_watcher.sandbox.program import Verdict
+from ckpt_watcher.sandbox.runner import canonical_output
+
+SHOWN = 200
+LONGEST_INT = 50_000  # digits, as LiveCodeBench's grader allows
+ENDINGS = ("timeout", "memory", "runtime_error", "syntax_error")  # a run's, before its tests
+
+
+def inputs_only(tests: Sequence[dict[str, str]]) -> list[dict[str, str]]:
+    return [{"input": str(t["input"])} for t in tests]
+
+
+def verdict(
+    tests: Sequence[dict[str, str]],
+    call: str | None,
+    report: dict[str, Any],
+    stdout: str,
+    cpu: float,
+    wall: float,
+) -> Verdict:
+    """The verdict of a tests-mode run whose runner reported `report`."""
+    # LiveCodeBench's tests hold integers past Python's 4300 digits; what a program's report
+    # can make this process parse is capped (runner.INLINE_JSON)
+    if 0 < sys.get_int_max_str_digits() < LONGEST_INT:
+        sys.set_int_max_str_digits(LONGEST_INT)
+    outputs = report.get("outputs") or []
+    if not isinstance(outputs, list):
+        outputs = []
+    n = len(tests)
+    for i, (test, got) in enumerate(zip(tests, outputs, strict=False)):
+        wrong = _wrong(test, call, got if isinstance(got, dict) else {})
+        if wrong:
+            return Verdict("failed", f"test {i + 1} of {n}: {wrong}", stdout, cpu, wall,
+                           {"tests_passed": i})  # fmt: skip
+    status = str(report.get("status"))
+    if status == "ran" and len(outputs) == n:
+        return Verdict("passed", "", stdout, cpu, wall, {"tests_passed": n})
+    if status in ENDINGS:
+        error = str(report.get("error") or "")
+    else:  # never `passed` on the report's word: a program can write one
+        status = "runtime_error"
+        error = f"the run accounted for {len(outputs)} of {n} tests"
+    return Verdict(status, error, stdout, cpu, wall, {"tests_passed": len(outputs)})
+
+
+def _wrong(test: dict[str, str], call: str | None, got: dict[str, Any]) -> str:
+    """What was wrong with one test's output ("" if nothing)."""
+    expected = str(test["output"])
+    shown = str(got.get("shown", got.get("json", "")))[:SHOWN]
+    if call is None:
+        want = _digest(canonical_output(expected))
+        return (
+            "" if got.get("digest") == want else f"printed {shown!r}, expected {_short(expected)!r}"
+        )
+    if "unequal" in got:
+        return f"returned {got['unequal']} ({shown}), expected {_short(expected)}"
+    value = json.loads(expected)
+    if "json" in got:
+        try:
+            same = json.loads(str(got["json"])) == value
+        except ValueError:
+            same = False
+    else:
+        same = got.get("digest") == _digest(json.dumps(value, sort_keys=True))
+    return "" if same else f"returned {shown}, expected {_short(expected)}"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= SHOWN else text[: SHOWN // 2] + " ... " + text[-SHOWN // 2 :]
