@@ -45,7 +45,7 @@ def test_humaneval_and_mbpp_run_sandboxed_offline_and_score_as_human_evals_execu
         {"task": "sums_mbpp", "num_fewshot": 0, "allow_code_execution": True},
         {"task": "sums_mbpp", "num_fewshot": 1},  # not allowed
         # EvalPlus's HumanEval+ as reasoning runs report it: pass@k over K samples
-        {"task": "sums_humaneval_plus", "samples": 4, "pass_at": [1, 2, 4],
+        {"task": "sums_humaneval_plus", "samples": 2, "pass_at": [1, 2],
          "gen_kwargs": {"temperature": 1.0}, "allow_code_execution": True},
     ]  # fmt: skip
     raw = base_config(tmp_path, watch, tasks, tasks=entries, batch_size=16)
@@ -104,16 +104,16 @@ def test_humaneval_and_mbpp_run_sandboxed_offline_and_score_as_human_evals_execu
         assert (verdict["status"] == "passed") == passed, (rec, verdict)
         assert rec["scores"]["pass_at_1,none"] == [float(passed)]
 
-    # pass@k over each problem's 4 samples, from their verdicts, by the unbiased estimator
+    # pass@k over each problem's 2 samples, from their verdicts, by the unbiased estimator
     passed = []
     for rec in _records(ledgers, plus):
         said = rec["verdicts"]["create_test"]
-        assert len(said) == len(rec["responses"]) == 4
+        assert len(said) == len(rec["responses"]) == 2
         assert rec["scores"]["pass@1,create_test"] == [float(v["status"] == "passed") for v in said]
         passed.append(sum(v["status"] == "passed" for v in said))
-    assert 0 < sum(passed) < 4 * len(passed), passed  # the figures below can differ
-    for k in (1, 2, 4):
-        want = sum(pass_at_k(4, c, k) for c in passed) / len(passed)
+    assert 0 < sum(passed) < 2 * len(passed), passed  # the figures below can differ
+    for k in (1, 2):
+        want = sum(pass_at_k(2, c, k) for c in passed) / len(passed)
         assert plus["metrics"][f"pass@1_pass@{k},create_test"] == pytest.approx(want)
 
     # why a response failed, as `watcher samples` shows it
