@@ -6,17 +6,14 @@ an error or a limit before it."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from ckpt_watcher.sandbox.program import Verdict
-from ckpt_watcher.sandbox.runner import canonical_output
+from ckpt_watcher.sandbox.runner import LONGEST_INT, SHOWN, canonical_output, digest, shortened
 
-SHOWN = 200
-LONGEST_INT = 50_000  # digits, as LiveCodeBench's grader allows
 ENDINGS = ("timeout", "memory", "runtime_error", "syntax_error")  # a run's, before its tests
 
 
@@ -62,12 +59,14 @@ def _wrong(test: dict[str, str], call: str | None, got: dict[str, Any]) -> str:
     expected = str(test["output"])
     shown = str(got.get("shown", got.get("json", "")))[:SHOWN]
     if call is None:
-        want = _digest(canonical_output(expected))
+        want = digest(canonical_output(expected))
         return (
-            "" if got.get("digest") == want else f"printed {shown!r}, expected {_short(expected)!r}"
+            ""
+            if got.get("digest") == want
+            else f"printed {shown!r}, expected {shortened(expected)!r}"
         )
     if "unequal" in got:
-        return f"returned {got['unequal']} ({shown}), expected {_short(expected)}"
+        return f"returned {got['unequal']} ({shown}), expected {shortened(expected)}"
     value = json.loads(expected)
     if "json" in got:
         try:
@@ -75,13 +74,5 @@ def _wrong(test: dict[str, str], call: str | None, got: dict[str, Any]) -> str:
         except ValueError:
             same = False
     else:
-        same = got.get("digest") == _digest(json.dumps(value, sort_keys=True))
-    return "" if same else f"returned {shown}, expected {_short(expected)}"
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
-
-
-def _short(text: str) -> str:
-    return text if len(text) <= SHOWN else text[: SHOWN // 2] + " ... " + text[-SHOWN // 2 :]
+        same = got.get("digest") == digest(json.dumps(value, sort_keys=True))
+    return "" if same else f"returned {shown}, expected {shortened(expected)}"

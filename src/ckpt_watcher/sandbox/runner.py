@@ -129,6 +129,7 @@ IMPORTS = (
     "import io\nimport sys\nimport json\nsys.setrecursionlimit(50000)\n"
 )
 SHOWN = 200  # characters of an input, output or answer quoted in a verdict
+LONGEST_INT = 50_000  # digits of an int <-> str, as LiveCodeBench's grader allows
 
 
 class _TestTimeLimit(BaseException):
@@ -140,7 +141,7 @@ def _on_test_clock(signum: int, frame: object) -> None:
     raise _TestTimeLimit
 
 
-def _short(value: object) -> str:
+def shortened(value: object) -> str:
     text = value if isinstance(value, str) else repr(value)
     return text if len(text) <= SHOWN else text[: SHOWN // 2] + " ... " + text[-SHOWN // 2 :]
 
@@ -168,7 +169,7 @@ def canonical_output(text: str) -> str:
     return json.dumps(rows)
 
 
-def _digest(text: str) -> str:
+def digest(text: str) -> str:
     import hashlib
 
     return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
@@ -203,7 +204,7 @@ def _one_test(
         finally:
             sys.stdin, sys.stdout = sys.__stdin__, sys.__stdout__
         got = out.buffer.getvalue().decode("utf-8", errors="replace")
-        return {"digest": _digest(canonical_output(got)), "shown": _short(got)}
+        return {"digest": digest(canonical_output(got)), "shown": shortened(got)}
     if "function" not in solved:
         namespace = {"__name__": "solution", "__builtins__": builtins}
         exec(header, namespace)
@@ -220,14 +221,20 @@ def _one_test(
     if isinstance(result, tuple):  # LiveCodeBench's one allowance
         result = list(result)
     if _has_tuple(result):  # equal to no JSON value, as in LiveCodeBench's comparison
-        return {"unequal": "a tuple inside the result", "shown": _short(result)}
+        return {"unequal": "a tuple inside the result", "shown": shortened(result)}
     try:
         text = json.dumps(result, allow_nan=True)
     except (TypeError, ValueError, RecursionError):
-        return {"unequal": f"a {type(result).__name__}, not a JSON value", "shown": _short(result)}
+        return {
+            "unequal": f"a {type(result).__name__}, not a JSON value",
+            "shown": shortened(result),
+        }
     if len(text) <= INLINE_JSON:
         return {"json": text}
-    return {"digest": _digest(json.dumps(json.loads(text), sort_keys=True)), "shown": _short(text)}
+    return {
+        "digest": digest(json.dumps(json.loads(text), sort_keys=True)),
+        "shown": shortened(text),
+    }
 
 
 INLINE_JSON = 2048  # a functional test's result sent whole up to this; past it, its digest
@@ -239,7 +246,7 @@ def _run_tests(request: dict) -> dict:
     wall = float(request["limits"]["wall_seconds"])
     # LiveCodeBench's grader lifts Python's 4300-digit limit on int <-> str (its tests have
     # longer numbers); the tests' own JSON is read under it too
-    sys.set_int_max_str_digits(50000)
+    sys.set_int_max_str_digits(LONGEST_INT)
     header = compile(IMPORTS, "<imports>", "exec")
     try:
         code = compile(request["source"], PROGRAM, "exec")
