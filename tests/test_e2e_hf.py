@@ -49,7 +49,11 @@ def test_trainer_and_watcher_side_by_side_match_lm_eval(
             daemon,
             log,
         )
-        code, status = status_json(cfg)
+        # the ledger line is written before the state's mark (the crash-safe order): wait for it
+        code, status = wait_for(
+            lambda: (s := status_json(cfg))[1] and s[1]["checkpoint_counts"].get("done") == 3 and s,
+            30, "3 checkpoints done", daemon, log,
+        )  # fmt: skip
         assert code == 0 and status is not None
         assert status["daemon"]["alive"] and status["checkpoint_counts"].get("done") == 3
         daemon.send_signal(signal.SIGTERM)
