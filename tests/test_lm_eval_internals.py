@@ -205,3 +205,40 @@ def test_a_worker_imports_lm_evals_hf_model_without_scikit_learn_which_tasks_sti
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["False", "False", "1.0"], r.stdout
+
+
+def test_a_prompt_template_is_compiled_once_and_renders_as_lm_evals_own() -> None:
+    """lm-eval compiles a task's Jinja template again for each document and few-shot example;
+    a worker compiles each string once. Renders (lm-eval's filters, its StrictUndefined) stay
+    what lm-eval's own `apply_template` gives."""
+    probe = r"""
+import json
+import jinja2
+from lm_eval import utils
+original = utils.apply_template
+compiles = []
+from_string = utils.env.from_string
+utils.env.from_string = lambda source, *a, **k: compiles.append(source) or from_string(source, *a, **k)
+from ckpt_watcher.evaluators.lm_eval_internals import cache_prompt_templates
+cache_prompt_templates()
+cache_prompt_templates()  # twice: still one cache, not a cache of a cache
+templates = [
+    "Question: {{question}}\nAnswer:",
+    "{{answer.split('####')[-1].strip()}}",
+    "{{question | regex_replace('[0-9]+', 'N')}}{% for c in choices %} {{c}}{% endfor %}\n",
+]
+docs = [{"question": f"{i}+{i}=?", "answer": f"work #### {2 * i}", "choices": ["a", str(i)]}
+        for i in range(50)]
+same = all(utils.apply_template(t, d) == original(t, d) for t in templates for d in docs)
+try:
+    utils.apply_template("{{missing}}", docs[0])
+except jinja2.UndefinedError:
+    strict = True
+else:
+    strict = False
+print(json.dumps({"same": same, "strict": strict, "compiles": len(compiles) - 150 * 1}))
+"""
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # `original` compiled 150 times (3 templates x 50 documents); the cached one 3 + 1 times
+    assert json.loads(r.stdout) == {"same": True, "strict": True, "compiles": 4}, r.stdout

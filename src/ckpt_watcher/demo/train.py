@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     t0 = time.monotonic()
+    from ckpt_watcher.evaluators.lm_eval_internals import without_sklearn_in_generation
+
+    without_sklearn_in_generation()  # a second of scikit-learn imports the training never uses
     train(
         args.out,
         run=args.run,

@@ -161,6 +161,7 @@ def run_tasks(
     task `helped` (that job's own worker computes the metrics)."""
     version = importlib.metadata.version("lm-eval")
     lmi.reuse_env_info(req.compile_cache)
+    lmi.cache_prompt_templates()
     if engine is None:
         began = time.monotonic()
         engine = Engine(load_model(req), "cold", time.monotonic() - began)
