@@ -58,7 +58,8 @@ def _rank(
 
 def main() -> None:
     model_dir, out, step, stage, world = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-    spawn(_rank, world, model_dir, out, step, stage, world)
+    os.environ["DS_ACCELERATOR"] = "cpu"  # read by `import deepspeed`, in the fork server
+    spawn(_rank, world, model_dir, out, step, stage, world, preload=("deepspeed",))
 
 
 if __name__ == "__main__":

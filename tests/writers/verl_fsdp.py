@@ -70,7 +70,7 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.0)
     args = p.parse_args()
-    spawn(_rank, args.ranks, args)
+    spawn(_rank, args.ranks, args, preload=("verl.utils.checkpoint.fsdp_checkpoint_manager",))
 
 
 if __name__ == "__main__":
