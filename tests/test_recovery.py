@@ -47,12 +47,20 @@ def test_kill_9_mid_eval_then_restart_loses_and_duplicates_nothing(
         daemon.wait()
     worker = job.pid
     assert alive(worker), "the worker should outlive a kill -9 of the daemon"
+    # held until the next daemon has started, so that it finds the worker still evaluating
+    # (a worker that ends while no daemon runs is filed, not adopted: its own tests)
+    os.kill(worker, signal.SIGSTOP)
     code, st = status_json(cfg)
     assert code == 3 and st and not st["daemon"]["alive"]
 
     with watcher_run(cfg, log) as daemon:
         # the new daemon adopts the worker: it goes on, its job is not started again
-        wait_for(lambda: '"event": "recovery.adopted"' in log.read_text(), 60, "adoption", daemon)
+        try:
+            wait_for(
+                lambda: '"event": "recovery.adopted"' in log.read_text(), 60, "adoption", daemon
+            )
+        finally:
+            os.kill(worker, signal.SIGCONT)
         assert alive(worker) or any(
             ln["job_id"] == job.id for ln in read_ledger(tmp_path / "ledgers", "k")
         )
