@@ -10,11 +10,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from ckpt_watcher.checkpoints import adapter, completeness
 from ckpt_watcher.checkpoints.files import LocalFiles, needed_files
 from ckpt_watcher.checkpoints.fingerprint import fingerprint
+from ckpt_watcher.cli import main
 from ckpt_watcher.config import LocalSource
 from ckpt_watcher.errors import AdapterError, CheckpointChanged
 from ckpt_watcher.worker import merge
@@ -108,6 +110,10 @@ def test_an_adapters_base_is_the_configured_one_its_own_folder_or_the_hub_cache(
         shutil.copyfile(f, repo / "blobs" / f.name)
         (snap / f.name).symlink_to(Path("../../blobs") / f.name)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    # read once, when huggingface_hub is imported: by an earlier test in this process too
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     by_id = fake_adapter(tmp_path / "b" / "checkpoint-1", base="org/tiny")
     assert adapter.resolve_base(LocalFiles(by_id), None, "b") == snap
     # not here, not cached: never downloaded; said, with what to set
@@ -223,7 +229,7 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
     watch = tmp_path / "ckpts"
     local = {
         s: write_adapter(base, watch / "lora" / f"checkpoint-{s}", scale, s)
-        for s, scale in ((10, 0.05), (20, 0.1))
+        for s, scale in ((10, 0.05), (20, 0.1), (70, 0.0))  # 70: saved as initialized
     }
     # step 40's tensors under names peft does not know (as a trainer's own saver may write
     # them): merged, it would be the base alone, scored as the adapter
@@ -261,10 +267,14 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
         json.dumps({**config, "base_model_name_or_path": "org/not-on-this-host"})
     )
     upload_dir(make_client(s3_endpoint), far, bucket, "sm/lora-s3/checkpoint-30/")
+    # a "merged" full checkpoint that is its base byte for byte (verl #7285), in a source that
+    # names its base model
+    shutil.copytree(base, tmp_path / "merged" / "sft_step80")
     raw = base_config(tmp_path, watch, addition_tasks, warm_engine=True)
-    raw["sources"].append(
-        s3_source(f"s3://{bucket}/sm/", tmp_path / "cache", adapter_base=str(base))
-    )
+    raw["sources"] += [
+        s3_source(f"s3://{bucket}/sm/", tmp_path / "cache", adapter_base=str(base)),
+        {"kind": "local", "path": str(tmp_path / "merged"), "base_model": str(base)},
+    ]
     cfg = write_config(tmp_path / "w.yaml", raw)
 
     lines = watcher_once(cfg, tmp_path / "ledgers", "lora", expect=1)  # 1: steps 40, 50 failed
@@ -281,9 +291,29 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
     assert "adapter_base" in other_line["error"]
     lines = [ln for ln in lines if ln["step"] not in (40, 50)]
     run_of = {10: "lora", 20: "lora", 30: "lora-s3", 60: "grpo"}
-    assert sorted(got) == [10, 20, 30, 60] and all(ln["status"] == "ok" for ln in lines), lines
+    assert sorted(got) == [10, 20, 30, 60, 70] and all(ln["status"] == "ok" for ln in lines)
     # the first job (of whichever source was scanned first) loads cold; the others swap in
-    assert sorted(ln["engine"] for ln in lines) == ["cold", "warm", "warm", "warm"], lines
+    (same,) = read_ledger(tmp_path / "ledgers", "sft")
+    engines = sorted(ln["engine"] for ln in [*lines, same])
+    assert engines == ["cold", "warm", "warm", "warm", "warm", "warm"], engines
+    assert all(ln["adapter"] == "merged" for ln in lines), lines
+    # step 70's every lora_B is zero (peft's start): evaluated, its answers the base's, and
+    # flagged: left out of the run's results, said by status
+    untrained = got.pop(70)
+    assert "every lora_B matrix of its 6 modules is zero" in untrained["no_op"], untrained
+    assert not any("no_op" in ln for ln in got.values()), got
+    answers = [r["responses"][0] for r in read_records(tmp_path / "ledgers" / "lora", untrained)]
+    assert answers == addition_answers(base)
+    shown = CliRunner().invoke(main, ["results", "-c", str(cfg), "lora", "--format", "json"])
+    rows = {row["step"]: row for row in json.loads(shown.output)}
+    assert rows[70] == {"step": 70, "addition (0-shot) exact_match,none": "NO-OP"}, rows
+    assert isinstance(rows[20]["addition (0-shot) exact_match,none"], float), rows
+    assert same["no_op"] == f"its weights are its base model's ({base}), byte for byte", same
+    assert "adapter" not in same
+    said = CliRunner().invoke(main, ["status", "-c", str(cfg)]).output
+    assert "checkpoints that change nothing (the newest 2):" in said, said
+    assert "lora step 70 (checkpoint-70): every lora_B matrix" in said, said
+    assert "sft step 80 (sft_step80): its weights are its base model's" in said, said
     assert got[30]["checkpoint"] == f"s3://{bucket}/sm/lora-s3/checkpoint-30/"
     assert got[60]["checkpoint"] == str(actor / "lora_adapter")
     assert got[60]["label"] == "global_step_60"

@@ -210,6 +210,8 @@ class TaskOutcome:
     parts: list[dict[str, Any]] | None = None
     source_format: str | None = None  # the trainer's own format it was converted from
     convert_seconds: float | None = None
+    adapter: str | None = None  # "merged": a LoRA/PEFT adapter, evaluated merged into its base
+    no_op: str | None = None  # why the checkpoint is its base model (checkpoints/noop.py)
 
     @property
     def key(self) -> tuple[str, int | None]:

@@ -80,6 +80,10 @@ FIELDS: dict[str, str] = {
     "eval (`verl-fsdp`); absent for a Hugging Face checkpoint.",
     "convert_seconds": "Seconds the conversion into a Hugging Face folder took (for a job "
     "that used the copy another job of the checkpoint made: the wait for it).",
+    "adapter": "`merged` for a LoRA/PEFT adapter saved alone: evaluated merged into its base.",
+    "no_op": "Why the checkpoint changes nothing (an adapter whose every update is zero, "
+    "weights byte for byte its base's): evaluated, but left out of `results`, alerts, W&B, "
+    "Prometheus and the report.",
     "resumed": "Units (responses, likelihood requests) answered from the task's journal "
     "after an interruption instead of computed again.",
     "results_file": "The harness's results file, relative to the ledger's folder.",
@@ -135,6 +139,12 @@ class Subject:
 def line_run_path(line: dict[str, Any]) -> str:
     """The run path a ledger line is filed under (lines from before run paths: its run)."""
     return str(line.get("run_path") or line["run"])
+
+
+def is_result(line: dict[str, Any]) -> bool:
+    """An `ok` line whose numbers are its checkpoint's own: not a step flagged `no_op` (its
+    numbers are its base model's), which results, alerts, sinks and reports leave out."""
+    return line.get("status") == "ok" and not line.get("no_op")
 
 
 def line_identity(line: dict[str, Any]) -> Identity:
@@ -225,6 +235,8 @@ def result_line(
             if outcome.source_format
             else {}
         )
+        | ({"adapter": outcome.adapter} if outcome.adapter else {})
+        | ({"no_op": outcome.no_op} if outcome.no_op else {})
         | (_lengths(outcome.lengths) if ok and outcome.lengths else {})
         | harness
     )

@@ -172,6 +172,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
             for k, p in sorted(pins.items())
         ]
         regressions = state.get_meta("regressions") or []
+        no_ops = state.get_meta("no_ops") or []
         # set by a live daemon's heartbeat while its ledger folder cannot be written
         unwritable = state.get_meta("ledger_unwritable") if alive else None
         journals = state.get_meta("journals")
@@ -211,6 +212,7 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
             for r in regressions
         ],
         "failure_history": history,
+        "no_ops": no_ops,  # checkpoints that change nothing (the newest, oldest first)
         "suspected_zombies": zombies,
         # each device at the daemon's last heartbeat: running, helping, busy (why) or free
         "devices": devices,
@@ -403,6 +405,11 @@ def render(data: dict[str, Any]) -> str:
     if data["regressions"]:
         lines.append(f"regressions (the newest {len(data['regressions'])}, oldest first):")
         lines.extend(f"  {r['text'].removeprefix('regression: ')}" for r in data["regressions"])
+    if data.get("no_ops"):
+        lines.append(f"checkpoints that change nothing (the newest {len(data['no_ops'])}):")
+        lines.extend(
+            f"  {n['run_path']} step {n['step']} ({n['label']}): {n['why']}" for n in data["no_ops"]
+        )
     for b in data["behind"]:
         eta = f", ~{_duration(b['eta_s'])} at the current rate" if b["eta_s"] is not None else ""
         lines.append(f"behind: {b['run_path']}: {b['due']} checkpoint(s) due{eta}")

@@ -57,6 +57,19 @@ def read_index(files: CheckpointFiles, where: str = "") -> dict[str, str] | None
     return wm
 
 
+def weight_files(checkpoint: Path) -> list[Path]:
+    """The safetensors files a load of the local `checkpoint` reads: those its index maps to,
+    else every one (a name the naming fix added is in neither twice); [] if none. An index
+    that names no file there (the naming bug, not fixed: a base model outside any source) is
+    taken for absent."""
+    weight_map = read_index(LocalFiles(checkpoint))
+    if weight_map is not None:
+        mapped = [checkpoint / n for n in sorted(set(weight_map.values()))]
+        if any(p.is_file() for p in mapped):
+            return mapped
+    return sorted(p for p in checkpoint.glob("*.safetensors") if p.is_file())
+
+
 def plan_fix(files: CheckpointFiles, where: str = "") -> list[LinkAction]:
     """The links needed so every file the index names exists; [] if none are needed.
 

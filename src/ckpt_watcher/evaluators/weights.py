@@ -26,8 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ckpt_watcher.checkpoints.files import LocalFiles
-from ckpt_watcher.checkpoints.namefix import read_index
+from ckpt_watcher.checkpoints import namefix
 from ckpt_watcher.errors import SwapError
 
 # the last two parts of a tensor's name -> the axis that is the hidden dimension
@@ -69,10 +68,7 @@ def hidden_axis(name: str, shape: tuple[int, ...], hidden: int) -> int | None | 
 def weight_files(checkpoint: Path) -> list[Path]:
     """The safetensors files a load reads: those its index maps to, else every one; a swap
     and the quick check read these (a name the naming fix added is in neither twice)."""
-    weight_map = read_index(LocalFiles(checkpoint))
-    if weight_map is not None:
-        return [checkpoint / n for n in sorted(set(weight_map.values()))]
-    files = sorted(checkpoint.glob("*.safetensors"))
+    files = namefix.weight_files(checkpoint)
     if not files:
         raise SwapError(f"{checkpoint}: no safetensors weights to swap in")
     return files

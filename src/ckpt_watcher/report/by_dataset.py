@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ckpt_watcher.ledger import is_result
 from ckpt_watcher.report.table import Table, entry_name, newest_versions
 
 PASS_AT = re.compile(r"^(?P<metric>.+)_pass@(?P<k>\d+),(?P<filter>.*)$")
@@ -32,7 +33,7 @@ def dataset_table(
     at_step = [
         ln
         for ln in newest_versions(lines)
-        if ln.get("step") == step and ln.get("status") == "ok" and ln.get("pass_at")
+        if ln.get("step") == step and is_result(ln) and ln.get("pass_at")
     ]
     chosen: list[tuple[dict[str, Any], str | None]] = []
     if tasks is None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ckpt_watcher.durable import write_atomic
 from ckpt_watcher.errors import WatcherError
-from ckpt_watcher.ledger import REPORT_NAME, ledger_path, read_lines
+from ckpt_watcher.ledger import REPORT_NAME, is_result, ledger_path, read_lines
 from ckpt_watcher.report import samples as samples_mod
 from ckpt_watcher.report.compare import Entry, Points, compare_table, curves, length_curves
 from ckpt_watcher.report.table import (
@@ -280,7 +280,7 @@ def _run_flips(
     per-document records: what training changed (two neighbouring steps often differ in none)."""
     by_task: dict[tuple[str, Any], list[dict[str, Any]]] = {}
     for ln in newest_versions(lines):
-        if ln.get("status") == "ok" and ln.get("samples_file") and isinstance(ln.get("step"), int):
+        if is_result(ln) and ln.get("samples_file") and isinstance(ln.get("step"), int):
             by_task.setdefault((entry_name(ln), ln.get("num_fewshot")), []).append(ln)
     sections = []
     for group in by_task.values():

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_watcher.errors import WatcherError
+from ckpt_watcher.ledger import is_result
 from ckpt_watcher.report import samples as sv
 from ckpt_watcher.report.table import Table, newest_versions, task_label
 
@@ -15,7 +16,7 @@ def step_changes(ledger_dir: Path, run_path: str, lines: list[dict[str, Any]], v
     """A row per (step, task, metric): the value, its change from step `vs`, the 95% interval
     of that change and how many documents it pairs (empty where either side has no records:
     the change is then the ledger's difference, with no interval), and `beyond noise`."""
-    ok = [ln for ln in newest_versions(lines) if ln.get("status") == "ok"]
+    ok = [ln for ln in newest_versions(lines) if is_result(ln)]
     base = {task_label(ln): ln for ln in ok if ln.get("step") == vs}
     if not base:
         steps = sorted({ln["step"] for ln in ok if isinstance(ln.get("step"), int)})

@@ -133,14 +133,16 @@ def metric_rows(
     columns: list[str] = []
     failed: dict[Key, set[str]] = {}
     skipped: dict[Key, set[str]] = {}  # by policy (the backlog): a gap, not a failure
+    no_op: dict[Key, set[str]] = {}  # its base model's numbers (ledger `no_op`): not shown
     where: dict[Key, str] = {}
     noise: dict[Key, Noise] = {}
     for line in lines if all_versions else newest_versions(lines):
         key = (*_point(line), _version(line))
         where.setdefault(key, line.get("checkpoint", ""))
         cells.setdefault(key, {})
-        if line.get("status") != "ok":
-            gone = skipped if line.get("status") == "skipped" else failed
+        if line.get("status") != "ok" or line.get("no_op"):
+            gone = no_op if line.get("status") == "ok" else failed
+            gone = skipped if line.get("status") == "skipped" else gone
             gone.setdefault(key, set()).add(task_label(line))
             continue
         row = cells[key]
@@ -168,7 +170,9 @@ def metric_rows(
     if only is not None:
         columns = list(only)
     # a task that never succeeded has no metric columns: it gets a column of its own
-    for label in sorted({f for fs in [*failed.values(), *skipped.values()] for f in fs}):
+    for label in sorted(
+        {f for fs in [*failed.values(), *skipped.values(), *no_op.values()] for f in fs}
+    ):
         if not any(col.startswith(label + " ") for col in columns):
             columns.append(label)
     out_rows = []
@@ -185,6 +189,8 @@ def metric_rows(
                 values.append("FAILED")
             elif any(col == f or col.startswith(f + " ") for f in skipped.get(key, ())):
                 values.append("SKIPPED")
+            elif any(col == f or col.startswith(f + " ") for f in no_op.get(key, ())):
+                values.append("NO-OP")
             else:
                 values.append(None)
         first = step if step is not None else label

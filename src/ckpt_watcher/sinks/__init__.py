@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 
 from ckpt_watcher.config import WandbSink, WatcherConfig, WebhookSink
-from ckpt_watcher.sinks.alerts import RegressionWatch, failure_text, standing
+from ckpt_watcher.sinks.alerts import RegressionWatch, failure_text, no_op_text, standing
 from ckpt_watcher.sinks.page import ReportWriter
 from ckpt_watcher.sinks.prometheus import DaemonMetrics
 from ckpt_watcher.sinks.wandb import WandbSinkWorker
@@ -23,6 +23,7 @@ from ckpt_watcher.state import State
 log = structlog.get_logger("ckpt_watcher.sinks")
 
 REGRESSIONS_KEPT = 20  # the newest regressions `watcher status` shows
+NO_OPS_KEPT = 20  # the newest checkpoints that changed nothing, which it shows too
 REPORT_FLUSH_SECONDS = 10.0  # on stop, for HTML pages still to be written
 WEBHOOK_FLUSH_SECONDS = 5.0  # on stop, per webhook, for messages still queued
 WANDB_FLUSH_SECONDS = 30.0  # on stop, per W&B sink, to log what is queued and finish its runs
@@ -76,6 +77,8 @@ class Sinks:
             sink.request(run_path)
         if line.get("status") == "failed":
             self._notify(failure_text(line))
+        if line.get("status") == "ok" and line.get("no_op"):
+            self._no_op(line)
         for r in self.regressions.observe(line):
             log.warning("eval.regression", **r.as_dict())
             recent = (self.state.get_meta("regressions") or []) + [
@@ -83,6 +86,18 @@ class Sinks:
             ]
             self.state.set_meta(regressions=recent[-REGRESSIONS_KEPT:])
             self._notify(r.text())
+
+    def _no_op(self, line: dict[str, Any]) -> None:
+        """A step that changes nothing: said once per checkpoint (not per task), and kept for
+        `watcher status`."""
+        seen = self.state.get_meta("no_ops") or []
+        at = {"run_path": line.get("run_path") or line["run"], "step": line.get("step")}
+        at |= {"label": line.get("label"), "fingerprint": line.get("fingerprint")}
+        if any(all(s.get(k) == v for k, v in at.items()) for s in seen):
+            return
+        log.warning("eval.no_op", **at, why=line["no_op"])
+        self.state.set_meta(no_ops=(seen + [at | {"why": line["no_op"]}])[-NO_OPS_KEPT:])
+        self._notify(no_op_text(line))
 
     def _notify(self, text: str) -> None:
         for hook in self.webhooks:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_watcher.config import BASELINE_RUN
+from ckpt_watcher.ledger import is_result
 from ckpt_watcher.report.paired import PairedDelta, t_quantile
 from ckpt_watcher.report.samples import baseline_records, paired_files, records_path
 from ckpt_watcher.report.table import (
@@ -180,7 +181,7 @@ class RegressionWatch:
         return found
 
     def _remember(self, line: dict[str, Any]) -> bool:
-        if line.get("status") != "ok":
+        if not is_result(line):  # failed, or a step that is its base model (`no_op`)
             return False
         if line.get("run_path") == BASELINE_RUN:
             self.baseline_lines.append(line)
@@ -283,6 +284,14 @@ def standing(cfg: Any, lines: list[dict[str, Any]]) -> list[Regression]:
     from ckpt_watcher.sources.baseline import baseline_lines
 
     return RegressionWatch.of(cfg).standing([*baseline_lines(cfg), *lines])
+
+
+def no_op_text(line: dict[str, Any]) -> str:
+    return (
+        f"checkpoint changes nothing: {line.get('run_path') or line['run']} step "
+        f"{line.get('step')} ({line.get('label')}): {line.get('no_op')}; its results are its "
+        "base model's, left out of the run's results"
+    )
 
 
 def failure_text(line: dict[str, Any]) -> str:

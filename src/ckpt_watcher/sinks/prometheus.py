@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from ckpt_watcher.ledger import is_result
 from ckpt_watcher.report.table import entry_name, length_stats
 
 log = structlog.get_logger("ckpt_watcher.sinks.prometheus")
@@ -180,7 +181,7 @@ class DaemonMetrics:
         """The newest step's response lengths per (run, task): steps may be evaluated out of
         order, so an older step's line leaves the gauges alone."""
         stats, step = length_stats(line), line.get("step")
-        if line.get("status") != "ok" or not stats or not isinstance(step, int):
+        if not is_result(line) or not stats or not isinstance(step, int):
             return
         key = (str(line.get("run_path") or line.get("run")), entry_name(line))
         if step < self._newest_step.get(key, step):

@@ -29,7 +29,7 @@ import structlog
 from ckpt_watcher.config import BASELINE_RUN, WandbSink
 from ckpt_watcher.durable import write_json_atomic
 from ckpt_watcher.errors import ConfigError
-from ckpt_watcher.ledger import ledger_path, read_lines
+from ckpt_watcher.ledger import is_result, ledger_path, read_lines
 from ckpt_watcher.report.table import entry_name, is_stderr_metric, length_stats
 
 log = structlog.get_logger("ckpt_watcher.sinks.wandb")
@@ -45,7 +45,7 @@ def metric_key(task: str, shots: int | None, metric: str) -> str:
 def logged_values(line: dict[str, Any]) -> dict[str, Any] | None:
     """What one ledger line logs (None: nothing: failed, no step, or the baseline)."""
     step = line.get("step")
-    if line.get("status") != "ok" or not isinstance(step, int):
+    if not is_result(line) or not isinstance(step, int):
         return None
     if (line.get("run_path") or line["run"]) == BASELINE_RUN:
         return None

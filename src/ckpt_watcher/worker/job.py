@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from ckpt_watcher.checkpoints import noop
 from ckpt_watcher.checkpoints.files import LocalFiles, check_unchanged
 from ckpt_watcher.errors import CheckpointChanged
 from ckpt_watcher.evaluators import compile_cache, engine_watch
@@ -184,15 +185,42 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
             if not isinstance(e, CheckpointChanged):
                 log.exception("worker.convert_failed", checkpoint=req.checkpoint)
             return _record_crash(folder, e)
+        flags = Flags(
+            adapter="merged" if merge is not None else None,
+            no_op=_no_op(Path(req.checkpoint), merge is not None, req.adapter_base),
+        )
         if merge is not None:
             made.append(merge)
             req = dataclasses.replace(req, checkpoint=str(merge))
-        return _run_tasks(folder, spec, req, keeper, servers, unchanged, native)
+        return _run_tasks(folder, spec, req, keeper, servers, unchanged, native, flags)
     finally:
         for path in made:
             shutil.rmtree(path, ignore_errors=True)
         if native is not None:
             native.release()
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """What each of the job's ledger lines says of how the checkpoint was served."""
+
+    adapter: str | None = None  # "merged": an adapter, evaluated merged into its base
+    no_op: str | None = None  # why the checkpoint is its base model (checkpoints/noop.py)
+
+
+def _no_op(checkpoint: Path, is_adapter: bool, base: str | None) -> str | None:
+    """Why `checkpoint` (an adapter saved alone, or a model whose source names its base)
+    changes nothing, or None. A check that cannot be made says nothing: the step is
+    evaluated as any other."""
+    try:
+        if is_adapter:
+            return noop.adapter_no_op(checkpoint)
+        if base is not None and noop.same_weights(checkpoint, Path(base)):
+            return f"its weights are its base model's ({base}), byte for byte"
+    except Exception as e:  # unreadable tensors: the eval says so, if they matter
+        log.warning("worker.no_op_unchecked", checkpoint=str(checkpoint), error=repr(e))
+        return None
+    return None
 
 
 def _converting(folder: JobFolder) -> Callable[[int, int], None]:
@@ -220,6 +248,7 @@ def _run_tasks(
     servers: Servers | None,
     unchanged: Callable[[], None],
     native: Converted | None = None,
+    flags: Flags = Flags(),
 ) -> int:
     """Every task of the job on `req.checkpoint` (the checkpoint, its staged, converted or
     merged copy), each outcome written as it ends; `unchanged` raises if what the job was asked
@@ -238,6 +267,7 @@ def _run_tasks(
         unchanged()  # raises: this task's result is of no bytes the job was asked about
         if native is not None:
             outcome.source_format, outcome.convert_seconds = native.source_format, native.seconds
+        outcome.adapter, outcome.no_op = flags.adapter, flags.no_op
         folder.write_outcome(index[outcome.key], outcome)
         log.info(
             "worker.task_done",
