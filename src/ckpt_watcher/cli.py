@@ -385,6 +385,7 @@ def results(
 def _datasets(lines: list[dict[str, Any]], step: int, suite: Any) -> Any:
     """`results --step`: the step's table by dataset (`report.by_dataset`); exit 1 naming the
     steps that have sampled results where this one has none."""
+    from ckpt_watcher.ledger import is_result
     from ckpt_watcher.report.by_dataset import dataset_table
 
     tasks = None
@@ -399,7 +400,7 @@ def _datasets(lines: list[dict[str, Any]], step: int, suite: Any) -> Any:
     table = dataset_table(lines, step, tasks)
     if not table.rows:
         sampled = sorted(
-            {ln["step"] for ln in lines if ln.get("pass_at") and ln.get("status") == "ok"} - {None}
+            {ln["step"] for ln in lines if ln.get("pass_at") and is_result(ln)} - {None}
         )
         where = (
             f"steps with sampled results: {', '.join(map(str, sampled))}"

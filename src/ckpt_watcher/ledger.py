@@ -26,7 +26,7 @@ from typing import Any
 import structlog
 
 from ckpt_watcher import redact
-from ckpt_watcher.config import task_settings_hash
+from ckpt_watcher.config import BASELINE_RUN, task_settings_hash
 from ckpt_watcher.durable import fsync_dir
 from ckpt_watcher.errors import LedgerError
 from ckpt_watcher.jobfolder import TaskOutcome
@@ -514,6 +514,13 @@ def reused_line(first: dict[str, Any], subject: Subject, ledger_dir: Path) -> di
         checkpoint=subject.location,
         reused_from=first.get("reused_from") or first["checkpoint"],
     )
+    if subject.run_path == BASELINE_RUN:  # the base model is no step of a run
+        line.pop("no_op", None)
+    elif line_run_path(first) == BASELINE_RUN:
+        line["no_op"] = (
+            f"its content is the baseline's ({first['checkpoint']}), by fingerprint: "
+            "the model is the base"
+        )
     origin = ledger_dir / line_run_path(first)
     for key in ("results_file", "samples_file"):
         if first.get(key):  # still relative to the ledger's own folder

@@ -317,7 +317,7 @@ def latest_results(cfg: WatcherConfig, per_run: int = 3) -> list[dict[str, Any]]
     out = []
     for run_path in ledger_mod.iter_runs(cfg.ledger_dir):
         every = ledger_mod.read_lines(ledger_mod.ledger_path(cfg.ledger_dir, run_path)).lines
-        lines = [ln for ln in newest_versions(every) if ln.get("status") == "ok"]
+        lines = [ln for ln in newest_versions(every) if ledger_mod.is_result(ln)]
         steps = sorted({int(ln["step"]) for ln in lines if ln.get("step") is not None})[-per_run:]
         for ln in lines:
             if ln.get("step") in steps or ln.get("step") is None:

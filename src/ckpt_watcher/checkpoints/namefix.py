@@ -62,7 +62,7 @@ def weight_files(checkpoint: Path) -> list[Path]:
     else every one (a name the naming fix added is in neither twice); [] if none. An index
     that names no file there (the naming bug, not fixed: a base model outside any source) is
     taken for absent."""
-    weight_map = read_index(LocalFiles(checkpoint))
+    weight_map = read_index(LocalFiles(checkpoint, follow_links=True))
     if weight_map is not None:
         mapped = [checkpoint / n for n in sorted(set(weight_map.values()))]
         if any(p.is_file() for p in mapped):

@@ -20,40 +20,69 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ckpt_watcher.checkpoints.files import ADAPTER_CONFIG
 from ckpt_watcher.checkpoints.namefix import weight_files
-from ckpt_watcher.checkpoints.safetensors_header import read_local_header
+from ckpt_watcher.checkpoints.safetensors_header import (
+    MAX_HEADER_BYTES,
+    SafetensorsHeader,
+    parse_header,
+)
 
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?:A|B|embedding_A|embedding_B)(?:\.[^.]+)*$")
 _SIDE = re.compile(r"\.lora_(?:embedding_)?(?P<side>[AB])(?:\.|$)")
 _CHUNK = 16 << 20  # bytes compared at a time
+# what an eval reads besides the weights: the same as the base's, or the step is not its base
+# (a copy with another rope_theta, an adapter saved with a chat template of its own)
+_CONFIGS = ("config.json", "generation_config.json")
+_TOKENIZER = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+_VERSION_KEYS = ("transformers_version", "_name_or_path")  # who saved it, not what it is
 
 
-def adapter_no_op(folder: Path) -> str | None:
+def adapter_no_op(folder: Path, base: Path | None = None) -> str | None:
     """Why the LoRA adapter saved in `folder` changes nothing, or None if it may change the
-    model (or is not LoRA: other PEFT methods are not judged)."""
+    model (or is not LoRA: other PEFT methods are not judged). `base`: the model it is merged
+    into, whose tokenizer files any the adapter saved must equal (None: it must save none)."""
     config = json.loads((folder / ADAPTER_CONFIG).read_text())
-    if str(config.get("peft_type", "LORA")).upper() != "LORA":
-        return None
-    modules: dict[str, dict[str, bool]] = {}  # module -> side ("A"/"B") -> all zero
-    for name, zero in _adapter_tensors(folder):
+    kind = config.get("peft_type", "LORA")
+    if str(kind).upper() != "LORA" or config.get("layer_replication"):
+        return None  # layer_replication adds layers, whatever the LoRA weights are
+    if not _same_files(folder, base, _TOKENIZER, only_present=True):
+        return None  # a tokenizer or chat template of its own: what is evaluated differs
+    modules: dict[str, dict[str, bool]] = {}  # module -> "A" / "B" / "bias" -> all zero
+    for name, zero, finite in _adapter_tensors(folder):
         found, side = _LORA.match(name), _SIDE.search(name)
         if found is None or side is None:  # modules_to_save, DoRA's magnitude, tokens...
             return None
+        if not finite:  # NaN or Inf: 0 times it is NaN, a diverged run, never its base
+            return None
+        part = "bias" if side["side"] == "B" and name.endswith(".bias") else side["side"]
         sides = modules.setdefault(found["module"], {})
-        sides[side["side"]] = sides.get(side["side"], True) and zero
+        sides[part] = sides.get(part, True) and zero
     if not modules:
         return None
     scaled = {m: s for m, s in modules.items() if _alpha(config, m) != 0}
     if not scaled:
         return "lora_alpha is 0: every LoRA update is scaled by 0, the model is its base"
     for sides in scaled.values():
-        if set(sides) != {"A", "B"}:
+        if not {"A", "B"} <= set(sides):
             return None  # half a module: not ours to judge
+        if not sides.get("bias", True):
+            return None  # lora_B's bias is added whatever A is
         if not sides["A"] and not sides["B"]:
             return None  # B @ A may be non-zero: the adapter changes this module
     if all(sides.get("B", False) for sides in modules.values()):
@@ -68,10 +97,13 @@ def adapter_no_op(folder: Path) -> str | None:
 
 
 def _alpha(config: dict[str, Any], module: str) -> float | None:
-    """The module's lora_alpha, as peft finds it (`alpha_pattern` first: a key matches the
-    module's name at its end, after a dot)."""
-    for key, value in (config.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
+    """The module's lora_alpha, as peft finds it: `alpha_pattern` first, whose keys match the
+    module's name inside the model (`model.layers.0.self_attn.q_proj`, without the
+    `base_model.model.` a save puts before it) at its end, after a dot."""
+    name = module.removeprefix("base_model.model.")
+    pattern = config.get("alpha_pattern") or {}
+    for key, value in pattern.items() if isinstance(pattern, dict) else ():
+        if re.match(rf"(.*\.)?({key})$", name):
             return _number(value)
     return _number(config.get("lora_alpha"))
 
@@ -80,23 +112,50 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
-def _adapter_tensors(folder: Path) -> Iterator[tuple[str, bool]]:
-    """Each of the adapter's tensors by name, and whether it is all zero (one tensor in memory
-    at a time)."""
+def _adapter_tensors(folder: Path) -> Iterator[tuple[str, bool, bool]]:
+    """Each of the adapter's tensors by name, whether it is all zero, and whether every value
+    is finite (one tensor in memory at a time)."""
     import torch
+
+    def judged(name: str, t: Any) -> tuple[str, bool, bool]:
+        return str(name), not bool(t.any()), bool(torch.isfinite(t).all())
 
     if (folder / "adapter_model.safetensors").is_file():
         from safetensors import safe_open
 
         with safe_open(str(folder / "adapter_model.safetensors"), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - a safe_open handle is not a dict
-                yield name, not bool(f.get_tensor(name).any())
+                yield judged(name, f.get_tensor(name))
         return
-    loaded = torch.load(
-        folder / "adapter_model.bin", map_location="cpu", weights_only=True, mmap=True
-    )
+    loaded = torch.load(folder / "adapter_model.bin", map_location="cpu", weights_only=True)
     for name, tensor in dict(loaded).items():
-        yield str(name), not bool(tensor.any())
+        yield judged(name, tensor)
+
+
+def _same_files(
+    folder: Path, base: Path | None, names: tuple[str, ...], only_present: bool
+) -> bool:
+    """Whether each of `names` is the same in `folder` as in `base` (JSON files as values,
+    without the keys that say who saved them; others byte for byte). `only_present`: only
+    those `folder` has (an adapter saves none of them unless it changes them)."""
+    for name in names:
+        mine = folder / name
+        if only_present and not mine.exists():
+            continue
+        theirs = base / name if base is not None else None
+        if theirs is None or mine.exists() != theirs.exists():
+            return False
+        if not mine.exists():
+            continue
+        if name.endswith(".json"):
+            a, b = json.loads(mine.read_text()), json.loads(theirs.read_text())
+            if isinstance(a, dict) and isinstance(b, dict):
+                a, b = ({k: v for k, v in d.items() if k not in _VERSION_KEYS} for d in (a, b))
+            if a != b:
+                return False
+        elif mine.read_bytes() != theirs.read_bytes():
+            return False
+    return True
 
 
 class _Stored(NamedTuple):
@@ -112,6 +171,8 @@ def same_weights(checkpoint: Path, base: Path) -> bool:
     """Whether every tensor of `checkpoint` is its `base`'s (names, dtypes, shapes, bytes),
     over safetensors files however each is sharded. Compares the smallest tensors first (a
     trained model's norms differ at once) and stops at the first difference."""
+    if not _same_files(checkpoint, base, _CONFIGS + _TOKENIZER, only_present=False):
+        return False
     mine, theirs = _tensor_index(checkpoint), _tensor_index(base)
     if mine is None or theirs is None or set(mine) != set(theirs):
         return False
@@ -130,7 +191,7 @@ def _tensor_index(folder: Path) -> dict[str, _Stored] | None:
     if not files:
         return None
     for path in files:
-        header = read_local_header(path)
+        header = _header(path)
         start = 8 + header.header_len
         for name, entry in header.entries.items():
             if name in out:
@@ -139,6 +200,16 @@ def _tensor_index(folder: Path) -> dict[str, _Stored] | None:
             kind = (str(entry.get("dtype")), tuple(entry.get("shape") or ()))
             out[name] = _Stored(path, kind, start + begin, end - begin)
     return out
+
+
+def _header(path: Path) -> SafetensorsHeader:
+    """A safetensors file's header, read through a link (the Hugging Face cache links each
+    snapshot's files into its blobs)."""
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        if length > MAX_HEADER_BYTES:
+            raise ValueError(f"{path}: a header of {length} bytes")
+        return parse_header(f.read(length), length)
 
 
 def _same_bytes(a: _Stored, b: _Stored) -> bool:

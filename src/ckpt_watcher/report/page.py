@@ -380,7 +380,7 @@ def render_entries(
     lengths = _cards(entries, of_runs, "card lengths", None, baseline_name)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     every = [ln for e in entries for ln in e.every_line]
-    n_ok = sum(1 for ln in every if ln.get("status") == "ok")
+    n_ok = sum(1 for ln in every if is_result(ln))
     title = ", ".join(e.name for e in entries)
     runs = "" if alone else f"{len(_runs(entries))} runs; "
     return (

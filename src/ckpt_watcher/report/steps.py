@@ -20,7 +20,9 @@ def step_changes(ledger_dir: Path, run_path: str, lines: list[dict[str, Any]], v
     base = {task_label(ln): ln for ln in ok if ln.get("step") == vs}
     if not base:
         steps = sorted({ln["step"] for ln in ok if isinstance(ln.get("step"), int)})
-        raise WatcherError(f"no ok result at step {vs}; steps with results: {steps or 'none'}")
+        flagged = any(ln.get("no_op") and ln.get("step") == vs for ln in lines)
+        why = " (its checkpoint changes nothing: `no_op` in its lines)" if flagged else ""
+        raise WatcherError(f"no ok result at step {vs}{why}; steps with results: {steps or 'none'}")
     base_records = {label: _records(ledger_dir, run_path, ln) for label, ln in base.items()}
     rows: list[list[Any]] = []
     for ln in sorted(ok, key=lambda x: (x.get("step") or 0, task_label(x))):

@@ -144,6 +144,8 @@ def metric_rows(
             gone = no_op if line.get("status") == "ok" else failed
             gone = skipped if line.get("status") == "skipped" else gone
             gone.setdefault(key, set()).add(task_label(line))
+            if gone is no_op:  # it covers an earlier attempt's failure
+                failed.get(key, set()).discard(task_label(line))
             continue
         row = cells[key]
         judged = noise.setdefault(key, Noise())

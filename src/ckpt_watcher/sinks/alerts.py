@@ -181,7 +181,10 @@ class RegressionWatch:
         return found
 
     def _remember(self, line: dict[str, Any]) -> bool:
-        if not is_result(line):  # failed, or a step that is its base model (`no_op`)
+        if line.get("status") == "ok" and line.get("no_op"):
+            self._forget(line)  # a step rewritten into its base model: its old numbers go
+            return False
+        if not is_result(line):
             return False
         if line.get("run_path") == BASELINE_RUN:
             self.baseline_lines.append(line)
@@ -197,6 +200,13 @@ class RegressionWatch:
             points[:] = [p for p in points if p.step != step]  # a rewritten checkpoint: newest
             points.append(_Point(step, value, se, records))
         return True
+
+    def _forget(self, line: dict[str, Any]) -> None:
+        """Drop the points of `line`'s step and task (every metric): it is its base model now."""
+        run_path, step = line.get("run_path") or line["run"], line.get("step")
+        for key, points in self.points.items():
+            if key[:3] == (run_path, entry_name(line), line.get("num_fewshot")):
+                points[:] = [p for p in points if p.step != step]
 
     def _records_path(self, line: dict[str, Any]) -> Path | None:
         return None if self.ledger_dir is None else records_path(self.ledger_dir, line)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from ckpt_watcher.checkpoints import noop
+from ckpt_watcher.checkpoints import adapter, noop
 from ckpt_watcher.checkpoints.files import LocalFiles, check_unchanged
 from ckpt_watcher.errors import CheckpointChanged
 from ckpt_watcher.evaluators import compile_cache, engine_watch
@@ -214,7 +214,9 @@ def _no_op(checkpoint: Path, is_adapter: bool, base: str | None) -> str | None:
     evaluated as any other."""
     try:
         if is_adapter:
-            return noop.adapter_no_op(checkpoint)
+            override = Path(base) if base is not None else None
+            found = adapter.resolve_base(LocalFiles(checkpoint), override, str(checkpoint))
+            return noop.adapter_no_op(checkpoint, found)
         if base is not None and noop.same_weights(checkpoint, Path(base)):
             return f"its weights are its base model's ({base}), byte for byte"
     except Exception as e:  # unreadable tensors: the eval says so, if they matter
