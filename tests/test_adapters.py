@@ -310,6 +310,10 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
     assert isinstance(rows[20]["addition (0-shot) exact_match,none"], float), rows
     assert same["no_op"] == f"its weights are its base model's ({base}), byte for byte", same
     assert "adapter" not in same
+    looked = CliRunner().invoke(
+        main, ["samples", "-c", str(cfg), "lora", "--step", "70", "--task", "addition"]
+    )
+    assert "note: step 70 changes nothing (every lora_B matrix" in looked.output, looked.output
     said = CliRunner().invoke(main, ["status", "-c", str(cfg)]).output
     assert "checkpoints that change nothing (the newest 2):" in said, said
     assert "lora step 70 (checkpoint-70): every lora_B matrix" in said, said

@@ -528,6 +528,11 @@ def samples(
         def render(items: list[Any]) -> list[str]:
             return sv.render_flips(items, key, vs_step or 0, step)
 
+    for which, line in ((step, at.line), (vs_step, before.line if vs_step is not None else {})):
+        if line.get("no_op"):  # shown for a look, never counted as the step's result
+            head += (
+                f"\nnote: step {which} changes nothing ({line['no_op']}): its base model's answers"
+            )
     total = len(shown)
     if max_docs:
         shown = shown[:max_docs]
