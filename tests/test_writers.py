@@ -325,6 +325,44 @@ def test_a_queued_pinned_checkpoint_that_a_trainer_deletes_file_by_file_is_not_m
         state.close()
 
 
+def test_an_evaluated_checkpoint_that_a_trainer_deletes_file_by_file_stays_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Evaluated, then deleted by keep-last-k a file at a time: a scan in the middle sees its
+    files changed (a rewrite, checked again), the next finds it gone. It stays `done` (a suite
+    run on CI found it `missed`, its results all in the ledger)."""
+    watch = tmp_path / "ckpts"
+    ck = write_fake_checkpoint(watch / "r_step1")
+    state = State(tmp_path / "state")
+    clock = Clock()
+    source = LocalSource(watch, poll_seconds=1000, inotify=False)
+    discovery = Discovery([source], state, 1, wake=lambda: None, clock=clock, settle_seconds=0)
+    try:
+        first_look(discovery, clock)
+        look(discovery, clock, 1.5)
+        row = state.checkpoint(str(ck))
+        assert row is not None and row.state == "ready", row
+        job = Job("j1", str(ck), "r", row.step, ck.name, [{"task": "t"}], "h", clock.t, 0.0)
+        state.add_job(job)
+        state.update_job("j1", state="ok")
+        state.upsert_checkpoint(str(ck), source.name, clock.t, state="done")
+        said = Said()
+        monkeypatch.setattr("ckpt_watcher.discovery.log", said)
+        (ck / "model.safetensors").unlink()  # the trainer's rmtree, half way
+        discovery.tick(clock.t, force=True, polls=False)
+        look(discovery, clock, 0.1)
+        assert state.checkpoint(str(ck)).state == "incomplete"  # type: ignore[union-attr]
+        shutil.rmtree(ck)  # and done
+        discovery.tick(clock.t, force=True, polls=False)
+        look(discovery, clock, 0.1)
+        events = [e["event"] for e in said.events]
+        assert "checkpoint.files_changed" in events and "checkpoint.missed" not in events, events
+        assert state.checkpoint(str(ck)).state == "done"  # type: ignore[union-attr]
+    finally:
+        discovery.close()
+        state.close()
+
+
 def test_a_verl_lora_steps_model_is_its_adapter_though_its_config_folder_came_first(
     s3_endpoint: str, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

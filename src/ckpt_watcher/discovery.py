@@ -546,6 +546,24 @@ class Discovery:
         row = self.state.checkpoint(f.location)
         if row is None or row.state not in MISSABLE:
             return
+        if row.state == "incomplete":
+            # evaluated, then its files changed (checked again as a rewrite), then gone:
+            # keep-last-k's rmtree takes a file at a time and a scan in the middle saw a
+            # change. Deleted, not rewritten: it stays what its jobs made it, never `missed`
+            ok = self.state.jobs("ok", location=f.location)
+            failed = self.state.jobs("failed", location=f.location)
+            if ok or failed:
+                self.state.upsert_checkpoint(
+                    f.location,
+                    row.source,
+                    now,
+                    state="done" if ok else "failed",
+                    reason="deleted after evaluation",
+                )
+                log.info(
+                    "checkpoint.deleted_after_eval", location=f.location, run=row.run, step=row.step
+                )
+                return
         if self.held(row.source, f.location):
             log.info("checkpoint.deleted_pinned", location=f.location, run=row.run, step=row.step)
             self.on_held_deleted()  # its files now cost disk only its pin (or copy) holds
