@@ -123,7 +123,8 @@ def slowed() -> Iterator[None]:
     finally:
         for pid, t in throttles.items():
             t.stop()
-            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile: nothing to resume
+                os.kill(pid, signal.SIGCONT)
 
 
 def cut(
