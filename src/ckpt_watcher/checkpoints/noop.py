@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ckpt_watcher.checkpoints.files import ADAPTER_CONFIG
+from ckpt_watcher.checkpoints.layouts import HF_META
 from ckpt_watcher.checkpoints.namefix import weight_files
 from ckpt_watcher.checkpoints.safetensors_header import (
     MAX_HEADER_BYTES,
@@ -39,17 +40,7 @@ _CHUNK = 16 << 20  # bytes compared at a time
 # what an eval reads besides the weights: the same as the base's, or the step is not its base
 # (a copy with another rope_theta, an adapter saved with a chat template of its own)
 _CONFIGS = ("config.json", "generation_config.json")
-_TOKENIZER = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
+_TOKENIZER = tuple(sorted(HF_META - set(_CONFIGS)))  # and the chat template, the preprocessor
 _VERSION_KEYS = ("transformers_version", "_name_or_path")  # who saved it, not what it is
 
 
