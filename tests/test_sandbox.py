@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_watcher.sandbox import Limits, Program, Sandbox, SandboxFailure, seccomp
+from ckpt_watcher.sandbox import Limits, Program, Sandbox, SandboxFailure, launch, seccomp
 from ckpt_watcher.sandbox.launch import OUTPUT_BYTES
 from ckpt_watcher.sandbox.program import SandboxUnavailable
 
@@ -189,6 +189,19 @@ def test_a_bwrap_that_cannot_start_is_a_sandbox_failure_never_a_verdict(tmp_path
     box = Sandbox(LIMITS, bwrap_setting=str(fake))
     with pytest.raises(SandboxFailure, match="cannot make a user namespace.*Ubuntu 24.04"):
         box.run(Program("pass\n"))
+
+
+def test_a_launcher_that_ends_without_reading_its_request_is_reaped_without_an_error() -> None:
+    """The request sits in stdin's buffer when the launcher (a bwrap that cannot start) has
+    already ended: closing stdin then flushes into a closed pipe. Seen in a CI run as a
+    BrokenPipeError in place of the SandboxFailure that says what to do."""
+    proc = subprocess.Popen(["true"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    assert proc.stdin is not None
+    proc.stdin.write(b"{}")  # buffered, not yet flushed, as the feeder leaves it
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # ended, not yet reaped
+    rc, _ = launch._reap(proc)
+    assert rc == 0 and proc.stdin.closed
 
 
 def test_as_an_unprivileged_user_the_same_sandbox_runs(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ A sandbox that fails to start a program raises `SandboxFailure`: no verdict is e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -236,6 +237,7 @@ def _collect(
                     sel.unregister(key.fd)
                 elif len(got[name]) < caps[name]:
                     got[name] += chunk[: caps[name] - len(got[name])]
+    feeder.join(timeout=5)  # it ended or met a closed pipe: never two threads on one stream
     return {name: bytes(data) for name, data in got.items()}, timed_out
 
 
@@ -263,5 +265,7 @@ def _reap(proc: subprocess.Popen[bytes]) -> tuple[int, Any]:
     proc.returncode = os.waitstatus_to_exitcode(status)
     for stream in (proc.stdin, proc.stdout, proc.stderr):
         if stream is not None:
-            stream.close()
+            # stdin may hold a request it never read: closing flushes it into a closed pipe
+            with contextlib.suppress(OSError):
+                stream.close()
     return proc.returncode, usage
