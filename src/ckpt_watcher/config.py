@@ -465,6 +465,12 @@ class EvalConfig(_Model):
     `<state_dir>/compile-cache`; keep it on the host's persistent local disk."""
     warm_idle_seconds: float = Field(600.0, gt=0)
     """A warm engine with no job for this long is released."""
+    serve_adapters: bool = True
+    """On vLLM, a LoRA adapter saved alone is served on its base model (loaded once, with LoRA
+    enabled; each step's adapter under an id of its own) for lm-eval's tasks, instead of being
+    merged into a copy of the base for each step. Adapters vLLM cannot serve as peft applies
+    them (DoRA, modules_to_save, ...; see docs) are merged all the same, and so are those of
+    other harnesses and of the hf backend. false: every adapter is merged."""
     think_end: str | None = Field(None, min_length=1)
     """Every task entry's end-of-thinking marker unless it names its own (reasoning models:
     `</think>`); null: responses are scored whole."""

@@ -63,6 +63,10 @@ class EvalError(WatcherError):
     """An evaluation failed inside the worker (bad task, backend refusal, crash)."""
 
 
+class AdapterNotServed(EvalError):
+    """vLLM refused to load a LoRA adapter on its base: the worker merges it instead."""
+
+
 class ResultsNotWritten(EvalError):
     """A task's results could not be written into the ledger folder (full, read-only, an NFS
     error): the task failed, but a retry resumes from its journal."""

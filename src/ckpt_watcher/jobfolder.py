@@ -128,6 +128,9 @@ class EvalRequest:
     )
     adapter_base: str | None = None  # the source's `adapter_base` (worker/merge.py)
     convert: list[str] | None = None  # the source's converter (formats/command.py)
+    serve_adapters: bool = True  # eval.serve_adapters: an adapter served on vLLM, not merged
+    # set by the worker only: the LoRA adapter served on `checkpoint` (then its base model)
+    lora: str | None = None
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,9 @@ class TaskOutcome:
     parts: list[dict[str, Any]] | None = None
     source_format: str | None = None  # the trainer's own format it was converted from
     convert_seconds: float | None = None
-    adapter: str | None = None  # "merged": a LoRA/PEFT adapter, evaluated merged into its base
+    # a LoRA/PEFT adapter saved alone, evaluated "served" on its base by vLLM (LoRA enabled)
+    # or "merged" into a copy of its base (worker/merge.py)
+    adapter: str | None = None
     no_op: str | None = None  # why the checkpoint is its base model (checkpoints/noop.py)
 
     @property

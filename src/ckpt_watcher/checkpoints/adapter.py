@@ -16,6 +16,7 @@ The base is the source's `adapter_base` when set; else the adapter's own
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from pathlib import Path
 from typing import cast
@@ -55,6 +56,82 @@ def unmergeable(config: dict) -> str:
             "evaluates models it can merge (LoRA and its kin); evaluate it with peft yourself"
         )
     return ""
+
+
+# the ranks vLLM's LoRA kernels are built for (its `max_lora_rank` choices, 0.26 to 0.32)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def unservable(config: dict) -> str:
+    """Why vLLM should not serve this adapter on its base as it is ("" when it can): the
+    worker merges such an adapter instead (worker/merge.py). What vLLM refuses or applies
+    otherwise than peft is left to the merge: other PEFT methods, DoRA, whole modules or token
+    rows trained beside the LoRA (`modules_to_save`, `trainable_token_indices`), biases, added
+    layers, per-module ranks or scales, LoRA on the embeddings or the head, a rank above
+    vLLM's kernels'."""
+    kind = str(config.get("peft_type", "")).upper()
+    if kind != "LORA":
+        return f"a {kind or 'PEFT'} adapter, not LoRA"
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= VLLM_LORA_RANKS[-1]:
+        return f"its rank {rank!r} is not one vLLM serves (1 to {VLLM_LORA_RANKS[-1]})"
+    for key, what in (
+        ("use_dora", "DoRA"),
+        ("modules_to_save", "whole modules trained beside the LoRA (modules_to_save)"),
+        ("trainable_token_indices", "trained token rows (trainable_token_indices)"),
+        ("lora_bias", "a bias on lora_B"),
+        ("layer_replication", "replicated layers"),
+        ("rank_pattern", "per-module ranks (rank_pattern)"),
+        ("alpha_pattern", "per-module scales (alpha_pattern)"),
+    ):
+        if config.get(key):
+            return f"it has {what}"
+    if config.get("bias", "none") not in ("none", None):
+        return f"it trains biases (bias: {config.get('bias')})"
+    targets = config.get("target_modules")
+    names = [targets] if isinstance(targets, str) else list(targets or [])
+    if any("embed" in str(n) or "lm_head" in str(n) for n in names):
+        return "it adapts the embeddings or the head"
+    return ""
+
+
+_PEFT_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<side>[AB])\.weight$")
+
+
+def unfit(folder: Path, base: Path, config: dict) -> str:
+    """Why the adapter's tensors do not fit `base` as vLLM would serve them ("" when they do):
+    vLLM takes tensors under names it does not know, or of other shapes, without a word, and
+    would then serve the base (or a cut adapter) as the adapter. Every tensor must be peft's
+    `base_model.model.<module>.lora_A|B.weight` of a module the base has a weight for, A
+    [r, in] and B [out, r] for that weight's [out, in]. Read from the headers alone; an
+    adapter saved otherwise than as safetensors is left to the merge, which says what is wrong."""
+    from ckpt_watcher.checkpoints.namefix import weight_files
+    from ckpt_watcher.checkpoints.safetensors_header import read_local_header
+
+    saved = folder / "adapter_model.safetensors"
+    if not saved.is_file():
+        return "its weights are not in adapter_model.safetensors"
+    shapes: dict[str, list[int]] = {}
+    for f in weight_files(base):
+        shapes |= {n: e.get("shape") for n, e in read_local_header(f).entries.items()}
+    rank = config.get("r")
+    for name, entry in read_local_header(saved).entries.items():
+        found = _PEFT_NAME.match(name)
+        if found is None:
+            return f"its tensor {name!r} is not named as peft names a LoRA weight"
+        weight = shapes.get(f"{found['module']}.weight")
+        if not isinstance(weight, list) or len(weight) != 2:
+            return f"its tensor {name!r} adapts no weight of the base"
+        out, inner = weight
+        want = [rank, inner] if found["side"] == "A" else [out, rank]
+        if entry.get("shape") != want:
+            return f"its tensor {name!r} is {entry.get('shape')}, not {want} as the base's {weight}"
+    return ""
+
+
+def served_rank(config: dict) -> int:
+    """vLLM's `max_lora_rank` for this (servable) adapter: the smallest it has at least `r`."""
+    return next(r for r in VLLM_LORA_RANKS if r >= int(config["r"]))
 
 
 def resolve_base(files: CheckpointFiles, override: Path | None, where: str) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +113,24 @@ def apply_fix(ckpt: Path, dry_run: bool = False) -> list[LinkAction]:
     if dry_run:
         return actions
     return [_link(ckpt, a) for a in actions]
+
+
+def loadable_view(ckpt: Path, into: Path) -> Path:
+    """`ckpt` itself where its index names only files it has; else the folder `into`, made
+    again: a symlink to each of its files, and the names its index expects (`plan_fix`). A
+    folder that is not ours to fix in place (a base model outside every source, the Hub's
+    cache) loads through it; its own files are never touched."""
+    actions = plan_fix(LocalFiles(ckpt, follow_links=True), where=f"{ckpt}: ")
+    if not actions:
+        return ckpt
+    shutil.rmtree(into, ignore_errors=True)
+    into.mkdir(parents=True)
+    for f in ckpt.iterdir():
+        if f.is_file():
+            (into / f.name).symlink_to(f.resolve())
+    for a in actions:
+        (into / a.target).symlink_to((ckpt / a.source).resolve())
+    return into
 
 
 def _link(ckpt: Path, action: LinkAction) -> LinkAction:

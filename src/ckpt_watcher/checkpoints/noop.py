@@ -123,6 +123,12 @@ def _adapter_tensors(folder: Path) -> Iterator[tuple[str, bool, bool]]:
         yield judged(name, tensor)
 
 
+def tokenizer_is_bases(folder: Path, base: Path) -> bool:
+    """Whether the tokenizer files and chat template the adapter in `folder` saved (if any)
+    are its base's: the model it makes then reads prompts as the base does."""
+    return _same_files(folder, base, _TOKENIZER, only_present=True)
+
+
 def _same_files(
     folder: Path, base: Path | None, names: tuple[str, ...], only_present: bool
 ) -> bool:

@@ -29,6 +29,8 @@ from typing import Any
 import structlog
 
 from ckpt_watcher import redact
+from ckpt_watcher.checkpoints.adapter import served_rank
+from ckpt_watcher.checkpoints.files import ADAPTER_CONFIG
 from ckpt_watcher.durable import write_atomic, write_json_atomic
 from ckpt_watcher.errors import EvalError, ResultsNotWritten, TaskSetupError
 from ckpt_watcher.evaluators import (
@@ -110,6 +112,8 @@ def engine_args(req: EvalRequest, swappable: bool = False) -> tuple[type, dict[s
         args.setdefault("seed", req.seed)
         args["tensor_parallel_size"] = req.tensor_parallel_size
         args = compile_cache.with_cache(args, req.compile_cache, req.checkpoint)
+        if req.lora is not None:  # the base, ready to serve adapters of this rank or less
+            args |= {"enable_lora": True, "max_lora_rank": lora_rank(req.lora), "max_loras": 1}
         if swappable:
             args["worker_extension_cls"] = vllm_internals.SWAP_EXTENSION
     else:
@@ -119,6 +123,12 @@ def engine_args(req: EvalRequest, swappable: bool = False) -> tuple[type, dict[s
             args.pop(key)
         args["device"] = req.device
     return clamped_backend(req.backend), args
+
+
+def lora_rank(folder: str) -> int:
+    """vLLM's `max_lora_rank` for the adapter saved in `folder`."""
+    config = json.loads((Path(folder) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    return served_rank(config)
 
 
 def load_model(req: EvalRequest, swappable: bool = False) -> Any:
@@ -166,6 +176,27 @@ def run_tasks(
         began = time.monotonic()
         engine = Engine(load_model(req), "cold", time.monotonic() - began)
     lm = engine.lm
+    if req.lora is None:
+        return _run_each(req, lm, engine, on_outcome, on_progress, device_label, version)
+    began = time.monotonic()
+    vllm_internals.use_adapter(lm, req.lora, Path(req.lora).name)
+    log.info("worker.adapter_served", adapter=req.lora, seconds=round(time.monotonic() - began, 3))
+    try:
+        return _run_each(req, lm, engine, on_outcome, on_progress, device_label, version)
+    finally:
+        vllm_internals.drop_adapter(lm)
+
+
+def _run_each(
+    req: EvalRequest,
+    lm: Any,
+    engine: Engine,
+    on_outcome: Callable[[TaskOutcome], None],
+    on_progress: Callable[[Progress], None] | None,
+    device_label: str,
+    version: str,
+) -> list[TaskOutcome]:
+    """`run_tasks`' loop: each task on the loaded `lm`, its outcome passed on as it ends."""
     metadata = dict(req.model_args) | {"pretrained": req.checkpoint}
     names = [t.task for t in req.tasks]
     task_manager = lmi.task_manager(

@@ -7,6 +7,10 @@ A swap is tried only when the new checkpoint has the same *signature* as the loa
 files, and the engine's arguments. Anything else, or any error in a swap, loads cold; the job
 loses nothing.
 
+An engine serving LoRA adapters (`req.lora`) holds their base, loaded with LoRA enabled: it is
+kept while the next adapter's base is the same folder with no file written since, and never
+swapped into (only the adapter changes, harness.py); any other base loads cold.
+
 Swaps are checked, two ways:
 - the *quick check*, once per signature, on the engine a cold load just made (its checkpoint's
   files are held for its job): every weight set to NaN, the checkpoint's weights with the hidden
@@ -35,6 +39,7 @@ from typing import Any
 
 import structlog
 
+from ckpt_watcher.checkpoints.files import LocalFiles, eval_mark
 from ckpt_watcher.errors import SwapError
 from ckpt_watcher.evaluators import engine_watch, heap, vllm_internals, weights
 from ckpt_watcher.evaluators.harness import Engine, engine_args, load_model
@@ -289,6 +294,7 @@ class EngineKeeper:
     lm: Any = None
     signature: str | None = None
     checkpoint: str | None = None
+    base_mark: Any = None  # the write mark of the base an adapter engine loaded
     swaps: dict[str, int] = field(default_factory=dict)  # swaps per signature
     cold_for_good: dict[str, str] = field(default_factory=dict)  # signature -> why
     checked: set[str] = field(default_factory=set)  # signatures the quick check proved here
@@ -299,6 +305,8 @@ class EngineKeeper:
         began = time.monotonic()
         _, args = engine_args(req, swappable=True)
         sig = model_signature(Path(req.checkpoint), req.backend, args)
+        if req.lora is not None:  # an adapter served on its base: the base is kept, or loaded
+            return self._base_for_adapter(req, sig, began)
         if self.lm is not None and sig == self.signature and sig not in self.cold_for_good:
             n = self.swaps.get(sig, 0)
             try:
@@ -320,6 +328,25 @@ class EngineKeeper:
             if not self.quick_verdict("engine", req, sig, reach):
                 self.drop()  # what the check left loaded is not the checkpoint's weights
                 self._load(req, sig)
+        return Engine(self.lm, "cold", time.monotonic() - began)
+
+    def _base_for_adapter(self, req: EvalRequest, sig: str, began: float) -> Engine:
+        """The engine for an adapter served on its base (`req.checkpoint`): the kept one while
+        it holds that base as it was loaded (the same folder, no file of it written since),
+        else a cold load. Its weights are never swapped: only the adapter changes, and each
+        is loaded under an id of its own (vllm_internals.use_adapter)."""
+        mark = eval_mark(LocalFiles(Path(req.checkpoint), follow_links=True))
+        if (
+            self.lm is not None
+            and sig == self.signature
+            and req.checkpoint == self.checkpoint
+            and mark == self.base_mark
+        ):
+            log.info("engine.base_kept", base=req.checkpoint, adapter=req.lora)
+            return Engine(self.lm, "warm", time.monotonic() - began)
+        self.drop()
+        self._load(req, sig)
+        self.base_mark = mark
         return Engine(self.lm, "cold", time.monotonic() - began)
 
     def _load(self, req: EvalRequest, sig: str) -> None:
@@ -409,7 +436,7 @@ class EngineKeeper:
             self.lm = None  # the last reference: the model can be collected now
             if not exiting:
                 free_memory()
-        self.signature = self.checkpoint = None
+        self.signature = self.checkpoint = self.base_mark = None
 
     def event(self, event: str, **fields: Any) -> None:
         (log.info if event.endswith("verify_ok") else log.warning)(event, **fields)

@@ -357,6 +357,7 @@ class MeasuredVLLM:
     journal: Any  # ClampMixin's
     streamed: tuple[int, int]  # ClampMixin's
     model: Any  # lm-eval's VLLM: vLLM's LLM
+    lora_request: Any  # lm-eval's VLLM's: the adapter its requests are served with, or None
 
     def _model_generate(
         self, requests: Any, generate: bool = False, sampling_params: Any = None
@@ -389,7 +390,7 @@ class MeasuredVLLM:
             self.journal.progress = lambda done, _, unit: report(before + done, total, unit)
         try:
             values = self.journal.stream(
-                units, EngineStream(self.model), "responses", decode=_streamed
+                units, EngineStream(self.model, self.lora_request), "responses", decode=_streamed
             )
         finally:
             self.journal.progress = report

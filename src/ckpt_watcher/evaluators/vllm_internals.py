@@ -10,7 +10,10 @@ naming it, instead of warm engines silently falling back to cold loads.
   mixes into its worker through `worker_extension_cls` and which runs where the model lives);
 - the check's probes (`probe`: greedy tokens and logprobs) and an engine's shutdown;
 - the step loop `LLM.generate` runs inside, fed a chunk of requests at a time so that a journaled
-  task gets each response as the engine finishes it (`EngineStream`).
+  task gets each response as the engine finishes it (`EngineStream`);
+- a LoRA adapter served on the loaded base (`use_adapter`, `drop_adapter`): each adapter under
+  an id never used before in the process, so neither vLLM's adapter cache nor its prefix
+  cache (whose keys hold the id) can answer with another step's adapter.
 
 Why tied embeddings need more than `reload_weights` (vLLM 0.32, read in
 `model_executor/model_loader/reload/layerwise.py`): the reload re-processes each layer once all
@@ -45,6 +48,7 @@ compiled or CUDA-graphed, stays exactly as the eval runs it: that is what the pr
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -64,6 +68,10 @@ RELIED_ON: list[tuple[str, str, list[str]]] = [
     ("vllm.v1.engine.llm_engine", "LLMEngine.abort_request", ["request_ids", "internal"]),
     ("vllm.v1.engine.llm_engine", "LLMEngine.get_num_unfinished_requests", []),
     ("vllm", "SamplingParams.extra_args", []),
+    ("vllm.lora.request", "LoRARequest", ["lora_name", "lora_int_id", "lora_path"]),
+    ("vllm.v1.engine.llm_engine", "LLMEngine.add_lora", ["lora_request"]),
+    ("vllm.v1.engine.llm_engine", "LLMEngine.remove_lora", ["lora_id"]),
+    ("vllm.v1.engine.llm_engine", "LLMEngine.list_loras", []),
     ("vllm.engine.arg_utils", "EngineArgs.worker_extension_cls", []),
     ("vllm.v1.engine.core_client", "EngineCoreClient.shutdown", []),
     ("vllm.v1.sample.sampler", f"{RANK_KERNEL}._torchdynamo_orig_callable", []),
@@ -280,6 +288,37 @@ def shutdown(lm: Any) -> bool:
 # generate_until (which sorts the requests) to `_model_generate`, where the step loop runs.
 UNIT_ARG = "ckpt_watcher_unit"
 
+_adapter_ids = itertools.count(1)  # never reused in a process (module docstring)
+
+
+def use_adapter(lm: Any, path: str, label: str) -> None:
+    """Serve the LoRA adapter in `path` on `lm`'s engine (loaded with `enable_lora`) for every
+    request lm-eval makes from now on (its `lora_request`), loaded into the engine now: an
+    adapter vLLM refuses raises AdapterNotServed here, before any task runs. Its id and its
+    name (`label`-id; the prefix cache's keys hold the name) are new to the process."""
+    from vllm.lora.request import LoRARequest
+
+    from ckpt_watcher.errors import AdapterNotServed
+
+    drop_adapter(lm)
+    number = next(_adapter_ids)
+    request = LoRARequest(f"{label}-{number}", number, path)
+    try:
+        lm.model.llm_engine.add_lora(request)
+    except Exception as e:
+        raise AdapterNotServed(
+            f"vLLM cannot serve the adapter {path}: {type(e).__name__}: {e}"
+        ) from e
+    lm.lora_request = request
+
+
+def drop_adapter(lm: Any) -> None:
+    """Stop serving `lm`'s adapter, and unload it from the engine."""
+    request = getattr(lm, "lora_request", None)
+    lm.lora_request = None
+    if request is not None:
+        lm.model.llm_engine.remove_lora(request.lora_int_id)
+
 
 class EngineStream:
     """vLLM's step loop, as `LLM.generate` runs it, fed requests a chunk at a time (a
@@ -289,9 +328,10 @@ class EngineStream:
     `LLM.enqueue` gives each request the number `generate` would (its counter) and answers
     vLLM's internal id, that number with a random suffix; outputs name the number."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, lora_request: Any = None) -> None:
         self.llm = llm
         self.engine = llm.llm_engine
+        self.lora_request = lora_request  # the adapter served, if any (`use_adapter`)
         self.keys: dict[str, str] = {}  # the request's number -> unit key, until it finishes
         self.internal: dict[str, str] = {}  # the request's number -> vLLM's internal id
 
@@ -301,6 +341,7 @@ class EngineStream:
         ids = self.llm.enqueue(
             [TokensPrompt(prompt_token_ids=list(tokens)) for _, (tokens, _) in units],
             [params for _, (_, params) in units],
+            lora_request=self.lora_request,
             use_tqdm=False,
         )
         for internal, (key, _) in zip(ids, units, strict=True):

@@ -228,6 +228,7 @@ class Dispatcher:
             compile_cache=str(self.cfg.compile_cache),
             adapter_base=self.discovery.adapter_base(self.book.source_name(job)),
             convert=self.discovery.convert(self.book.source_name(job)),
+            serve_adapters=ev.serve_adapters,
         )
         stage = self.discovery.stage_spec(self.book.source_name(job), job.location)
         return JobSpec(

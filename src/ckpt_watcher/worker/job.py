@@ -4,8 +4,10 @@ task's outcome as it finishes, so a crash later in the job keeps the tasks alrea
 daemon reads the outcomes and is the only writer of the ledger. The exit code says how the job
 ended (`jobfolder.EXIT_*`); what stopped a whole job goes in the folder's crash file.
 
-A checkpoint in a trainer's own format is converted first (convert.py), and a LoRA/PEFT
-adapter saved alone is merged into its base (merge.py): the tasks read that copy.
+A checkpoint in a trainer's own format is converted first (convert.py). A LoRA adapter saved
+alone is served on its base by vLLM for lm-eval's tasks where vLLM serves it as peft applies it
+(`_served_on`); otherwise, and for other harnesses, it is merged into a copy of its base
+(merge.py), which the tasks read.
 
 A result is of exactly the bytes its fingerprint names: the files read are those the checkpoint
 was judged with (the spec's write mark) before the model loads, and still are when each task
@@ -16,17 +18,19 @@ staged S3 copy is checked object by object as it is fetched (sources/staging.py)
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
 
-from ckpt_watcher.checkpoints import adapter, noop
+from ckpt_watcher.checkpoints import adapter, namefix, noop
 from ckpt_watcher.checkpoints.files import LocalFiles, check_unchanged
-from ckpt_watcher.errors import CheckpointChanged
+from ckpt_watcher.errors import AdapterNotServed, CheckpointChanged
 from ckpt_watcher.evaluators import compile_cache, engine_watch
 from ckpt_watcher.jobfolder import (
     EXIT_CHANGED,
@@ -179,20 +183,37 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
             )
             if native is not None:
                 req = dataclasses.replace(req, checkpoint=str(native.path))
-            # a LoRA/PEFT adapter saved alone is evaluated as the model it makes
-            merge = merged(Path(req.checkpoint), req.adapter_base, spec.fingerprint)
+            # a LoRA/PEFT adapter saved alone is evaluated as the model it makes: served on its
+            # base by vLLM where it can be, else merged into a copy of the base
+            base = _served_on(Path(req.checkpoint), req, spec.fingerprint)
+            merge = None
+            if base is None:
+                merge = merged(Path(req.checkpoint), req.adapter_base, spec.fingerprint)
         except Exception as e:
             if not isinstance(e, CheckpointChanged):
                 log.exception("worker.convert_failed", checkpoint=req.checkpoint)
             return _record_crash(folder, e)
         flags = Flags(
-            adapter="merged" if merge is not None else None,
-            no_op=_no_op(Path(req.checkpoint), merge is not None, req.adapter_base),
+            adapter="served" if base is not None else "merged" if merge is not None else None,
+            no_op=_no_op(Path(req.checkpoint), (base or merge) is not None, req.adapter_base),
         )
         if merge is not None:
             made.append(merge)
             req = dataclasses.replace(req, checkpoint=str(merge))
-        return _run_tasks(folder, spec, req, keeper, servers, unchanged, native, flags)
+        if base is not None:
+            req = dataclasses.replace(req, checkpoint=str(base), lora=req.checkpoint)
+
+        def merge_now() -> str:
+            """The adapter merged into its base, for what cannot be served it (made once)."""
+            for path in made:
+                return str(path)
+            assert req.lora is not None
+            copy = merged(Path(req.lora), req.adapter_base, spec.fingerprint)
+            assert copy is not None
+            made.append(copy)
+            return str(copy)
+
+        return _run_tasks(folder, spec, req, keeper, servers, unchanged, native, flags, merge_now)
     finally:
         for path in made:
             shutil.rmtree(path, ignore_errors=True)
@@ -200,11 +221,41 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
             native.release()
 
 
+def _served_on(checkpoint: Path, req: EvalRequest, judged: str | None) -> Path | None:
+    """The base model vLLM serves `checkpoint` on, if it is a LoRA adapter saved alone that
+    vLLM serves as peft applies it (`adapter.unservable`) with its base's tokenizer; None:
+    not an adapter, or one to merge (which says why in the log)."""
+    if req.backend != "vllm" or not req.serve_adapters:
+        return None
+    view = LocalFiles(checkpoint)
+    if not adapter.is_adapter(view.files):
+        return None
+    override = Path(req.adapter_base) if req.adapter_base is not None else None
+    base = adapter.resolve_base(view, override, str(checkpoint))
+    if judged is not None:
+        adapter.check_base(view, base, judged, str(checkpoint))
+    config = adapter.read_config(view)
+    if isinstance(config, str):
+        why = config
+    elif not (why := adapter.unservable(config)):
+        if not noop.tokenizer_is_bases(checkpoint, base):
+            why = "it saved a tokenizer or chat template of its own"
+        else:
+            why = adapter.unfit(checkpoint, base, config)
+    if why:
+        log.info("worker.adapter_not_served", adapter=str(checkpoint), why=why)
+        return None
+    # the base as vLLM can load it (its index's names), at one path for the worker's life:
+    # the warm engine keeps a base it loaded from the same path (keeper.py)
+    digest = hashlib.sha256(str(base).encode()).hexdigest()[:12]
+    return namefix.loadable_view(base, Path(tempfile.gettempdir()) / f"base-{digest}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Flags:
     """What each of the job's ledger lines says of how the checkpoint was served."""
 
-    adapter: str | None = None  # "merged": an adapter, evaluated merged into its base
+    adapter: str | None = None  # an adapter, "served" on its base or "merged" into it
     no_op: str | None = None  # why the checkpoint is its base model (checkpoints/noop.py)
 
 
@@ -251,11 +302,16 @@ def _run_tasks(
     unchanged: Callable[[], None],
     native: Converted | None = None,
     flags: Flags = Flags(),
+    merge_now: Callable[[], str] | None = None,
 ) -> int:
     """Every task of the job on `req.checkpoint` (the checkpoint, its staged, converted or
-    merged copy), each outcome written as it ends; `unchanged` raises if what the job was asked
-    about was written since it was judged; `native`: the conversion it was made by."""
+    merged copy, or the base an adapter `req.lora` is served on), each outcome written as it
+    ends; `unchanged` raises if what the job was asked about was written since it was judged;
+    `native`: the conversion it was made by; `merge_now`: a served adapter merged into its
+    base, for the harnesses that cannot serve it and where vLLM refuses it."""
     index = {t.key: i for i, t in enumerate(req.tasks)}
+    # how lm-eval's tasks, and the other harnesses', were given an adapter
+    adapter_for = {True: flags.adapter, False: "merged" if req.lora else flags.adapter}
 
     last_progress = [0.0]
 
@@ -269,7 +325,7 @@ def _run_tasks(
         unchanged()  # raises: this task's result is of no bytes the job was asked about
         if native is not None:
             outcome.source_format, outcome.convert_seconds = native.source_format, native.seconds
-        outcome.adapter, outcome.no_op = flags.adapter, flags.no_op
+        outcome.adapter, outcome.no_op = adapter_for[outcome.harness == "lm-eval"], flags.no_op
         folder.write_outcome(index[outcome.key], outcome)
         log.info(
             "worker.task_done",
@@ -294,16 +350,28 @@ def _run_tasks(
     try:
         if ours and on_gpu:
             servers.stop()
-        outcomes = (
-            _run_lm_eval(dataclasses.replace(req, tasks=ours), keeper, record, progress, spec)
-            if ours
-            else []
-        )
+        outcomes = []
+        if ours:
+            lm_req = dataclasses.replace(req, tasks=ours)
+            try:
+                outcomes = _run_lm_eval(lm_req, keeper, record, progress, spec)
+            except AdapterNotServed as e:  # merged instead, and said so in each ledger line
+                assert merge_now is not None
+                log.warning("worker.adapter_not_served", adapter=req.lora, why=str(e))
+                if keeper is not None:
+                    keeper.drop()
+                adapter_for[True] = "merged"
+                lm_req = dataclasses.replace(lm_req, checkpoint=merge_now(), lora=None)
+                outcomes = _run_lm_eval(lm_req, keeper, record, progress, spec)
         if theirs and keeper is not None and on_gpu:
             keeper.drop()  # the GPU's memory is the other harness's now
         if theirs:
             from ckpt_watcher.harnesses.run import run_entry
 
+            if req.lora is not None:  # served harnesses take the merged model
+                assert merge_now is not None
+                req = dataclasses.replace(req, checkpoint=merge_now(), lora=None)
+                servers.job(req)
             for t in theirs:
                 outcome = run_entry(req, servers, t, spec.device_label, unchanged, progress)
                 record(outcome)
