@@ -198,6 +198,8 @@ def _run_each(
 ) -> list[TaskOutcome]:
     """`run_tasks`' loop: each task on the loaded `lm`, its outcome passed on as it ends."""
     metadata = dict(req.model_args) | {"pretrained": req.checkpoint}
+    if req.lora is not None:  # the adapter served on `pretrained`, under lm-eval's own name
+        metadata["lora_local_path"] = req.lora
     names = [t.task for t in req.tasks]
     task_manager = lmi.task_manager(
         names, task_paths(req.include_path), metadata=metadata, index_dir=req.compile_cache
