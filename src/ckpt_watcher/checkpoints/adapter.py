@@ -19,7 +19,7 @@ import hashlib
 import re
 import threading
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from ckpt_watcher.checkpoints.files import (
     ADAPTER_CONFIG,
@@ -83,9 +83,21 @@ def unservable(config: dict) -> str:
         ("layer_replication", "replicated layers"),
         ("rank_pattern", "per-module ranks (rank_pattern)"),
         ("alpha_pattern", "per-module scales (alpha_pattern)"),
+        ("layers_to_transform", "LoRA on some layers only (layers_to_transform)"),
+        ("exclude_modules", "excluded modules (exclude_modules)"),
     ):
         if config.get(key):
             return f"it has {what}"
+    for key, what in (
+        ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens)"),
+        ("use_qalora", "QALoRA"),
+        ("use_bdlora", "block-diagonal LoRA"),
+    ):
+        if config.get(key):
+            return f"it is {what}"
+    init = config.get("init_lora_weights", True)
+    if init not in (True, False, "gaussian", None):  # PiSSA, OLoRA, LoftQ, CorDA, EVA...
+        return f"its init_lora_weights is {init!r} (vLLM refuses or applies it otherwise)"
     if config.get("bias", "none") not in ("none", None):
         return f"it trains biases (bias: {config.get('bias')})"
     targets = config.get("target_modules")
@@ -112,9 +124,12 @@ def unfit(folder: Path, base: Path, config: dict) -> str:
     if not saved.is_file():
         return "its weights are not in adapter_model.safetensors"
     shapes: dict[str, list[int]] = {}
+    if not weight_files(base):
+        return f"its base {base} has no safetensors weights"
     for f in weight_files(base):
         shapes |= {n: e.get("shape") for n, e in read_local_header(f).entries.items()}
     rank = config.get("r")
+    sides: dict[str, set[str]] = {}
     for name, entry in read_local_header(saved).entries.items():
         found = _PEFT_NAME.match(name)
         if found is None:
@@ -126,7 +141,34 @@ def unfit(folder: Path, base: Path, config: dict) -> str:
         want = [rank, inner] if found["side"] == "A" else [out, rank]
         if entry.get("shape") != want:
             return f"its tensor {name!r} is {entry.get('shape')}, not {want} as the base's {weight}"
+        sides.setdefault(found["module"], set()).add(found["side"])
+    half = sorted(m for m, s in sides.items() if s != {"A", "B"})
+    if half:
+        return f"its module {half[0]} has only lora_{''.join(sides[half[0]])}"
+    # peft loads the tensors of the modules its config targets, no others: vLLM would apply
+    # whatever tensors there are, and leave a targeted module without them unchanged
+    linear = {n.removesuffix(".weight") for n, s in shapes.items() if n.endswith(".weight")}
+    linear = {m for m in linear if isinstance(shapes[f"{m}.weight"], list)}
+    linear = {m for m in linear if len(shapes[f"{m}.weight"]) == 2}
+    targeted = {m for m in linear if _targets(config.get("target_modules"), m)}
+    if set(sides) != targeted:
+        gap = sorted(targeted - set(sides)) or sorted(set(sides) - targeted)
+        return (
+            f"its tensors cover {len(set(sides) & targeted)} of the {len(targeted)} modules its "
+            f"config targets in the base ({gap[0]} is {'missing' if gap[0] in targeted else 'extra'})"
+        )
     return ""
+
+
+def _targets(targets: Any, module: str) -> bool:
+    """Whether peft's `target_modules` select `module` (a name in the model): a name list
+    matches a module's name or its end after a dot, a string is a full regular expression,
+    `all-linear` every linear layer but the embeddings and the head."""
+    if targets == "all-linear":
+        return "embed" not in module and "lm_head" not in module
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    return any(module == t or module.endswith(f".{t}") for t in targets or [] if isinstance(t, str))
 
 
 def served_rank(config: dict) -> int:

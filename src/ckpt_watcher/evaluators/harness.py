@@ -32,7 +32,7 @@ from ckpt_watcher import redact
 from ckpt_watcher.checkpoints.adapter import served_rank
 from ckpt_watcher.checkpoints.files import ADAPTER_CONFIG
 from ckpt_watcher.durable import write_atomic, write_json_atomic
-from ckpt_watcher.errors import EvalError, ResultsNotWritten, TaskSetupError
+from ckpt_watcher.errors import AdapterNotServed, EvalError, ResultsNotWritten, TaskSetupError
 from ckpt_watcher.evaluators import (
     code_eval,
     compile_cache,
@@ -135,7 +135,16 @@ def load_model(req: EvalRequest, swappable: bool = False) -> Any:
     """Load the checkpoint once, as lm-eval's backend with the clamp; returns an lm-eval LM."""
     cls, args = engine_args(req, swappable)
     heap.settle()  # the imports out of the full collections an engine start runs (heap.py)
-    lm = engine_watch.watched(lambda: cls(pretrained=req.checkpoint, **args))
+    try:
+        lm = engine_watch.watched(lambda: cls(pretrained=req.checkpoint, **args))
+    except Exception as e:
+        if req.lora is None:
+            raise
+        # vLLM has no LoRA for some architectures ("... does not support LoRA yet")
+        raise AdapterNotServed(
+            f"vLLM cannot load {req.checkpoint} with LoRA enabled: {type(e).__name__}: {e}",
+            base_refused=True,
+        ) from e
     lm.clamp_counts = ClampCounts()
     return lm
 
@@ -172,6 +181,7 @@ def run_tasks(
     version = importlib.metadata.version("lm-eval")
     lmi.reuse_env_info(req.compile_cache)
     lmi.cache_prompt_templates()
+    loaded_here = engine is None
     if engine is None:
         began = time.monotonic()
         engine = Engine(load_model(req), "cold", time.monotonic() - began)
@@ -179,7 +189,13 @@ def run_tasks(
     if req.lora is None:
         return _run_each(req, lm, engine, on_outcome, on_progress, device_label, version)
     began = time.monotonic()
-    vllm_internals.use_adapter(lm, req.lora, Path(req.lora).name)
+    try:
+        vllm_internals.use_adapter(lm, req.lora, Path(req.lora).name)
+    except AdapterNotServed:
+        if loaded_here:  # the merged model loads next: this engine must not hold the device
+            engine_watch.stop(lm)
+            vllm_internals.shutdown(lm)
+        raise
     log.info("worker.adapter_served", adapter=req.lora, seconds=round(time.monotonic() - began, 3))
     try:
         return _run_each(req, lm, engine, on_outcome, on_progress, device_label, version)

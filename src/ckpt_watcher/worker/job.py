@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
     from ckpt_watcher.evaluators.keeper import EngineKeeper
     from ckpt_watcher.harnesses.server import Servers
-    from ckpt_watcher.jobfolder import EvalRequest, JobSpec, TaskOutcome
+    from ckpt_watcher.jobfolder import EvalRequest, JobSpec, TaskOutcome, TaskRun
 
 PROGRESS_EVERY_SECONDS = 1.0
 
@@ -201,7 +201,8 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
             made.append(merge)
             req = dataclasses.replace(req, checkpoint=str(merge))
         if base is not None:
-            req = dataclasses.replace(req, checkpoint=str(base), lora=req.checkpoint)
+            served = [_journaled_as(t, "served") for t in req.tasks]
+            req = dataclasses.replace(req, checkpoint=str(base), lora=req.checkpoint, tasks=served)
 
         def merge_now() -> str:
             """The adapter merged into its base, for what cannot be served it (made once)."""
@@ -219,6 +220,11 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
             shutil.rmtree(path, ignore_errors=True)
         if native is not None:
             native.release()
+
+
+# the bases vLLM refused to serve adapters on in this worker (an architecture without LoRA in
+# vLLM): their next adapters are merged at once, without another engine start that fails
+_NOT_SERVED: set[str] = set()
 
 
 def _served_on(checkpoint: Path, req: EvalRequest, judged: str | None) -> Path | None:
@@ -247,8 +253,26 @@ def _served_on(checkpoint: Path, req: EvalRequest, judged: str | None) -> Path |
         return None
     # the base as vLLM can load it (its index's names), at one path for the worker's life:
     # the warm engine keeps a base it loaded from the same path (keeper.py)
+    # (the pid: workers whose TMPDIR is shared never build one folder at once, scratch.py)
     digest = hashlib.sha256(str(base).encode()).hexdigest()[:12]
-    return namefix.loadable_view(base, Path(tempfile.gettempdir()) / f"base-{digest}")
+    links = Path(tempfile.gettempdir()) / f"ckpt-watcher-base-{digest}-{os.getpid()}"
+    loadable = namefix.loadable_view(base, links)
+    if str(loadable) in _NOT_SERVED:
+        log.info("worker.adapter_not_served", adapter=str(checkpoint), why="refused before")
+        return None
+    return loadable
+
+
+def _journaled_as(t: TaskRun, adapter: str | None) -> TaskRun:
+    """`t`, its journal's records valid only for an adapter evaluated that way ("served"; None:
+    merged, the identity as the daemon gave it): a served and a merged run of one step differ
+    in their last bits (bf16), and an attempt never resumes from the other's responses."""
+    if t.journal is None or t.harness != "lm-eval":
+        return t
+    identity = {k: v for k, v in t.journal.identity.items() if k != "adapter"}
+    if adapter is not None:
+        identity["adapter"] = adapter
+    return dataclasses.replace(t, journal=dataclasses.replace(t.journal, identity=identity))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,15 +377,24 @@ def _run_tasks(
         outcomes = []
         if ours:
             lm_req = dataclasses.replace(req, tasks=ours)
+            refused = None
             try:
                 outcomes = _run_lm_eval(lm_req, keeper, record, progress, spec)
             except AdapterNotServed as e:  # merged instead, and said so in each ledger line
+                refused = e
+            if refused is not None:  # (out of the handler: its traceback holds the engine)
                 assert merge_now is not None
-                log.warning("worker.adapter_not_served", adapter=req.lora, why=str(e))
+                log.warning("worker.adapter_not_served", adapter=req.lora, why=str(refused))
+                if refused.base_refused:
+                    _NOT_SERVED.add(req.checkpoint)
+                refused = None
                 if keeper is not None:
                     keeper.drop()
                 adapter_for[True] = "merged"
-                lm_req = dataclasses.replace(lm_req, checkpoint=merge_now(), lora=None)
+                merged_tasks = [_journaled_as(t, None) for t in lm_req.tasks]
+                lm_req = dataclasses.replace(
+                    lm_req, checkpoint=merge_now(), lora=None, tasks=merged_tasks
+                )
                 outcomes = _run_lm_eval(lm_req, keeper, record, progress, spec)
         if theirs and keeper is not None and on_gpu:
             keeper.drop()  # the GPU's memory is the other harness's now
