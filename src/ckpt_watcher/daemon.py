@@ -254,6 +254,8 @@ class Daemon:
                 self.mirror.request(run)
         self._save_resolved_config()
         if self.cfg.metrics_port is not None:
+            # the gauges filled before the first scrape can come (it read 0 free devices)
+            self._update_metrics()
             self._serve_metrics(self.cfg.metrics_port, self.cfg.metrics_addr)
         recover(self.book, self.executor, self.filing, now)
         log.info(
