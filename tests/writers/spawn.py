@@ -17,6 +17,21 @@ from typing import Any
 
 
 def spawn(rank: Callable[..., None], world: int, *args: Any, preload: tuple[str, ...] = ()) -> None:
+    """Run the ranks; again on a new port if one fails (the free port found here can be taken
+    by another test's process before rank 0 listens on it: EADDRINUSE, seen in a CI run).
+    A rank that failed for another reason fails each time: three tries, then its error."""
+    for attempt in range(3):
+        try:
+            return _spawn_once(rank, world, *args, preload=preload)
+        except SystemExit:
+            if attempt == 2:
+                raise
+    return None
+
+
+def _spawn_once(
+    rank: Callable[..., None], world: int, *args: Any, preload: tuple[str, ...] = ()
+) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
