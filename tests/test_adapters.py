@@ -208,6 +208,21 @@ def write_adapter(base: Path, out: Path, scale: float, seed: int) -> Path:
     return out
 
 
+def renamed_adapter(base: Path, scratch: Path, dest: Path) -> None:
+    """An adapter at `dest` (a `checkpoint-N`) whose tensors are under names peft does not
+    know (without `base_model.model.`), as a trainer's own saver may write them: merged, it
+    would be the base alone; served, vLLM takes it without a word. Written in `scratch`, then
+    moved in whole."""
+    step = int(dest.name.removeprefix("checkpoint-"))
+    renamed = write_adapter(base, scratch / dest.name, 0.1, step)
+    tensors = load_file(renamed / "adapter_model.safetensors")
+    save_file(
+        {k.removeprefix("base_model.model."): v for k, v in tensors.items()},
+        renamed / "adapter_model.safetensors",
+    )
+    shutil.move(renamed, dest)
+
+
 @pytest.mark.e2e
 def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
     tmp_path: Path,
@@ -235,13 +250,7 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
     }
     # step 40's tensors under names peft does not know (as a trainer's own saver may write
     # them): merged, it would be the base alone, scored as the adapter
-    renamed = write_adapter(base, tmp_path / "renamed" / "checkpoint-40", 0.1, 40)
-    tensors = load_file(renamed / "adapter_model.safetensors")
-    save_file(
-        {k.removeprefix("base_model.model."): v for k, v in tensors.items()},
-        renamed / "adapter_model.safetensors",
-    )
-    shutil.move(renamed, watch / "lora" / "checkpoint-40")
+    renamed_adapter(base, tmp_path / "renamed", watch / "lora" / "checkpoint-40")
     # step 50's tensors are another model's shapes (an adapter_base that is not its base): loading
     # it fails, and says so once instead of being retried
     other = write_adapter(base, tmp_path / "other" / "checkpoint-50", 0.1, 50)
@@ -350,13 +359,7 @@ def test_on_vllm_adapters_are_served_on_one_kept_base_and_answer_as_merged(
     watch = tmp_path / "ckpts" / "lora"
     for step in (10, 20, 30, 40, 50):
         write_adapter(base, watch / f"checkpoint-{step}", 0.05 * (step // 10), step)
-    renamed = write_adapter(base, tmp_path / "renamed" / "checkpoint-60", 0.1, 60)
-    tensors = load_file(renamed / "adapter_model.safetensors")
-    save_file(
-        {k.removeprefix("base_model.model."): v for k, v in tensors.items()},
-        renamed / "adapter_model.safetensors",
-    )
-    shutil.move(renamed, watch / "checkpoint-60")
+    renamed_adapter(base, tmp_path / "renamed", watch / "checkpoint-60")
     runs = {}
     for mode, serve in (("served", True), ("merged", False)):
         d = tmp_path / mode

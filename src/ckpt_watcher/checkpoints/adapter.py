@@ -124,9 +124,10 @@ def unfit(folder: Path, base: Path, config: dict) -> str:
     if not saved.is_file():
         return "its weights are not in adapter_model.safetensors"
     shapes: dict[str, list[int]] = {}
-    if not weight_files(base):
+    files = weight_files(base)
+    if not files:
         return f"its base {base} has no safetensors weights"
-    for f in weight_files(base):
+    for f in files:
         shapes |= {n: e.get("shape") for n, e in read_local_header(f).entries.items()}
     rank = config.get("r")
     sides: dict[str, set[str]] = {}
