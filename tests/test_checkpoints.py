@@ -264,3 +264,31 @@ def test_corrupt_headers_are_invalid_not_waited_for(tmp_path: Path, header: byte
     (ck / "model.safetensors").write_bytes(header)
     v = check(ck)
     assert v.state == "invalid" and "corrupt safetensors header" in v.reason
+
+
+def test_a_steps_model_is_known_once_its_config_and_tokenizer_are_whole(tmp_path: Path) -> None:
+    """checkpoints/model_meta.py, what an engine started ahead of the weights reads: the config
+    and a tokenizer, each whole (a half-written JSON is not yet), at the step's top or in verl's
+    `actor/huggingface/`; weights or not."""
+    from ckpt_watcher.checkpoints import model_meta
+
+    step = tmp_path / "global_step_10"
+    step.mkdir()
+    assert model_meta.find(step) is None
+    (step / "config.json").write_text('{"model_type": "llama", "hidden_size": 1')  # being written
+    (step / "tokenizer_config.json").write_text("{}")
+    assert model_meta.find(step) is None
+    (step / "config.json").write_text('{"model_type": "llama"}')
+    found = model_meta.find(step)
+    assert found is not None and [p.name for p in found] == ["config.json", "tokenizer_config.json"]
+    (step / "tokenizer_config.json").unlink()
+    assert model_meta.find(step) is None  # no tokenizer: vLLM could not start
+    assert model_meta.find(step, tokenizer_required=False) == [step / "config.json"]
+    (step / "config.json").unlink()
+    hf = step / "actor" / "huggingface"  # verl writes it before its ranks' files
+    hf.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "generation_config.json"):
+        (hf / name).write_text("{}")
+    assert model_meta.find(step) == [
+        hf / n for n in ("config.json", "generation_config.json", "tokenizer.json")
+    ]

@@ -33,6 +33,27 @@ def test_newest_first_and_oldest_first() -> None:
     assert [j.id for j, _ in scheduler.assign(jobs, devs, 0, "oldest_first")] == ["a", "c"]
 
 
+def test_a_run_whose_engine_waits_on_a_device_gets_that_device_and_others_leave_it_last() -> None:
+    """jobs/early.py: the device whose engine was started ahead of run `r2`'s weights takes
+    `r2`'s job, whatever the order; other runs' jobs go elsewhere while they can."""
+    mine, other, third = job("mine", 100), job("other", 300), job("third", 200)
+    mine.run_path = "r2"
+    devs = cpu_slots(2)
+    prefer = {"r2": "cpu:0"}
+    got = {
+        j.id: d.label for j, d in scheduler.assign([mine, other], devs, 0, "newest_first", prefer)
+    }
+    assert got == {"other": "cpu:1", "mine": "cpu:0"}
+    # its run has no job yet: the others take the other device first, then that one
+    got = {
+        j.id: d.label for j, d in scheduler.assign([other, third], devs, 0, "newest_first", prefer)
+    }
+    assert got == {"other": "cpu:1", "third": "cpu:0"}
+    # the waiting device is not free (gone, busy): the run's job goes where it can
+    got = {j.id: d.label for j, d in scheduler.assign([mine], devs[1:], 0, "newest_first", prefer)}
+    assert got == {"mine": "cpu:1"}
+
+
 def test_backed_off_jobs_wait_and_next_retry_is_reported() -> None:
     jobs = [job("a", 100, not_before=50), job("b", 50)]
     assert [j.id for j, _ in scheduler.assign(jobs, cpu_slots(2), 10, "newest_first")] == ["b"]

@@ -26,9 +26,11 @@ from .conftest import (
     base_config,
     derived_checkpoints,
     read_ledger,
+    shared_once,
     write_config,
 )
-from .helpers import alive, wait_for, watcher_once
+from .helpers import alive, status_json, wait_for, watcher_once, watcher_run
+from .test_gpus import fake_nvml
 
 pytestmark = pytest.mark.e2e
 needs_vllm = pytest.mark.skipif(
@@ -91,8 +93,28 @@ def _engine_file(state: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def _cold(
+    factory: pytest.TempPathFactory, run: str, ckpt: Path, tasks_dir: Path, **over: Any
+) -> list[dict[str, Any]]:
+    """The ledger lines of a cold run (a worker and an engine) of `ckpt`, built once per test
+    run for the tests that compare with it (each such run is an engine start)."""
+
+    def build(d: Path) -> list[dict[str, Any]]:
+        shutil.copytree(ckpt, d / "watch" / ckpt.name)
+        cfg = _config(d, d / "watch", tasks_dir, warm_engine=False, **over)
+        return watcher_once(cfg, d / "ledgers", run)
+
+    backend = over.get("backend", "vllm")
+    return shared_once(factory, f"cold-{run}-{ckpt.name}-{backend}", build)[1]
+
+
 def _cold_then_warm(
-    tmp: Path, run: str, ckpts: list[Path], tasks_dir: Path, **over: Any
+    factory: pytest.TempPathFactory,
+    tmp: Path,
+    run: str,
+    ckpts: list[Path],
+    tasks_dir: Path,
+    **over: Any,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
     """The run's checkpoints evaluated by a warm worker, and cold (a worker and an engine per
     checkpoint); both ledgers' lines and the warm state folder.
@@ -103,15 +125,13 @@ def _cold_then_warm(
     vLLM start). The others run on swapped weights; the oldest, swapped into an engine that
     had already been swapped once (where a swap's leftovers would show), has its cold
     reference. The middle one's results must differ from both (its weights do)."""
-    out = []
-    for mode, some in (("warm", ckpts), ("cold", ckpts[:1])):
-        d = tmp / f"{run}-{mode}"
-        for ck in some:
-            shutil.copytree(ck, d / "watch" / ck.name)
-        cfg = _config(d, d / "watch", tasks_dir, warm_engine=mode == "warm", **over)
-        out.append(watcher_once(cfg, d / "ledgers", run))
-    warm, cold = out
-    return cold, warm, tmp / f"{run}-warm" / "state"
+    d = tmp / f"{run}-warm"
+    for ck in ckpts:
+        shutil.copytree(ck, d / "watch" / ck.name)
+    warm = watcher_once(
+        _config(d, d / "watch", tasks_dir, warm_engine=True, **over), d / "ledgers", run
+    )
+    return _cold(factory, run, ckpts[0], tasks_dir, **over), warm, d / "state"
 
 
 def _assert_warm_equals_cold(cold: list[dict[str, Any]], warm: list[dict[str, Any]]) -> None:
@@ -138,9 +158,13 @@ def _assert_warm_equals_cold(cold: list[dict[str, Any]], warm: list[dict[str, An
 @needs_vllm
 @pytest.mark.parametrize("run", ["tied", "untied"])
 def test_swapped_weights_give_a_cold_starts_metrics_on_vllm(
-    tmp_path: Path, runs: dict[str, list[Path]], tasks_dir: Path, run: str
+    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path: Path,
+    runs: dict[str, list[Path]],
+    tasks_dir: Path,
+    run: str,
 ) -> None:
-    cold, warm, state = _cold_then_warm(tmp_path, run, runs[run], tasks_dir)
+    cold, warm, state = _cold_then_warm(tmp_path_factory, tmp_path, run, runs[run], tasks_dir)
     _assert_warm_equals_cold(cold, warm)
     engine = _engine_file(state)
     assert engine["cold_for_good"] == {}, engine
@@ -154,16 +178,95 @@ def test_swapped_weights_give_a_cold_starts_metrics_on_vllm(
 
 
 def test_swapped_weights_give_a_cold_starts_metrics_on_hf(
-    tmp_path: Path, runs: dict[str, list[Path]], tasks_dir: Path
+    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path: Path,
+    runs: dict[str, list[Path]],
+    tasks_dir: Path,
 ) -> None:
     hf = {
         "backend": "hf",
         "model_args": {"dtype": "float32", "max_model_len": 64},
         "batch_size": 32,
     }
-    cold, warm, state = _cold_then_warm(tmp_path, "tied", runs["tied"], tasks_dir, **hf)
+    cold, warm, state = _cold_then_warm(
+        tmp_path_factory, tmp_path, "tied", runs["tied"], tasks_dir, **hf
+    )
     _assert_warm_equals_cold(cold, warm)
     assert [(e["event"], e["check"]) for e in _engine_file(state)["events"]] == QUICK_OK
+
+
+META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_an_engine_started_on_a_steps_config_serves_its_weights_as_a_cold_load_would(
+    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path: Path,
+    runs: dict[str, list[Path]],
+    tasks_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run's first step, written by its trainer in two parts: its config and tokenizer, then
+    (long after) its weights. The watcher on a GPU of its own (the fake NVML inventory: workers
+    compute on the CPU) starts an engine on the config alone; training takes the GPU back while
+    it starts, and gets it (the engine goes); once training has left it, the engine starts
+    again and is `ready` before the weights exist. The step's results come from that engine
+    (`engine: early`), equal to a cold load's to the last bit, the swap proven first."""
+    ckpt = runs["untied"][0]
+    cold = _cold(tmp_path_factory, "untied", ckpt, tasks_dir)
+    nvml = tmp_path / "nvml.json"
+    fake_nvml(nvml, [])
+    monkeypatch.setenv("CKPT_WATCHER_FAKE_NVML", str(nvml))
+    watch = tmp_path / "watch"
+    step = watch / ckpt.name
+    step.mkdir(parents=True)
+    for name in META_FILES:  # what a trainer's save_pretrained writes before the weights
+        shutil.copy(ckpt / name, step / name)
+    raw = base_config(tmp_path, watch, tasks_dir, **VLLM_EVAL, max_attempts=1, tasks=TASKS)
+    raw["devices"] = {"gpus": [6], "cpu_slots": 0, "yield_seconds": 1}
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    state, log = tmp_path / "state", tmp_path / "daemon.log"
+
+    def engine() -> dict[str, Any] | None:
+        files = list((state / "jobs" / "_warm").glob("*/engine.json"))
+        return json.loads(files[0].read_text()) if files else None
+
+    with watcher_run(cfg, log) as daemon:
+        first = wait_for(
+            lambda: (e := engine()) and e["state"] == "preparing" and e, 120, "a start", daemon, log
+        )
+        assert first["ready_for"] == "untied", first
+        fake_nvml(nvml, [[4242, 30000, 97]])  # training starts on the GPU: it goes
+        wait_for(lambda: not alive(first["pid"]), 30, "the engine given back", daemon, log)
+        fake_nvml(nvml, [])  # and leaves
+        ready = wait_for(
+            lambda: (e := engine()) and e["state"] == "ready" and e, 300, "ready", daemon, log
+        )
+        assert ready["pid"] != first["pid"] and ready["ready_for"] == "untied", ready
+        code, st = status_json(cfg)
+        assert st is not None and st["queue"] == [] and st["running"] == [], st
+        shown = subprocess.run(
+            [*WATCHER, "status", "-c", str(cfg)], capture_output=True, text=True, timeout=60
+        )
+        assert "cuda:6: ready for untied" in shown.stdout, shown.stdout
+        for f in sorted(ckpt.iterdir()):  # the trainer writes the weights
+            if f.name not in META_FILES:
+                shutil.copy(f, step / f.name)
+        lines = wait_for(
+            lambda: (ln := read_ledger(tmp_path / "ledgers", "untied")) and len(ln) == 2 and ln,
+            300,
+            "the step's results",
+            daemon,
+            log,
+        )
+    assert [ln["engine"] for ln in lines] == ["early", "early"], lines
+    assert _metrics(lines) == _metrics(cold), (lines, cold)
+    after = engine()
+    assert after is not None and after["pid"] == ready["pid"], after  # the same engine served it
+    assert [(e["event"], e["check"]) for e in after["events"]] == QUICK_OK, after
+    events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+    assert any(e.get("event") == "engine.given_back" for e in events), events[-20:]
 
 
 def _run_daemon(cfg: Path, log: Path) -> subprocess.Popen[bytes]:

@@ -465,6 +465,12 @@ class EvalConfig(_Model):
     `<state_dir>/compile-cache`; keep it on the host's persistent local disk."""
     warm_idle_seconds: float = Field(600.0, gt=0)
     """A warm engine with no job for this long is released."""
+    early_engine: bool = True
+    """With warm engines on vLLM: as soon as a run's model is known (a step still being
+    written whose config and tokenizer are whole), a free device starts its engine on
+    placeholder weights, and the step's weights are swapped in (and proven) when it is
+    complete, so a run's first checkpoint does not wait for an engine start. The device is
+    given back like any other when another process starts using its GPU."""
     serve_adapters: bool = True
     """On vLLM, a LoRA adapter saved alone is served on its base model (loaded once, with LoRA
     enabled; each step's adapter under an id of its own) for lm-eval's tasks, instead of being

@@ -2,7 +2,8 @@
 
 Each pass: collect worker exits (jobs/supervise) -> apply finished scans and start due ones
 (discovery) -> plan (planner) -> time out (jobs/supervise), give GPUs back to other processes
-(jobs/gpus), dispatch (jobs/dispatch) -> heartbeat; then sleep until the next deadline or a wake-up
+(jobs/gpus), dispatch (jobs/dispatch), engines ahead of their checkpoints (jobs/early) ->
+heartbeat; then sleep until the next deadline or a wake-up
 (inotify, a worker's exit, a scan's end, a signal). Nothing on this thread waits on the network:
 sources and the ledger mirror run their I/O on lanes of their own. The daemon never imports
 torch, vLLM or lm-eval: evals run in worker processes.
@@ -32,6 +33,7 @@ from ckpt_watcher.executors import build_executor
 from ckpt_watcher.executors.base import Executor, ExitCallback
 from ckpt_watcher.jobs.book import JobBook
 from ckpt_watcher.jobs.dispatch import Dispatcher
+from ckpt_watcher.jobs.early import EarlyEngines
 from ckpt_watcher.jobs.filing import Filing
 from ckpt_watcher.jobs.gpus import Gpus
 from ckpt_watcher.jobs.journals import Journals
@@ -158,6 +160,7 @@ class Daemon:
             self.helpers,
             self.metrics,
         )
+        self.early = EarlyEngines(cfg, self.state, self.executor, self.dispatcher)
         self.notifier = Notifier()
         self._last_heartbeat = 0.0
 
@@ -390,7 +393,10 @@ class Daemon:
         )
 
     def _dispatch(self, now: float) -> None:
-        self.dispatcher.dispatch(now, self.gpus.free(), may_start=self._may_start)
+        prefer = self.early.preferred() if self.early.enabled else None
+        self.dispatcher.dispatch(now, self.gpus.free(), may_start=self._may_start, prefer=prefer)
+        if self.early.enabled and not self.stop_requests and self._may_start(now):
+            self.early.start(self.gpus.free())  # on the devices still free
 
     def _may_start(self, now: float) -> bool:
         """Jobs start once the ledger folder takes lines and the executor is ready (its

@@ -24,7 +24,10 @@ for it. A worker that died without one was killed.
 A warm worker (one per device, `jobs/_warm/<device>/`) takes job folders one after another: it
 reads one folder per line on its stdin and reports each job's exit code as a status line
 (`status_line`) on the file descriptor named by `STATUS_FD_ENV`; `engine.json` in its home says
-what engine it holds, for `watcher status`.
+what engine it holds, for `watcher status`. A line `prepare <folder>` instead asks it to start an
+engine before its first checkpoint's weights exist (`PREPARE_DIR` in its home holds that
+request's `spec.json`, whose checkpoint is the folder of the model's config and tokenizer); it
+reports nothing for it, and takes the next line when its engine is ready.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ STATUS_FD_ENV = "CKPT_WATCHER_STATUS_FD"  # a warm worker's status pipe
 DIE_WITH_PARENT_ENV = "CKPT_WATCHER_DIE_WITH"  # a worker SIGKILLed when this pid (its parent) dies
 ENGINE_FILE = "engine.json"  # in a warm worker's home: the engine it holds
 KILLED_FILE = "killed"  # in a warm worker's home: the pid the daemon killed on purpose
+PREPARE_DIR = "prepare"  # in a warm worker's home: what its early engine is started for
+PLACEHOLDER_DIR = "placeholder"  # in a warm worker's home: the early engine's config and tokenizer
+PREPARE_PREFIX = "prepare "  # a warm worker's stdin line that asks for an early engine
 # Distinct jobs in a row that crashed on one device's warm workers (or died with one) before
 # `watcher status` calls that warm engine failing (degraded). One bad checkpoint is retried on
 # the same device: only different jobs tell an engine's problem from a checkpoint's.

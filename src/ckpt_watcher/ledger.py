@@ -73,8 +73,9 @@ FIELDS: dict[str, str] = {
     "lm_eval_version": "lm-eval's version (lm-eval entries).",
     "harness": "Which harness computed it: `lm-eval`, `olmes`, `verifiers` or `command`.",
     "harness_version": "That harness's version (part of the settings hash).",
-    "engine": "`cold` (loaded or started for this job) or `warm` (weights swapped in, or "
-    "already serving).",
+    "engine": "`cold` (loaded or started for this job), `warm` (weights swapped in, or "
+    "already serving) or `early` (weights swapped into an engine started on the run's config "
+    "before they existed, `eval.early_engine`).",
     "engine_seconds": "Seconds to have the model ready for this job (load, or swap and check).",
     "source_format": "The trainer's own format the checkpoint was converted from before the "
     "eval (`verl-fsdp`); absent for a Hugging Face checkpoint.",

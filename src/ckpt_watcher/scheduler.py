@@ -6,7 +6,7 @@ can be tested exhaustively and the daemon only carries decisions out.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckpt_watcher.config import BASELINE_RUN
@@ -30,11 +30,31 @@ def order_jobs(jobs: Sequence[Job], order: str) -> list[Job]:
 
 
 def assign(
-    jobs: Sequence[Job], free: Sequence[Device], now: float, order: str
+    jobs: Sequence[Job],
+    free: Sequence[Device],
+    now: float,
+    order: str,
+    prefer: Mapping[str, str] | None = None,
 ) -> list[tuple[Job, Device]]:
-    """Give each free device the next eligible job, in policy order (GPUs before CPU slots)."""
+    """Give each free device the next eligible job, in policy order (GPUs before CPU slots).
+    `prefer`: run path -> the label of the device whose engine waits for that run (jobs/early.py):
+    the run's next job goes there, and other jobs go there only when no other device is left."""
     devices = sorted(free, key=lambda d: (d.kind != "cuda", d.id))
-    return list(zip(order_jobs(eligible(jobs, now), order), devices, strict=False))
+    waiting = dict(prefer or {})
+    out = []
+    for job in order_jobs(eligible(jobs, now), order):
+        if not devices:
+            break
+        mine = waiting.pop(job.run_path, None)
+        reserved = set(waiting.values())
+        device = (
+            next((d for d in devices if d.label == mine), None)
+            or next((d for d in devices if d.label not in reserved), None)
+            or devices[0]
+        )
+        devices.remove(device)
+        out.append((job, device))
+    return out
 
 
 TaskEstimate = Callable[[dict[str, Any]], float]

@@ -438,6 +438,13 @@ def render(data: dict[str, Any]) -> str:
     live = [w for w in data["warm_engines"] if w["state"] != "released"]
     lines.append("warm engines:" if live else "warm engines: none")
     for w in live:
+        if w.get("ready_for"):  # started ahead of its run's first checkpoint (jobs/early.py)
+            state = "ready" if w["state"] == "ready" else "starting"
+            lines.append(
+                f"  {w['device']}: {state} for {w['ready_for']} since {w['since']}, "
+                f"placeholder weights until its first checkpoint (pid {w['pid']})"
+            )
+            continue
         what = w["checkpoint"] or "no model loaded"
         lines.append(
             f"  {w['device']}: {w['state']} since {w['since']}, holds {what} "

@@ -88,7 +88,9 @@ class Engine:
     """A loaded model for one job, and how it came to be."""
 
     lm: Any
-    kind: str  # "cold" (loaded for this job) or "warm" (weights swapped into a live engine)
+    # "cold" (loaded for this job), "warm" (weights swapped into a live engine) or "early" (into
+    # an engine started on placeholder weights before the checkpoint existed)
+    kind: str
     seconds: float
 
 
@@ -131,9 +133,13 @@ def lora_rank(folder: str) -> int:
     return served_rank(config)
 
 
-def load_model(req: EvalRequest, swappable: bool = False) -> Any:
-    """Load the checkpoint once, as lm-eval's backend with the clamp; returns an lm-eval LM."""
+def load_model(req: EvalRequest, swappable: bool = False, placeholder: bool = False) -> Any:
+    """Load the checkpoint once, as lm-eval's backend with the clamp; returns an lm-eval LM.
+    `placeholder` (vLLM): random weights, from a folder that needs only the model's config and
+    tokenizer (an engine started before its checkpoint's weights exist, keeper.prepare)."""
     cls, args = engine_args(req, swappable)
+    if placeholder:
+        args["load_format"] = vllm_internals.PLACEHOLDER_FORMAT
     heap.settle()  # the imports out of the full collections an engine start runs (heap.py)
     try:
         lm = engine_watch.watched(lambda: cls(pretrained=req.checkpoint, **args))

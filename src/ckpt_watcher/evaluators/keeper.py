@@ -7,6 +7,13 @@ A swap is tried only when the new checkpoint has the same *signature* as the loa
 files, and the engine's arguments. Anything else, or any error in a swap, loads cold; the job
 loses nothing.
 
+An engine may also be started before its first checkpoint's weights exist (`prepare`): from a
+folder holding only the model's config and tokenizer, on placeholder (random) weights. The first
+checkpoint of that signature is swapped in, and served only once the quick check below proves
+that the swap wrote every weight (a weight left at its placeholder is NaN after the check's
+scramble, and its probes or bits differ); anything else loads cold. A placeholder is never
+evaluated: a request of another signature, or an adapter, drops it.
+
 An engine serving LoRA adapters (`req.lora`) holds their base, loaded with LoRA enabled: it is
 kept while the next adapter's base is the same folder with no file written since, and never
 swapped into (only the adapter changes, harness.py); any other base loads cold.
@@ -295,6 +302,7 @@ class EngineKeeper:
     signature: str | None = None
     checkpoint: str | None = None
     base_mark: Any = None  # the write mark of the base an adapter engine loaded
+    placeholder: bool = False  # holds placeholder weights (prepare): never evaluated as is
     swaps: dict[str, int] = field(default_factory=dict)  # swaps per signature
     cold_for_good: dict[str, str] = field(default_factory=dict)  # signature -> why
     checked: set[str] = field(default_factory=set)  # signatures the quick check proved here
@@ -305,6 +313,12 @@ class EngineKeeper:
         began = time.monotonic()
         _, args = engine_args(req, swappable=True)
         sig = model_signature(Path(req.checkpoint), req.backend, args)
+        if self.placeholder:  # an engine started before its weights: filled, or dropped
+            if req.lora is None and sig == self.signature and sig not in self.cold_for_good:
+                engine = self._fill(req, sig, began)
+                if engine is not None:
+                    return engine
+            self.drop()
         if req.lora is not None:  # an adapter served on its base: the base is kept, or loaded
             return self._base_for_adapter(req, sig, began)
         if self.lm is not None and sig == self.signature and sig not in self.cold_for_good:
@@ -352,6 +366,51 @@ class EngineKeeper:
     def _load(self, req: EvalRequest, sig: str) -> None:
         self.lm = load_model(req, swappable=True)
         self.signature, self.checkpoint = sig, req.checkpoint
+
+    def prepare(self, req: EvalRequest) -> str:
+        """Start an engine for `req` (its checkpoint: a folder with the model's config and
+        tokenizer, no weights needed) on placeholder weights, for the first checkpoint of that
+        signature to be swapped into (`acquire`); returns the signature. vLLM only."""
+        if req.backend != "vllm" or req.lora is not None:
+            raise SwapError("an engine ahead of its weights is started for vLLM models only")
+        _, args = engine_args(req, swappable=True)
+        sig = model_signature(Path(req.checkpoint), req.backend, args)
+        if sig in self.cold_for_good:
+            raise SwapError(f"swaps are off for this architecture: {self.cold_for_good[sig]}")
+        self.drop()
+        self.lm = load_model(req, swappable=True, placeholder=True)
+        self.signature, self.checkpoint, self.placeholder = sig, None, True
+        return sig
+
+    def _fill(self, req: EvalRequest, sig: str, began: float) -> Engine | None:
+        """The first checkpoint swapped into an engine `prepare` started: its Engine once the
+        quick check proved the swap wrote every weight, else None (the caller loads cold)."""
+        self.placeholder = False
+        try:
+            swap(self.lm, req.backend, req.checkpoint)
+        except Exception as e:  # a cold load says more, if the checkpoint itself is at fault
+            self.event("engine.fill_failed", error=f"{type(e).__name__}: {e}")
+            return None
+        self.checkpoint = req.checkpoint
+        hidden = hidden_size(Path(req.checkpoint))
+        try:
+            known = hidden is not None and weights.permutable(Path(req.checkpoint), hidden)
+        except Exception:  # unreadable headers: the cold load says so
+            known = False
+        if not known:  # nothing proves the swap wrote every weight: a cold load serves it
+            self.event("engine.fill_unproven", checkpoint=req.checkpoint, signature=sig)
+            return None
+        assert hidden is not None
+        reach = engine_reach(self.lm, req.backend, req.checkpoint, hidden)
+        proved_before = sig in self.checked
+        self.checked.discard(sig)
+        restored = self.quick_verdict("engine", req, sig, reach)
+        if not (restored and sig in self.checked):
+            if proved_before:
+                self.checked.add(sig)
+            return None
+        log.info("engine.filled", checkpoint=req.checkpoint, signature=sig)
+        return Engine(self.lm, "early", time.monotonic() - began)
 
     def fresh_check_due(self, sig: str, n: int) -> bool:
         """The swap after `n` swaps of `sig` is checked against a fresh load: the first, unless
@@ -437,6 +496,7 @@ class EngineKeeper:
             if not exiting:
                 free_memory()
         self.signature = self.checkpoint = self.base_mark = None
+        self.placeholder = False
 
     def event(self, event: str, **fields: Any) -> None:
         (log.info if event.endswith("verify_ok") else log.warning)(event, **fields)

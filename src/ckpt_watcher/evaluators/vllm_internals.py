@@ -7,7 +7,8 @@ naming it, instead of warm engines silently falling back to cold loads.
 
 - the CPU build's process environment (`prepare_cpu_process`);
 - swapping a checkpoint's weights into a live engine (`swap`, and `SwapExtension`, which vLLM
-  mixes into its worker through `worker_extension_cls` and which runs where the model lives);
+  mixes into its worker through `worker_extension_cls` and which runs where the model lives),
+  an engine started on placeholder weights (`PLACEHOLDER_FORMAT`) included;
 - the check's probes (`probe`: greedy tokens and logprobs) and an engine's shutdown;
 - the step loop `LLM.generate` runs inside, fed a chunk of requests at a time so that a journaled
   task gets each response as the engine finishes it (`EngineStream`);
@@ -52,6 +53,9 @@ import itertools
 import os
 from typing import Any
 
+# the load format of an engine started before its checkpoint's weights exist: every weight
+# random, replaced by the first swap (keeper.prepare)
+PLACEHOLDER_FORMAT = "dummy"
 RANK_KERNEL = "batched_count_greater_than"  # in vllm.v1.sample.sampler
 RELOAD_WRAPPER = "online_process_loader"  # vLLM's deferred loader, in reload/layerwise.py
 # what vLLM is told to mix into its worker (engine argument `worker_extension_cls`)
@@ -81,6 +85,8 @@ RELIED_ON: list[tuple[str, str, list[str]]] = [
         ["weights_iterator", "weights_path"],
     ),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", []),
+    ("vllm.v1.worker.gpu_worker", "Worker.update_config", ["overrides"]),
+    ("vllm.engine.arg_utils", "EngineArgs.load_format", []),
     ("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO", []),
     (
         "vllm.model_executor.model_loader.reload.layerwise",
@@ -195,6 +201,8 @@ class SwapExtension:
     """Mixed into vLLM's Worker; called with `llm.collective_rpc("ckpt_watcher_swap", ...)`."""
 
     model_runner: Any  # provided by vLLM's Worker
+    vllm_config: Any  # provided by vLLM's Worker
+    update_config: Any  # provided by vLLM's Worker
 
     def ckpt_watcher_swap(self, path: str) -> list[str]:
         """Load `path`'s weights in place; returns the tied modules that were re-processed."""
@@ -220,6 +228,10 @@ class SwapExtension:
         return digest(self.model_runner.get_model())
 
     def _ckpt_watcher_reload(self, **source: Any) -> list[str]:
+        if self.vllm_config.load_config.load_format == PLACEHOLDER_FORMAT:
+            # an engine started before its weights (keeper.prepare): vLLM reloads only from
+            # a loader that reads files, in every version (NotImplementedError otherwise)
+            self.update_config({"load_config": {"load_format": "auto"}})
         self.model_runner.reload_weights(**source)
         model = self.model_runner.get_model()
         unwrap_recorded_loaders(model)

@@ -67,6 +67,21 @@ class Executor(ABC):
         host's (status.warm_engines)."""
         return []
 
+    def prepare(self, device_label: str, folder: JobFolder, env: dict[str, str]) -> bool:
+        """Have `device_label`'s warm worker start an engine for the request in `folder` before
+        its checkpoint's weights exist (worker/early.py); False where this executor keeps no
+        engines between jobs, or that device's worker is busy."""
+        return False
+
+    def idle_engines(self) -> dict[str, str | None]:
+        """The devices whose warm worker waits for a job, each with the run its engine was
+        started for ahead of its weights (None: an engine of an earlier job, or none yet)."""
+        return {}
+
+    def release(self, device_label: str) -> None:
+        """Stop the device's warm worker that waits for a job (its GPU is given back)."""
+        return None
+
     def worker_pids(self) -> set[int]:
         """Processes of this host that the executor keeps besides its jobs' own workers (warm
         workers waiting for a job): their GPU memory is ours."""

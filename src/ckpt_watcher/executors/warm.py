@@ -34,6 +34,7 @@ from ckpt_watcher.executors.starter import Forked
 from ckpt_watcher.jobfolder import (
     KILLED_FILE,
     LOG_FILE,
+    PREPARE_PREFIX,
     STATUS_FD_ENV,
     WORKER_MODULE,
     JobFolder,
@@ -57,6 +58,7 @@ class _Warm:
     proc: subprocess.Popen[bytes] | Forked
     device: str
     job_id: str | None = None  # the job it runs now
+    ready_for: str | None = None  # the run its engine was started for, ahead of its weights
     idle_since: float = field(default_factory=time.monotonic)
 
 
@@ -104,16 +106,50 @@ class WarmExecutor(Executor):
                     w = None
                 if w is None or w.proc.poll() is not None:
                     w = self._spawn(device, env)
-                w.job_id = job_id
+                w.job_id, w.ready_for = job_id, None
         if w is None:
             return self.cold.start(job_id, folder, env)
-        try:
-            assert w.proc.stdin is not None
-            w.proc.stdin.write(f"{folder}\n".encode())
-            w.proc.stdin.flush()
-        except OSError:  # it died just now: its exit is reported for this job by _watch
-            pass
+        _tell(w, f"{folder}\n")  # if it died just now, _watch reports its exit for this job
         return WorkerHandle(job_id, w.proc.pid, process_start_token(w.proc.pid) or "")
+
+    def prepare(self, device_label: str, folder: JobFolder, env: dict[str, str]) -> bool:
+        """The device's warm worker (started if there is none) starts an engine for the
+        request in `folder`, ahead of its weights; a job handed to it meanwhile waits in its
+        stdin until the engine is up."""
+        run = folder.read_spec().job_id
+        with self._lock:
+            w = self._workers.get(device_label)
+            if w is not None and (w.job_id is not None or w.proc.poll() is not None):
+                return False
+            if w is None:
+                w = self._spawn(device_label, env)
+            w.ready_for = run
+            w.idle_since = time.monotonic()
+        return _tell(w, f"{PREPARE_PREFIX}{folder.path}\n")
+
+    def idle_engines(self) -> dict[str, str | None]:
+        with self._lock:
+            return {
+                d: w.ready_for
+                for d, w in self._workers.items()
+                if w.job_id is None and w.proc.poll() is None
+            }
+
+    def release(self, device_label: str) -> None:
+        """Stop the device's idle warm worker at once (SIGKILL to its group: an engine being
+        started does not read its stdin), as a job is stopped to give its GPU back."""
+        with self._lock:
+            w = self._workers.get(device_label)
+            if w is None or w.job_id is not None:
+                return
+            del self._workers[device_label]
+            self._retired = [r for r in self._retired if r.proc.poll() is None] + [w]
+        try:  # on purpose: its next worker must not count it failing
+            (warm_home(self.state_dir, device_label) / KILLED_FILE).write_text(str(w.proc.pid))
+        except OSError:
+            pass
+        log.info("engine.given_back", device=device_label, pid=w.proc.pid, ready_for=w.ready_for)
+        kill_group(w.proc.pid)
 
     def _spawn(self, device: str, env: dict[str, str]) -> _Warm:
         home = warm_home(self.state_dir, device)
@@ -245,6 +281,17 @@ class WarmExecutor(Executor):
                     pass
             reap_group(w.proc.pid)
         self.cold.close()
+
+
+def _tell(w: _Warm, line: str) -> bool:
+    """Write one line to the warm worker's stdin; False if it is gone."""
+    try:
+        assert w.proc.stdin is not None
+        w.proc.stdin.write(line.encode())
+        w.proc.stdin.flush()
+    except OSError:
+        return False
+    return True
 
 
 def _reports(fd: int, proc: subprocess.Popen[bytes] | Forked) -> Iterator[bytes]:

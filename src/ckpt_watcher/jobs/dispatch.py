@@ -150,11 +150,18 @@ class Dispatcher:
                 self.on_skipped("backlog")
         return skipped
 
-    def dispatch(self, now: float, free: list[Device], may_start: Callable[[float], bool]) -> None:
+    def dispatch(
+        self,
+        now: float,
+        free: list[Device],
+        may_start: Callable[[float], bool],
+        prefer: dict[str, str] | None = None,
+    ) -> None:
         """Give free devices their next jobs (splitting a checkpoint over spare devices); the
         devices still free then join running jobs' tasks (helpers); helpers give their devices
         back to queued jobs that have none. `may_start` is asked before jobs start (no: none
-        starts, as while the ledger folder cannot be written)."""
+        starts, as while the ledger folder cannot be written). `prefer`: run path -> the device
+        whose engine waits for that run (scheduler.assign)."""
         queued = self.state.jobs("queued")
         self.pins.sweep({j.location for j in queued + self.state.jobs("running")})
         eligible = scheduler.eligible(queued, now)
@@ -168,7 +175,7 @@ class Dispatcher:
             # what they hold since), so a checkpoint over budget is skipped, not started
             self._keep_pins_within_budget(now)
             queued = self.state.jobs("queued")
-        assignments = scheduler.assign(queued, free, now, self.cfg.policy.order)
+        assignments = scheduler.assign(queued, free, now, self.cfg.policy.order, prefer)
         if assignments and not may_start(now):
             return
         if assignments:

@@ -5,7 +5,8 @@ NVML decides: a device is free when no job or helper of ours runs there and no o
 holds more than `devices.idle_memory_mib` on it (`devices.free_devices`). With
 `devices.yield_to_others`, a GPU of ours that another process starts using is given back within
 `devices.yield_seconds`: its job is stopped and queued again with no attempt spent, to resume
-from its journal on the next free device. Processes not ours that sit on GPU memory at 0%
+from its journal on the next free device; a warm engine waiting there for a job (or for its
+checkpoint's weights, jobs/early.py) is released. Processes not ours that sit on GPU memory at 0%
 utilisation are reported, and killed only with `devices.reap_foreign_zombies`.
 """
 
@@ -59,12 +60,14 @@ class Gpus:
         )
 
     def in_use(self) -> bool:
-        """Some of our workers (jobs or helpers) run on a GPU."""
-        gpus = {d.id for d in self.inventory.devices() if d.kind == "cuda"}
-        if not gpus:
+        """Some of our workers (jobs, helpers, or warm engines waiting for a job) are on a GPU."""
+        devices = [d for d in self.inventory.devices() if d.kind == "cuda"]
+        if not devices:
             return False  # CPU slots only: spare the loop's pass a query of the state
+        gpus = {d.id for d in devices}
         used = {j.device for j in self.state.jobs("running")} | set(self.helpers.device_ids())
-        return bool(gpus & used)
+        waiting = self.executor.idle_engines().keys()
+        return bool(gpus & used) or any(d.label in waiting for d in devices)
 
     def deadline(self) -> float | None:
         """When the loop must look again for GPUs to give back (None: nothing to watch)."""
@@ -95,6 +98,13 @@ class Gpus:
             if job is not None and job.device_label:
                 self.metrics.yielded.labels(device=job.device_label).inc()
         self.helpers.give_back(busy)
+        waiting = self.executor.idle_engines()
+        for device_id, why in busy.items():
+            label = labels.get(device_id)
+            if label in waiting:  # a warm engine waiting for a job (or for its weights)
+                log.warning("devices.yield", device=label, reason=why, engine="idle")
+                self.executor.release(label)
+                self.metrics.yielded.labels(device=label).inc()
 
     def our_pids(self, running: list[Job]) -> set[int]:
         """Our workers, their engine processes, and the warm workers waiting for a job."""

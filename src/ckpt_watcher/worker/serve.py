@@ -31,11 +31,14 @@ from ckpt_watcher.jobfolder import (
     EXIT_CRASH,
     KILLED_FILE,
     LOG_FILE,
+    PLACEHOLDER_DIR,
+    PREPARE_PREFIX,
     STATUS_FD_ENV,
     WARM_FAILING_JOBS,
     JobFolder,
     status_line,
 )
+from ckpt_watcher.worker.early import prepare
 from ckpt_watcher.worker.job import run_job
 
 log = structlog.get_logger("ckpt_watcher.worker.serve")
@@ -80,16 +83,23 @@ class Failing:
 
 
 def _describe(
-    home: Path, keeper: Any, device: str, state: str, job: str | None, failing: Failing
+    home: Path,
+    keeper: Any,
+    device: str,
+    state: str,
+    job: str | None,
+    failing: Failing,
+    ready_for: str | None = None,
 ) -> None:
     write_json_atomic(
         home / ENGINE_FILE,
         {
             "pid": os.getpid(),
             "device": device,
-            "state": state,  # busy | idle | released
+            "state": state,  # busy | idle | preparing | ready | released
             "job": job,
             "checkpoint": keeper.checkpoint,
+            "ready_for": ready_for if keeper.placeholder or state == "preparing" else None,
             "since": time.time(),
             "swaps": sum(keeper.swaps.values()),
             "swaps_by_signature": keeper.swaps,
@@ -158,6 +168,20 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
             line = sys.stdin.readline()
             if not line:
                 break
+            if line.startswith(PREPARE_PREFIX):  # an engine ahead of its weights: no report
+                folder = JobFolder(Path(line[len(PREPARE_PREFIX) :].strip()))
+                run = folder.path.name
+                try:
+                    run = folder.read_spec().job_id
+                    _describe(home, keeper, device, "preparing", None, failing, run)
+                    prepare(folder, home / PLACEHOLDER_DIR, keeper)
+                except Exception as e:  # the step's files moved on, an engine that would
+                    # not start: its checkpoint loads cold when it comes, as without
+                    log.warning("engine.prepare_failed", run=run, error=f"{type(e).__name__}: {e}")
+                    keeper.drop()
+                now = "ready" if keeper.placeholder else "idle"
+                _describe(home, keeper, device, now, None, failing, run)
+                continue
             job_dir = Path(line.strip())
             folder = JobFolder(job_dir)
             _redirect_output(folder.log)

@@ -1,0 +1,104 @@
+"""Engines started before their checkpoints: as soon as a run's model is known, an idle device
+starts its engine on placeholder weights, so the run's first checkpoint is served as fast as
+its tenth (`eval.early_engine`).
+
+A run's model is known once a step of it still being written has its config and tokenizer
+whole (checkpoints/model_meta.py). Then, when nothing of that run is queued or running and no
+warm engine waits for it already, the first free device with no warm worker of its own gets one
+(executors/warm.py `prepare`; the worker's side is worker/early.py). Its job later goes to that
+device first (scheduler.assign's `prefer`). Only on a free device (the idle rule of
+`devices.py` holds as for jobs), never in place of a warm engine another run left, and given
+back like a job when another process starts using its GPU (gpus.py), and started again once
+the device is free (`TRIES_PER_STEP`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import structlog
+
+from ckpt_watcher.checkpoints import model_meta
+from ckpt_watcher.config import WatcherConfig
+from ckpt_watcher.devices import Device
+from ckpt_watcher.executors.base import Executor
+from ckpt_watcher.jobfolder import PREPARE_DIR, JobFolder, warm_home
+from ckpt_watcher.jobs.dispatch import Dispatcher
+from ckpt_watcher.state import Job, State
+
+log = structlog.get_logger("ckpt_watcher.jobs")
+
+# Engines started for one step at most: again after one was given back to training, or released
+# idle, but not for ever for a step whose engine will not start (its worker waits, not ready)
+TRIES_PER_STEP = 3
+
+
+class EarlyEngines:
+    """The daemon's side of engines ahead of their checkpoints."""
+
+    def __init__(
+        self, cfg: WatcherConfig, state: State, executor: Executor, dispatcher: Dispatcher
+    ) -> None:
+        self.cfg = cfg
+        self.state = state
+        self.executor = executor
+        self.dispatcher = dispatcher
+        self.tasks = [t for t in dispatcher.book.all_tasks if t.get("harness") == "lm-eval"]
+        self.enabled = (
+            cfg.eval.early_engine
+            and cfg.eval.warm
+            and cfg.eval.backend == "vllm"
+            and bool(self.tasks)
+        )
+        self.tried: dict[str, int] = {}  # step -> engines started for it
+        self.tokenizer_required = not cfg.eval.model_args.get("tokenizer")
+
+    def preferred(self) -> dict[str, str]:
+        """Run path -> the device label whose engine waits for that run's first checkpoint."""
+        return {run: d for d, run in self.executor.idle_engines().items() if run is not None}
+
+    def start(self, free: list[Device]) -> None:
+        """Start engines for the runs whose model is known and whose first checkpoint has no
+        engine waiting, on the free devices that hold no warm worker."""
+        if not self.enabled or not free:
+            return
+        idle = self.executor.idle_engines()
+        waiting = {run for run in idle.values() if run is not None}
+        busy = {j.run_path for j in self.state.jobs("queued", "running")}
+        devices = [d for d in free if d.label not in idle]
+        for row in self.state.checkpoints("incomplete"):
+            if not devices:
+                return
+            tries = self.tried.get(row.location, 0)
+            if row.run_path in waiting or row.run_path in busy or tries >= TRIES_PER_STEP:
+                continue
+            if "://" in row.location:  # remote (S3): its files are not read ahead
+                continue
+            if model_meta.find(Path(row.location), self.tokenizer_required) is None:
+                continue
+            self.tried[row.location] = tries + 1
+            device = devices.pop(0)
+            if self._prepare(row.location, row.run, row.run_path, row.step, row.label, device):
+                waiting.add(row.run_path)
+
+    def _prepare(
+        self, location: str, run: str, run_path: str, step: int | None, label: str, device: Device
+    ) -> bool:
+        job = Job(
+            id=run_path,
+            location=location,
+            run=run,
+            step=step,
+            label=label,
+            tasks=self.tasks,
+            settings_hash="",
+            created_at=0.0,
+            order_key=0.0,
+            run_path=run_path,
+        )
+        spec = self.dispatcher.spec(job, device)
+        folder = JobFolder(warm_home(self.cfg.state_dir, device.label) / PREPARE_DIR)
+        folder.write_spec(spec)
+        ok = self.executor.prepare(device.label, folder, device.worker_env())
+        log.info("engine.prepare", run=run_path, step=step, device=device.label, sent=ok)
+        return ok

@@ -1,0 +1,46 @@
+"""An engine started before its checkpoint's weights exist, in a warm worker (`serve.py`).
+
+The daemon asks for one on an idle device as soon as a run's model is known: a step still being
+written whose config and tokenizer are already whole (checkpoints/model_meta.py). Here those files
+are copied into the worker's own placeholder folder (the trainer goes on writing the step
+beside them; the engine reads only the copy), and the keeper starts vLLM on them with
+placeholder weights. The step's weights are swapped in when its job comes, and proven before
+anything is evaluated (evaluators/keeper.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+
+from ckpt_watcher.checkpoints import model_meta
+from ckpt_watcher.errors import SwapError
+from ckpt_watcher.jobfolder import JobFolder
+
+if TYPE_CHECKING:
+    from ckpt_watcher.evaluators.keeper import EngineKeeper
+
+log = structlog.get_logger("ckpt_watcher.worker.early")
+
+
+def prepare(request_folder: JobFolder, placeholder: Path, keeper: EngineKeeper) -> str:
+    """Start the keeper's engine for the request in `request_folder` on placeholder weights;
+    returns the signature it was started for."""
+    spec = request_folder.read_spec()
+    req = spec.request
+    source = Path(req.checkpoint)
+    files = model_meta.find(source, tokenizer_required="tokenizer" not in req.model_args)
+    if files is None:
+        raise SwapError(f"{source}: no whole config.json and tokenizer to start an engine on")
+    shutil.rmtree(placeholder, ignore_errors=True)
+    placeholder.mkdir(parents=True)
+    for path in files:
+        shutil.copyfile(path, placeholder / path.name)
+    log.info("engine.preparing", run=spec.job_id, model=str(source))
+    sig = keeper.prepare(dataclasses.replace(req, checkpoint=str(placeholder)))
+    log.info("engine.ready", run=spec.job_id, signature=sig)
+    return sig
