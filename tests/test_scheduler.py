@@ -52,6 +52,99 @@ def test_a_run_whose_engine_waits_on_a_device_gets_that_device_and_others_leave_
     # the waiting device is not free (gone, busy): the run's job goes where it can
     got = {j.id: d.label for j, d in scheduler.assign([mine], devs[1:], 0, "newest_first", prefer)}
     assert got == {"mine": "cpu:1"}
+    # an engine waiting on a CPU slot (the GPUs were training's then) keeps no job off a GPU
+    inv = FakeInventory(gpus=[FakeGpu(0, "GPU-a")], cpu=1)
+    free = free_devices(inv, in_use=[], our_pids=set(), idle_memory_mib=1024)
+    got = {j.id: d.label for j, d in scheduler.assign([mine], free, 0, "newest_first", prefer)}
+    assert got == {"mine": "cuda:0"}
+
+
+def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """jobs/early.py with stand-ins for the state, dispatcher and executor: a step being
+    written whose config and tokenizer are whole gets an engine on the first free device that
+    has no warm worker; not a second one while it waits, nor one for a run whose model an idle
+    engine holds, nor for a step on S3; at most TRIES_PER_STEP times per step; never where the
+    executor cannot start engines ahead (Ray), nor in `watcher once`."""
+    import dataclasses
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from ckpt_watcher.executors.base import Executor
+    from ckpt_watcher.jobfolder import EvalRequest, JobSpec
+    from ckpt_watcher.jobs.early import TRIES_PER_STEP, EarlyEngines
+
+    def step(run: str, n: int, meta: bool = True) -> SimpleNamespace:
+        folder = tmp_path / run / f"step_{n}"
+        folder.mkdir(parents=True)
+        if meta:
+            (folder / "config.json").write_text(json.dumps({"hidden_size": 8}))
+            (folder / "tokenizer.json").write_text("{}")
+        return SimpleNamespace(location=str(folder), run=run, run_path=run, step=n, label="")
+
+    rows = [step("A", 10), step("A", 20), step("B", 10), step("C", 10), step("D", 10, meta=False)]
+    rows.append(
+        SimpleNamespace(location="s3://b/E/step_10", run="E", run_path="E", step=10, label="")
+    )
+    queued: list[SimpleNamespace] = []
+    state = SimpleNamespace(
+        checkpoints=lambda *states: rows if states == ("incomplete",) else [],
+        jobs=lambda *states: queued,
+    )
+    request = EvalRequest("", "vllm", {}, [], 0, {}, None, None, None, None, "/r", "cpu")
+    dispatcher = SimpleNamespace(
+        book=SimpleNamespace(all_tasks=[{"harness": "lm-eval", "task": "t"}]),
+        spec=lambda job, device: JobSpec(
+            job.id, device.label, dataclasses.replace(request, checkpoint=job.location)
+        ),
+    )
+    cfg = SimpleNamespace(
+        state_dir=tmp_path / "state",
+        eval=SimpleNamespace(early_engine=True, backend="vllm", model_args={}),
+    )
+
+    class Warm(Executor):
+        starts_engines_ahead = True
+
+        def __init__(self, idle: dict[str, str | None]) -> None:
+            self.idle, self.sent = idle, []
+
+        def start(self, *a):  # type: ignore[no-untyped-def]
+            raise AssertionError
+
+        def kill(self, *a):  # type: ignore[no-untyped-def]
+            raise AssertionError
+
+        def running(self) -> set[str]:
+            return set()
+
+        def idle_engines(self) -> dict[str, str | None]:
+            return dict(self.idle)
+
+        def prepare(self, label, folder, env) -> bool:  # type: ignore[no-untyped-def]
+            self.sent.append((label, Path(folder.read_spec().request.checkpoint).name))
+            self.idle[label] = folder.read_spec().job_id
+            return True
+
+    devices = cpu_slots(4)
+    queued.append(SimpleNamespace(run_path="C"))  # C's job is queued already: no engine
+    warm = Warm({"cpu:0": "B"})  # B's last job left its engine idle on cpu:0
+    early = EarlyEngines(cfg, state, warm, dispatcher)  # type: ignore[arg-type]
+    early.start(devices)
+    assert warm.sent == [("cpu:1", "step_10")]  # one for A (not one per step); none for B-E
+    assert early.preferred() == {"B": "cpu:0", "A": "cpu:1"}
+    early.start(devices)
+    assert warm.sent == [("cpu:1", "step_10")]  # A's engine waits
+    for _ in range(TRIES_PER_STEP + 1):  # given back each time
+        warm.idle = {"cpu:0": "B"}
+        early.start(devices)
+    steps = [name for _, name in warm.sent]
+    assert steps == ["step_10"] * TRIES_PER_STEP + ["step_20"] * 2, steps  # then A's next step
+    assert {label for label, _ in warm.sent} == {"cpu:1"}
+    ray = Warm({})
+    ray.starts_engines_ahead = False
+    assert not EarlyEngines(cfg, state, ray, dispatcher).enabled  # type: ignore[arg-type]
+    assert not EarlyEngines(cfg, state, Warm({}), dispatcher, once=True).enabled  # type: ignore[arg-type]
 
 
 def test_backed_off_jobs_wait_and_next_retry_is_reported() -> None:

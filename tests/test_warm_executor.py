@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from ckpt_watcher.executors.warm import WarmExecutor
-from ckpt_watcher.jobfolder import KILLED_FILE, EvalRequest, JobFolder, JobSpec, warm_home
+from ckpt_watcher.jobfolder import (
+    KILLED_FILE,
+    PREPARE_DIR,
+    EvalRequest,
+    JobFolder,
+    JobSpec,
+    warm_home,
+)
 
 from .helpers import alive, gone
 
@@ -49,6 +56,10 @@ while select.select([sys.stdin], [], [], idle)[0]:
     line = sys.stdin.readline()
     if not line:
         break
+    if line.startswith("prepare "):  # an engine ahead of its weights: 0 ready, 1 failed
+        folder = line[len("prepare "):].strip()
+        os.write(fd, f"{{run(folder)}} {{folder}}\\n".encode())
+        continue
     os.write(fd, f"{{run(line.strip())}} {{line.strip()}}\\n".encode())
 """
 
@@ -61,12 +72,61 @@ def fake_python(tmp_path: Path) -> str:
     return str(path)
 
 
-def _job(tmp: Path, job_id: str, device: str = "cuda:0", **fake: object) -> JobFolder:
+def _job(
+    tmp: Path, job_id: str, device: str = "cuda:0", run: str = "", **fake: object
+) -> JobFolder:
     folder = JobFolder.of(tmp / "state", job_id, 1)
     request = EvalRequest("/ckpt", "hf", {}, [], 42, {}, None, None, None, None, "/r", "cpu")
-    folder.write_spec(JobSpec(job_id, device, request))
+    folder.write_spec(JobSpec(job_id, device, request, run_path=run))
     (folder.path / "fake.json").write_text(json.dumps(fake))
     return folder
+
+
+def _prepare(tmp: Path, run: str, device: str = "cuda:0", **fake: object) -> JobFolder:
+    """A request for an engine ahead of `run`'s weights (jobs/early.py writes it there)."""
+    folder = JobFolder(warm_home(tmp / "state", device) / PREPARE_DIR)
+    request = EvalRequest("/step", "vllm", {}, [], 42, {}, None, None, None, None, "/r", "cpu")
+    folder.write_spec(JobSpec(run, device, request))
+    (folder.path / "fake.json").write_text(json.dumps(fake))
+    return folder
+
+
+def test_an_engine_prepared_ahead_is_known_by_its_run_until_it_fails_serves_or_is_given_back(
+    tmp_path: Path, fake_python: str
+) -> None:
+    """What jobs/early.py and scheduler.assign read of the warm workers: the run whose model
+    each idle engine holds. A prepare that failed holds none (its device is not kept for the
+    run, which may be tried elsewhere); a job's run replaces it; a worker given back is killed
+    on purpose (counted as no failure) and known no more."""
+    ex, q = _executor(tmp_path, fake_python)
+    try:
+        assert ex.prepare("cuda:0", _prepare(tmp_path, "A", rc=1, seconds=0.5), {})
+        assert ex.idle_engines() == {"cuda:0": "A"}  # starting
+        assert _wait(lambda: ex.idle_engines() == {"cuda:0": None})  # it failed
+        assert ex.prepare("cuda:0", _prepare(tmp_path, "A", rc=0), {})
+        time.sleep(0.5)
+        assert ex.idle_engines() == {"cuda:0": "A"}  # ready
+        b = _job(tmp_path, "b", run="B", seconds=0.5)
+        ex.start("b", b, {})
+        assert ex.idle_engines() == {}  # busy
+        assert _exits(q, 1) == {"b": 0}
+        assert ex.idle_engines() == {"cuda:0": "B"}  # its engine now holds B's model
+        (pid,) = ex.worker_pids()
+        ex.release("cuda:0")
+        assert gone(pid) and ex.idle_engines() == {}
+        assert (warm_home(tmp_path / "state", "cuda:0") / KILLED_FILE).read_text() == str(pid)
+        assert q.empty()  # no job of its
+    finally:
+        ex.close(timeout=5)
+
+
+def _wait(ok, seconds: float = 10) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + seconds
+    while not ok():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _exits(q: queue.Queue[tuple[str, int]], n: int, timeout: float = 20) -> dict[str, int]:

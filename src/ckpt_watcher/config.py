@@ -467,7 +467,7 @@ class EvalConfig(_Model):
     """A warm engine with no job for this long is released."""
     early_engine: bool = True
     """With warm engines on vLLM: as soon as a run's model is known (a step still being
-    written whose config and tokenizer are whole), a free device starts its engine on
+    written, or settling, whose config and tokenizer are whole), a free device starts its engine on
     placeholder weights, and the step's weights are swapped in (and proven) when it is
     complete, so a run's first checkpoint does not wait for an engine start. The device is
     given back like any other when another process starts using its GPU."""

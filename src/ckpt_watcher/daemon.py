@@ -160,7 +160,7 @@ class Daemon:
             self.helpers,
             self.metrics,
         )
-        self.early = EarlyEngines(cfg, self.state, self.executor, self.dispatcher)
+        self.early = EarlyEngines(cfg, self.state, self.executor, self.dispatcher, once)
         self.notifier = Notifier()
         self._last_heartbeat = 0.0
 

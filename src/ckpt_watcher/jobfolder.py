@@ -26,8 +26,9 @@ reads one folder per line on its stdin and reports each job's exit code as a sta
 (`status_line`) on the file descriptor named by `STATUS_FD_ENV`; `engine.json` in its home says
 what engine it holds, for `watcher status`. A line `prepare <folder>` instead asks it to start an
 engine before its first checkpoint's weights exist (`PREPARE_DIR` in its home holds that
-request's `spec.json`, whose checkpoint is the folder of the model's config and tokenizer); it
-reports nothing for it, and takes the next line when its engine is ready.
+request's `spec.json`, whose checkpoint is the folder of the model's config and tokenizer, and
+whose job id is the run); its status line, once the engine is up or has failed, names that
+folder (0: ready), and then it takes the next line.
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ class JobSpec:
     write_mark: str | None = None
     # the job's fingerprint: an adapter's merge checks its base is still the one it covers
     fingerprint: str | None = None
+    run_path: str = ""  # the run's path under its source (a warm worker's engine is that run's)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -181,6 +183,7 @@ class JobSpec:
             request=EvalRequest(**request),
             stage=Stage(**stage) if stage else None,
             write_mark=raw.get("write_mark"),
+            run_path=raw.get("run_path") or "",
             fingerprint=raw.get("fingerprint"),
         )
 

@@ -47,8 +47,9 @@ def assign(
             break
         mine = waiting.pop(job.run_path, None)
         reserved = set(waiting.values())
+        best = devices[0].kind  # a waiting engine on a CPU slot never keeps a job off a GPU
         device = (
-            next((d for d in devices if d.label == mine), None)
+            next((d for d in devices if d.label == mine and d.kind == best), None)
             or next((d for d in devices if d.label not in reserved), None)
             or devices[0]
         )

@@ -29,7 +29,7 @@ def find(step: Path, tokenizer_required: bool = True) -> list[Path] | None:
 
 def _whole(folder: Path, tokenizer_required: bool) -> list[Path] | None:
     try:
-        names = sorted(n for n in HF_META if (folder / n).is_file())
+        names = sorted(n for n in HF_META | {"spiece.model"} if (folder / n).is_file())
     except OSError:
         return None
     if CONFIG not in names or (tokenizer_required and not set(TOKENIZERS) & set(names)):

@@ -28,6 +28,9 @@ class Executor(ABC):
     # True where workers on different devices share this host's files (a task's journal), so
     # idle devices can join a running job's task (jobs/helpers.py)
     shares_journals: bool = False
+    # True where a device's worker can start an engine before its checkpoint's weights exist
+    # (`prepare`: warm workers on this host)
+    starts_engines_ahead: bool = False
 
     @abstractmethod
     def start(self, job_id: str, folder: JobFolder, env: dict[str, str]) -> WorkerHandle:
@@ -74,8 +77,9 @@ class Executor(ABC):
         return False
 
     def idle_engines(self) -> dict[str, str | None]:
-        """The devices whose warm worker waits for a job, each with the run its engine was
-        started for ahead of its weights (None: an engine of an earlier job, or none yet)."""
+        """The devices whose warm worker waits for a job, each with the run whose model its
+        engine holds: its last job's, or the run it was started for ahead of the weights
+        (None: not known, or no engine)."""
         return {}
 
     def release(self, device_label: str) -> None:

@@ -34,6 +34,7 @@ from ckpt_watcher.executors.starter import Forked
 from ckpt_watcher.jobfolder import (
     KILLED_FILE,
     LOG_FILE,
+    PREPARE_DIR,
     PREPARE_PREFIX,
     STATUS_FD_ENV,
     WORKER_MODULE,
@@ -58,7 +59,8 @@ class _Warm:
     proc: subprocess.Popen[bytes] | Forked
     device: str
     job_id: str | None = None  # the job it runs now
-    ready_for: str | None = None  # the run its engine was started for, ahead of its weights
+    # the run whose model its engine holds: of its last job, or started ahead of its weights
+    run: str | None = None
     idle_since: float = field(default_factory=time.monotonic)
 
 
@@ -66,6 +68,7 @@ class WarmExecutor(Executor):
     """The Executor for `eval.warm_engine: true` on this host."""
 
     shares_journals = True
+    starts_engines_ahead = True
 
     def __init__(
         self,
@@ -93,7 +96,8 @@ class WarmExecutor(Executor):
         self._lock = threading.Lock()
 
     def start(self, job_id: str, folder: JobFolder, env: dict[str, str]) -> WorkerHandle:
-        device = folder.read_spec().device_label
+        spec = folder.read_spec()
+        device = spec.device_label
         with self._lock:
             w = self._workers.get(device)
             if w is not None and w.job_id is not None:
@@ -106,7 +110,7 @@ class WarmExecutor(Executor):
                     w = None
                 if w is None or w.proc.poll() is not None:
                     w = self._spawn(device, env)
-                w.job_id, w.ready_for = job_id, None
+                w.job_id, w.run = job_id, spec.run_path or None
         if w is None:
             return self.cold.start(job_id, folder, env)
         _tell(w, f"{folder}\n")  # if it died just now, _watch reports its exit for this job
@@ -123,14 +127,13 @@ class WarmExecutor(Executor):
                 return False
             if w is None:
                 w = self._spawn(device_label, env)
-            w.ready_for = run
-            w.idle_since = time.monotonic()
+            w.run, w.idle_since = run, time.monotonic()  # and again once it reports ready
         return _tell(w, f"{PREPARE_PREFIX}{folder.path}\n")
 
     def idle_engines(self) -> dict[str, str | None]:
         with self._lock:
             return {
-                d: w.ready_for
+                d: w.run
                 for d, w in self._workers.items()
                 if w.job_id is None and w.proc.poll() is None
             }
@@ -148,7 +151,7 @@ class WarmExecutor(Executor):
             (warm_home(self.state_dir, device_label) / KILLED_FILE).write_text(str(w.proc.pid))
         except OSError:
             pass
-        log.info("engine.given_back", device=device_label, pid=w.proc.pid, ready_for=w.ready_for)
+        log.info("engine.given_back", device=device_label, pid=w.proc.pid, run=w.run)
         kill_group(w.proc.pid)
 
     def _spawn(self, device: str, env: dict[str, str]) -> _Warm:
@@ -198,8 +201,15 @@ class WarmExecutor(Executor):
 
     def _watch(self, w: _Warm, read_fd: int) -> None:
         """Report each finished job; when the worker exits, its job in flight too."""
+        prepared = str(warm_home(self.state_dir, w.device) / PREPARE_DIR)
         for raw in _reports(read_fd, w.proc):
-            rc, _ = parse_status_line(raw)
+            rc, where = parse_status_line(raw)
+            if where == prepared:  # its early engine is up (0) or failed: idle from now
+                with self._lock:
+                    w.idle_since = time.monotonic()
+                    if rc != 0 and w.job_id is None:
+                        w.run = None
+                continue
             with self._lock:
                 job_id, w.job_id = w.job_id, None
                 w.idle_since = time.monotonic()

@@ -186,7 +186,9 @@ class Dispatcher:
             for job, device in assignments:
                 self._start(job, device)
         taken = {device.id for _, device in assignments}
-        self.helpers.start([d for d in free if d.id not in taken], self.helper_spec)
+        waiting = set((prefer or {}).values())  # an engine there waits for its run's next job
+        spare = [d for d in free if d.id not in taken and d.label not in waiting]
+        self.helpers.start(spare, self.helper_spec)
 
     def _split(self, eligible: list[Job], free: int, now: float) -> bool:
         """Spread one checkpoint's tasks over spare devices (see scheduler.split_plan)."""
@@ -245,6 +247,7 @@ class Dispatcher:
             stage,
             write_mark=job.write_mark,
             fingerprint=job.fingerprint,
+            run_path=job.run_path,
         )
 
     def _start(self, job: Job, device: Device) -> None:

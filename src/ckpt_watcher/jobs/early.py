@@ -2,11 +2,12 @@
 starts its engine on placeholder weights, so the run's first checkpoint is served as fast as
 its tenth (`eval.early_engine`).
 
-A run's model is known once a step of it still being written has its config and tokenizer
-whole (checkpoints/model_meta.py). Then, when nothing of that run is queued or running and no
+A run's model is known once a step of it still being written (or complete but still settling,
+`stable_seconds`) has its config and tokenizer whole (checkpoints/model_meta.py). Then, when nothing of that run is queued or running and no
 warm engine waits for it already, the first free device with no warm worker of its own gets one
 (executors/warm.py `prepare`; the worker's side is worker/early.py). Its job later goes to that
-device first (scheduler.assign's `prefer`). Only on a free device (the idle rule of
+device first (scheduler.assign's `prefer`, which also sends a run's next job to the idle engine
+its last job left), and no helper takes that device meanwhile. Only on a free device (the idle rule of
 `devices.py` holds as for jobs), never in place of a warm engine another run left, and given
 back like a job when another process starts using its GPU (gpus.py), and started again once
 the device is free (`TRIES_PER_STEP`).
@@ -37,8 +38,14 @@ class EarlyEngines:
     """The daemon's side of engines ahead of their checkpoints."""
 
     def __init__(
-        self, cfg: WatcherConfig, state: State, executor: Executor, dispatcher: Dispatcher
+        self,
+        cfg: WatcherConfig,
+        state: State,
+        executor: Executor,
+        dispatcher: Dispatcher,
+        once: bool = False,
     ) -> None:
+        """`once`: `watcher once`, which ends before a step being written is complete."""
         self.cfg = cfg
         self.state = state
         self.executor = executor
@@ -46,15 +53,17 @@ class EarlyEngines:
         self.tasks = [t for t in dispatcher.book.all_tasks if t.get("harness") == "lm-eval"]
         self.enabled = (
             cfg.eval.early_engine
-            and cfg.eval.warm
+            and executor.starts_engines_ahead
             and cfg.eval.backend == "vllm"
             and bool(self.tasks)
+            and not once
         )
         self.tried: dict[str, int] = {}  # step -> engines started for it
         self.tokenizer_required = not cfg.eval.model_args.get("tokenizer")
 
     def preferred(self) -> dict[str, str]:
-        """Run path -> the device label whose engine waits for that run's first checkpoint."""
+        """Run path -> the device label whose idle engine holds that run's model (started ahead
+        of its first checkpoint, or left by its last job)."""
         return {run: d for d, run in self.executor.idle_engines().items() if run is not None}
 
     def start(self, free: list[Device]) -> None:

@@ -90,7 +90,7 @@ def _run_lm_eval(
         log.info("worker.engine", engine=engine.kind, seconds=round(engine.seconds, 3))
     outcomes = run_tasks(req, record, engine, progress, spec.device_label)
     failed = [o for o in outcomes if o.status == "failed" and o.heals]
-    if keeper is not None and engine is not None and engine.kind == "warm" and failed:
+    if keeper is not None and engine is not None and engine.kind in ("warm", "early") and failed:
         # a task that failed on a swapped engine (and might not fail again) gets a cold
         # engine before its failure counts
         log.warning("worker.warm_task_failed", tasks=[o.task for o in failed])

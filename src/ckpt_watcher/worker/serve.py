@@ -5,7 +5,8 @@ stdin, one line each, runs each exactly like a one-shot worker (`job.run_job`, s
 files, same crash file) but keeps its engine between jobs (`evaluators/keeper.py`), and the model
 server of served harnesses too (`harnesses/server.py`), and reports
 each job's exit code as a status line on the file descriptor named by STATUS_FD_ENV (both in
-`jobfolder`). While a job runs, its stdout and stderr go to that job's `worker.log`.
+`jobfolder`). A `prepare` line starts an engine before its checkpoint's weights exist
+(`early.py`); its status line says whether it is ready (0) or not. While a job runs, its stdout and stderr go to that job's `worker.log`.
 
 It releases its engine and exits when stdin closes (the daemon stopped or died: the job in
 hand is finished first, and a daemon started meanwhile adopts it), after `idle_seconds` without
@@ -181,6 +182,11 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
                     keeper.drop()
                 now = "ready" if keeper.placeholder else "idle"
                 _describe(home, keeper, device, now, None, failing, run)
+                try:  # 0: ready; the daemon's idle clock for this worker starts now
+                    os.write(status_fd, status_line(0 if keeper.placeholder else 1, folder.path))
+                except BrokenPipeError:
+                    reason = "the daemon is gone"
+                    break
                 continue
             job_dir = Path(line.strip())
             folder = JobFolder(job_dir)
