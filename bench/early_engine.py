@@ -7,7 +7,8 @@ warm engines on) watches the folder. For each step: the seconds from "the step's
 written" to "its ledger line appended" (the daemon's 1 s settle and poll included, as for every
 step). Issue 62's goal: the first step within 10 % of the second. Prints both modes, the ratio
 first/second in each, early/off for the first step, and whether the first step's metrics are
-equal in both modes.
+equal in both modes. Each line's engine and `engine_seconds` (load, or swap and checks) say where
+the time went.
 
 Usage: python bench/early_engine.py [--delay 45] [--work /tmp/bench-early]
 """
@@ -87,7 +88,7 @@ def run(root: Path, ckpts: list[Path], tasks_dir: Path, early: bool, delay: floa
     return {
         "first_s": first_s,
         "second_s": second_s,
-        "engines": [ln["engine"] for ln in lines],
+        "engines": [f"{ln['engine']} {ln['engine_seconds']:.2f} s" for ln in lines],
         "metrics": lines[0]["metrics"],
     }
 

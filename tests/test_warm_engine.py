@@ -336,8 +336,10 @@ def test_warm_engine_released_when_idle_and_on_sigterm(
 
 
 # The keeper in one process (vLLM's engine in-process too, so the patch reaches its worker):
-# with the re-tie of shared parameters switched off, a swap of tied embeddings does only what
-# vLLM's reload_weights does, and both checks must catch it: the quick one on the first engine,
+# the first step's weights go into an engine started on its config alone (placeholder weights,
+# keeper.prepare). With the re-tie of shared parameters switched off, a swap of tied embeddings
+# does only what vLLM's reload_weights does (the head keeps its placeholder), and the checks must
+# catch it: the quick one of those first weights, the quick one on the cold engine then loaded,
 # then the one against a fresh load at the first swap. Either way the checks compile nothing: its probes' logprobs would otherwise compile vLLM's rank kernel
 # (enforce_eager compiles no model), seconds on each fresh process. And no engine's weights outlive its
 # release: vLLM's reload kept every swapped layer alive (see vllm_internals.py), and the worker
@@ -352,12 +354,16 @@ if sys.argv[1] == "no-retie":
 # the engine's model, from vLLM's worker (in this process): the test's own window on it
 vllm_internals.SwapExtension.model_for_test = lambda self: self.model_runner.get_model()
 keeper = EngineKeeper(verify_every=20)
-weights = []  # every parameter of each engine the keeper held: the first, the check's fresh load
-for ckpt in sys.argv[2:]:
-    keeper.acquire(EvalRequest(
+def request(ckpt):
+    return EvalRequest(
         checkpoint=ckpt, backend="vllm", tasks=[], seed=42, gen_kwargs={}, max_gen_toks=None,
         model_args={"dtype": "float32", "max_model_len": 64, "enforce_eager": True},
-        include_path=None, batch_size=None, limit=None, results_dir=sys.argv[2], device="cpu"))
+        include_path=None, batch_size=None, limit=None, results_dir=sys.argv[3], device="cpu")
+keeper.prepare(request(sys.argv[2]))  # the first step's config and tokenizer, no weights yet
+weights = []  # every parameter of each engine the keeper held: the first, the check's fresh load
+kinds = []
+for ckpt in sys.argv[3:]:
+    kinds.append(keeper.acquire(request(ckpt)).kind)
     (model,) = keeper.lm.model.collective_rpc("model_for_test")
     weights += [weakref.ref(p) for p in model.parameters()]
     del model
@@ -365,6 +371,7 @@ keeper.drop()
 from torch._dynamo.utils import counters
 graphs = counters["stats"]["unique_graphs"]  # what torch.compile built in this process
 print(json.dumps({"events": keeper.events, "cold_for_good": keeper.cold_for_good, "graphs": graphs,
+                  "kinds": kinds,
                   "weights": len(weights), "alive": sum(w() is not None for w in weights)}))
 """
 
@@ -380,9 +387,13 @@ def test_both_checks_catch_a_stale_tied_head(
         dest = shutil.copytree(ck, tmp_path / ck.name)
         apply_fix(dest)  # what the daemon does before any job
         ckpts.append(str(dest))
+    meta = tmp_path / "meta"  # the first step as its trainer began it: config and tokenizer
+    meta.mkdir()
+    for name in META_FILES:
+        shutil.copy(Path(ckpts[0]) / name, meta / name)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu")
     r = subprocess.run(
-        [sys.executable, "-c", KEEPER_SCRIPT, "retie" if retie else "no-retie", *ckpts],
+        [sys.executable, "-c", KEEPER_SCRIPT, "retie" if retie else "no-retie", str(meta), *ckpts],
         capture_output=True,
         text=True,
         env=env,
@@ -394,11 +405,23 @@ def test_both_checks_catch_a_stale_tied_head(
     assert out["graphs"] == 0, out
     assert out["weights"] == 2 * 14 and out["alive"] == 0, out  # 14 tensors (the head tied)
     if retie:
+        # the first step filled into the engine started on placeholder weights, proven there;
+        # the second swapped in
+        assert out["kinds"] == ["early", "warm"], out
         assert events == [("engine.verify_ok", "quick")] and out["cold_for_good"] == {}, out
     else:
-        quick, fresh = out["events"]
-        assert events == [("engine.quick_check_failed", "quick"), ("engine.verify_failed", "fresh")]
+        # a head left at its placeholder fails the check of the first weights: loaded cold
+        # (whose own quick check fails too), the swap then checked against a fresh load
+        assert out["kinds"] == ["cold", "cold"], out
+        filled, quick, fresh = out["events"]
+        assert events == [
+            ("engine.quick_check_failed", "quick"),
+            ("engine.quick_check_failed", "quick"),
+            ("engine.verify_failed", "fresh"),
+        ]
         # permuted, the stale head gives other tokens; swapped, it moves logprobs a little
-        assert "with the hidden dimension permuted: probe 0: greedy token" in quick["reason"]
+        for check in (filled, quick):
+            assert check["reason"].startswith("with the hidden dimension permuted: probe "), out
+            assert ": greedy token " in check["reason"], out
         assert "against a fresh load's" in fresh["reason"], out
         assert list(out["cold_for_good"].values()) == [fresh["reason"]], out
