@@ -31,7 +31,7 @@ from .conftest import (
     write_config,
     write_safetensors,
 )
-from .helpers import addition_answers, read_records, watcher_once
+from .helpers import addition_answers, read_records, wait_for, watcher_once, watcher_run
 
 
 def fake_adapter(folder: Path, base: str | None = None, kind: str = "LORA") -> Path:
@@ -351,9 +351,10 @@ def test_on_vllm_adapters_are_served_on_one_kept_base_and_answer_as_merged(
 ) -> None:
     """A LoRA run of 5 steps on vLLM: the base is loaded once with LoRA enabled and each step's
     adapter served on it (no merged copy made), every answer and metric equal to the merge
-    path's (`serve_adapters: false`). Step 60's tensors are under names vLLM would take without
-    a word (serving the base as the adapter): it is not served, and its merge fails, saying
-    so, as on hf."""
+    path's (`serve_adapters: false`). Served by a daemon (`watcher run`), the base is loaded
+    while the steps settle, before any is complete (`eval.early_engine`). Step 60's tensors are
+    under names vLLM would take without a word (serving the base as the adapter): it is not
+    served, and its merge fails, saying so, as on hf."""
     base = tmp_path / "base"
     shutil.copytree(trained_checkpoint, base)
     watch = tmp_path / "ckpts" / "lora"
@@ -368,10 +369,19 @@ def test_on_vllm_adapters_are_served_on_one_kept_base_and_answer_as_merged(
             d, tmp_path / "ckpts", addition_tasks, **VLLM_EVAL, warm_engine=True, limit=10,
             serve_adapters=serve, max_attempts=1,
         )  # fmt: skip
-        runs[mode] = {
-            ln["step"]: ln
-            for ln in watcher_once(write_config(d / "w.yaml", raw), d / "ledgers", "lora", 1)
-        }
+        cfg = write_config(d / "w.yaml", raw)
+        if not serve:
+            lines = watcher_once(cfg, d / "ledgers", "lora", 1)
+        else:
+            with watcher_run(cfg, d / "daemon.log") as daemon:
+                lines = wait_for(
+                    lambda: len(ln := read_ledger(d / "ledgers", "lora")) == 6 and ln,
+                    300,
+                    "6 lines",
+                    daemon,
+                    d / "daemon.log",
+                )
+        runs[mode] = {ln["step"]: ln for ln in lines}
     served, merged = runs["served"], runs["merged"]
     for lines in (served, merged):
         bad = lines.pop(60)
@@ -379,9 +389,10 @@ def test_on_vllm_adapters_are_served_on_one_kept_base_and_answer_as_merged(
     assert sorted(served) == [10, 20, 30, 40, 50]
     assert {ln["adapter"] for ln in served.values()} == {"served"}, served
     assert {ln["adapter"] for ln in merged.values()} == {"merged"}, merged
-    # one engine start: the base kept, each adapter loaded on it
+    # one engine start, before the first step was complete: the base kept, each adapter
+    # loaded on it
     order = sorted(served.values(), key=lambda ln: ln["started_at"])
-    assert [ln["engine"] for ln in order] == ["cold"] + ["warm"] * 4, order
+    assert [ln["engine"] for ln in order] == ["early"] + ["warm"] * 4, order
     for step, line in served.items():
         assert line["status"] == "ok" and line["metrics"] == merged[step]["metrics"], step
         assert read_records(tmp_path / "served" / "ledgers" / "lora", line) == read_records(

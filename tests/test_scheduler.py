@@ -83,6 +83,9 @@ def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_p
         return SimpleNamespace(location=str(folder), run=run, run_path=run, step=n, label="")
 
     rows = [step("A", 10), step("A", 20), step("B", 10), step("C", 10), step("D", 10, meta=False)]
+    lora = step("F", 10, meta=False)  # a LoRA step saved alone: its adapter config, whole
+    Path(lora.location, "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4}')
+    rows.append(lora)
     rows.append(
         SimpleNamespace(location="s3://b/E/step_10", run="E", run_path="E", step=10, label="")
     )
@@ -100,7 +103,7 @@ def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_p
     )
     cfg = SimpleNamespace(
         state_dir=tmp_path / "state",
-        eval=SimpleNamespace(early_engine=True, backend="vllm", model_args={}),
+        eval=SimpleNamespace(early_engine=True, backend="vllm", model_args={}, serve_adapters=True),
     )
 
     class Warm(Executor):
@@ -131,15 +134,18 @@ def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_p
     warm = Warm({"cpu:0": "B"})  # B's last job left its engine idle on cpu:0
     early = EarlyEngines(cfg, state, warm, dispatcher)  # type: ignore[arg-type]
     early.start(devices)
-    assert warm.sent == [("cpu:1", "step_10")]  # one for A (not one per step); none for B-E
-    assert early.preferred() == {"B": "cpu:0", "A": "cpu:1"}
+    # one for A (not one per step), one for F's base; none for B-E
+    assert warm.sent == [("cpu:1", "step_10"), ("cpu:2", "step_10")]
+    assert early.preferred() == {"B": "cpu:0", "A": "cpu:1", "F": "cpu:2"}
+    warm.sent.clear()
     early.start(devices)
-    assert warm.sent == [("cpu:1", "step_10")]  # A's engine waits
+    assert warm.sent == []  # their engines wait
     for _ in range(TRIES_PER_STEP + 1):  # given back each time
-        warm.idle = {"cpu:0": "B"}
+        warm.idle = {"cpu:0": "B", "cpu:2": "F"}
         early.start(devices)
     steps = [name for _, name in warm.sent]
-    assert steps == ["step_10"] * TRIES_PER_STEP + ["step_20"] * 2, steps  # then A's next step
+    # A's step 10 three times in all, then A's next step
+    assert steps == ["step_10"] * (TRIES_PER_STEP - 1) + ["step_20"] * 2, steps
     assert {label for label, _ in warm.sent} == {"cpu:1"}
     ray = Warm({})
     ray.starts_engines_ahead = False

@@ -395,8 +395,10 @@ class Daemon:
     def _dispatch(self, now: float) -> None:
         prefer = self.early.preferred() if self.early.enabled else None
         self.dispatcher.dispatch(now, self.gpus.free(), may_start=self._may_start, prefer=prefer)
-        if self.early.enabled and not self.stop_requests and self._may_start(now):
-            self.early.start(self.gpus.free())  # on the devices still free
+        if self.early.enabled and not self.stop_requests:
+            # on the devices still free; not waiting for the worker starter's imports (the
+            # worker then imports on its own, beside it): the earlier, the better
+            self.early.start(self.gpus.free())
 
     def _may_start(self, now: float) -> bool:
         """Jobs start once the ledger folder takes lines and the executor is ready (its

@@ -1,7 +1,8 @@
 """What an engine needs of a checkpoint before its weights: the model's config, tokenizer and
 generation files, once they are all there and whole. A trainer writes them first (Hugging Face
 `save_pretrained` beside its shards, verl's `huggingface/` folder before its ranks' files), so
-a run's model is known while its step is still being written (jobs/early.py)."""
+a run's model is known while its step is still being written (jobs/early.py). A LoRA step
+saved alone names its base in its adapter config."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from ckpt_watcher.checkpoints.layouts import HF_META
 
 CONFIG = "config.json"
+ADAPTER = "adapter_config.json"  # a LoRA step saved alone: its base is the model
 TOKENIZERS = ("tokenizer.json", "tokenizer_config.json")
 # where a step's config sits, below the step's folder: its top, verl's (actor/)huggingface/
 PLACES = ("", "huggingface", "actor/huggingface")
@@ -41,3 +43,14 @@ def _whole(folder: Path, tokenizer_required: bool) -> list[Path] | None:
             except (OSError, ValueError):
                 return None
     return [folder / n for n in names]
+
+
+def adapter(step: Path) -> Path | None:
+    """The step's `adapter_config.json` when it is whole (a LoRA adapter saved alone, whose base
+    an engine can load before the adapter is complete), else None."""
+    path = step / ADAPTER
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return path

@@ -303,10 +303,16 @@ class EngineKeeper:
     checkpoint: str | None = None
     base_mark: Any = None  # the write mark of the base an adapter engine loaded
     placeholder: bool = False  # holds placeholder weights (prepare): never evaluated as is
+    early_base: bool = False  # holds a LoRA run's base, loaded before its first adapter came
     swaps: dict[str, int] = field(default_factory=dict)  # swaps per signature
     cold_for_good: dict[str, str] = field(default_factory=dict)  # signature -> why
     checked: set[str] = field(default_factory=set)  # signatures the quick check proved here
     events: list[dict[str, Any]] = field(default_factory=list)  # for engine.json / status
+
+    @property
+    def ahead(self) -> bool:
+        """It holds an engine started before its run's first checkpoint (prepare)."""
+        return self.placeholder or self.early_base
 
     def acquire(self, req: EvalRequest) -> Engine:
         """The engine for `req`'s checkpoint: swapped into the kept one when possible."""
@@ -357,7 +363,8 @@ class EngineKeeper:
             and mark == self.base_mark
         ):
             log.info("engine.base_kept", base=req.checkpoint, adapter=req.lora)
-            return Engine(self.lm, "warm", time.monotonic() - began)
+            kind, self.early_base = ("early" if self.early_base else "warm"), False
+            return Engine(self.lm, kind, time.monotonic() - began)
         self.drop()
         self._load(req, sig)
         self.base_mark = mark
@@ -370,11 +377,19 @@ class EngineKeeper:
     def prepare(self, req: EvalRequest) -> str:
         """Start an engine for `req` (its checkpoint: a folder with the model's config and
         tokenizer, no weights needed) on placeholder weights, for the first checkpoint of that
-        signature to be swapped into (`acquire`); returns the signature. vLLM only."""
-        if req.backend != "vllm" or req.lora is not None:
+        signature to be swapped into (`acquire`); returns the signature. vLLM only. With
+        `req.lora` (a LoRA run) its base is loaded for real instead, with LoRA enabled, and kept
+        for that adapter's job (`_base_for_adapter`)."""
+        if req.backend != "vllm":
             raise SwapError("an engine ahead of its weights is started for vLLM models only")
         _, args = engine_args(req, swappable=True)
         sig = model_signature(Path(req.checkpoint), req.backend, args)
+        if req.lora is not None:  # a LoRA run: its base, for real, with LoRA enabled
+            self.drop()
+            self._load(req, sig)
+            self.base_mark = eval_mark(LocalFiles(Path(req.checkpoint), follow_links=True))
+            self.early_base = True
+            return sig
         if sig in self.cold_for_good:
             raise SwapError(f"swaps are off for this architecture: {self.cold_for_good[sig]}")
         self.drop()
@@ -496,7 +511,7 @@ class EngineKeeper:
             if not exiting:
                 free_memory()
         self.signature = self.checkpoint = self.base_mark = None
-        self.placeholder = False
+        self.placeholder = self.early_base = False
 
     def event(self, event: str, **fields: Any) -> None:
         (log.info if event.endswith("verify_ok") else log.warning)(event, **fields)

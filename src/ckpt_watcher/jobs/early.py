@@ -3,7 +3,8 @@ starts its engine on placeholder weights, so the run's first checkpoint is serve
 its tenth (`eval.early_engine`).
 
 A run's model is known once a step of it still being written (or complete but still settling,
-`stable_seconds`) has its config and tokenizer whole (checkpoints/model_meta.py). Then, when nothing of that run is queued or running and no
+`stable_seconds`) has its config and tokenizer whole (checkpoints/model_meta.py); a LoRA run's,
+once a step's adapter config is whole (its base is then loaded, for real, with LoRA enabled). Then, when nothing of that run is queued or running and no
 warm engine waits for it already, the first free device with no warm worker of its own gets one
 (executors/warm.py `prepare`; the worker's side is worker/early.py). Its job later goes to that
 device first (scheduler.assign's `prefer`, which also sends a run's next job to the idle engine
@@ -83,7 +84,10 @@ class EarlyEngines:
                 continue
             if "://" in row.location:  # remote (S3): its files are not read ahead
                 continue
-            if model_meta.find(Path(row.location), self.tokenizer_required) is None:
+            step = Path(row.location)
+            if model_meta.find(step, self.tokenizer_required) is None and not (
+                self.cfg.eval.serve_adapters and model_meta.adapter(step)
+            ):
                 continue
             self.tried[row.location] = tries + 1
             device = devices.pop(0)

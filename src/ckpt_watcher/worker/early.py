@@ -5,7 +5,9 @@ written whose config and tokenizer are already whole (checkpoints/model_meta.py)
 are copied into the worker's own placeholder folder (the trainer goes on writing the step
 beside them; the engine reads only the copy), and the keeper starts vLLM on them with
 placeholder weights. The step's weights are swapped in when its job comes, and proven before
-anything is evaluated (evaluators/keeper.py).
+anything is evaluated (evaluators/keeper.py). A LoRA step saved alone gets its base model
+instead, loaded for real with LoRA enabled at the step's rank, on which its adapter is served
+when its job comes (worker/job.py `served_on`, the same base folder the job will name).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import structlog
 from ckpt_watcher.checkpoints import model_meta
 from ckpt_watcher.errors import SwapError
 from ckpt_watcher.jobfolder import JobFolder
+from ckpt_watcher.worker.job import served_on
 
 if TYPE_CHECKING:
     from ckpt_watcher.evaluators.keeper import EngineKeeper
@@ -35,7 +38,13 @@ def prepare(request_folder: JobFolder, placeholder: Path, keeper: EngineKeeper) 
     source = Path(req.checkpoint)
     files = model_meta.find(source, tokenizer_required="tokenizer" not in req.model_args)
     if files is None:
-        raise SwapError(f"{source}: no whole config.json and tokenizer to start an engine on")
+        base = served_on(source, req, None)  # a LoRA step saved alone, vLLM serving it
+        if base is None:
+            raise SwapError(f"{source}: no whole config and tokenizer, nor an adapter to serve")
+        log.info("engine.preparing", run=spec.job_id, base=str(base), adapter=str(source))
+        sig = keeper.prepare(dataclasses.replace(req, checkpoint=str(base), lora=str(source)))
+        log.info("engine.ready", run=spec.job_id, signature=sig)
+        return sig
     shutil.rmtree(placeholder, ignore_errors=True)
     placeholder.mkdir(parents=True)
     for path in files:

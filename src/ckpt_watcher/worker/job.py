@@ -6,7 +6,7 @@ ended (`jobfolder.EXIT_*`); what stopped a whole job goes in the folder's crash 
 
 A checkpoint in a trainer's own format is converted first (convert.py). A LoRA adapter saved
 alone is served on its base by vLLM for lm-eval's tasks where vLLM serves it as peft applies it
-(`_served_on`); otherwise, and for other harnesses, it is merged into a copy of its base
+(`served_on`); otherwise, and for other harnesses, it is merged into a copy of its base
 (merge.py), which the tasks read.
 
 A result is of exactly the bytes its fingerprint names: the files read are those the checkpoint
@@ -185,7 +185,7 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
                 req = dataclasses.replace(req, checkpoint=str(native.path))
             # a LoRA/PEFT adapter saved alone is evaluated as the model it makes: served on its
             # base by vLLM where it can be, else merged into a copy of the base
-            base = _served_on(Path(req.checkpoint), req, spec.fingerprint)
+            base = served_on(Path(req.checkpoint), req, spec.fingerprint)
             merge = None
             if base is None:
                 merge = merged(Path(req.checkpoint), req.adapter_base, spec.fingerprint)
@@ -227,7 +227,7 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
 _NOT_SERVED: set[str] = set()
 
 
-def _served_on(checkpoint: Path, req: EvalRequest, judged: str | None) -> Path | None:
+def served_on(checkpoint: Path, req: EvalRequest, judged: str | None) -> Path | None:
     """The base model vLLM serves `checkpoint` on, if it is a LoRA adapter saved alone that
     vLLM serves as peft applies it (`adapter.unservable`) with its base's tokenizer; None:
     not an adapter, or one to merge (which says why in the log)."""

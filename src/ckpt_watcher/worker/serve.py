@@ -100,7 +100,7 @@ def _describe(
             "state": state,  # busy | idle | preparing | ready | released
             "job": job,
             "checkpoint": keeper.checkpoint,
-            "ready_for": ready_for if keeper.placeholder or state == "preparing" else None,
+            "ready_for": ready_for if keeper.ahead or state == "preparing" else None,
             "since": time.time(),
             "swaps": sum(keeper.swaps.values()),
             "swaps_by_signature": keeper.swaps,
@@ -180,10 +180,10 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
                     # not start: its checkpoint loads cold when it comes, as without
                     log.warning("engine.prepare_failed", run=run, error=f"{type(e).__name__}: {e}")
                     keeper.drop()
-                now = "ready" if keeper.placeholder else "idle"
+                now = "ready" if keeper.ahead else "idle"
                 _describe(home, keeper, device, now, None, failing, run)
                 try:  # 0: ready; the daemon's idle clock for this worker starts now
-                    os.write(status_fd, status_line(0 if keeper.placeholder else 1, folder.path))
+                    os.write(status_fd, status_line(0 if keeper.ahead else 1, folder.path))
                 except BrokenPipeError:
                     reason = "the daemon is gone"
                     break
