@@ -19,7 +19,7 @@ from ckpt_watcher.errors import ConfigError
 from ckpt_watcher.ledger import append
 from ckpt_watcher.preflight import task_problems
 
-from .conftest import write_config
+from .conftest import COMPILE_CACHE, write_config
 
 
 def _config(tmp: Path, tasks: list[Any], **extra: Any) -> dict[str, Any]:
@@ -114,6 +114,7 @@ def test_suite_task_names_resolve_offline_from_the_task_index(tmp_path: Path) ->
     """Names resolve against lm-eval's YAML index and the shipped tasks, on this machine:
     no dataset is fetched to check a name, so it works where the Hub cannot be reached."""
     data = _config(tmp_path, [{"suite": "base-model"}, {"suite": "math-passk"}])
+    data["eval"]["compile_cache_dir"] = str(COMPILE_CACHE)  # lm-eval's index: once per test run
     cfg = WatcherConfig.model_validate(data)
     assert task_problems(cfg) == []
 
