@@ -375,7 +375,7 @@ def test_on_vllm_adapters_are_served_on_one_kept_base_and_answer_as_merged(
         else:
             with watcher_run(cfg, d / "daemon.log") as daemon:
                 lines = wait_for(
-                    lambda: len(ln := read_ledger(d / "ledgers", "lora")) == 6 and ln,
+                    lambda at=d / "ledgers": len(ln := read_ledger(at, "lora")) == 6 and ln,
                     300,
                     "6 lines",
                     daemon,

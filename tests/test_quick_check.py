@@ -134,3 +134,31 @@ def test_probes_agree_through_a_near_tie_and_nothing_else() -> None:
     assert compare(wide, fresh, "bfloat16") is None and compare(wide, fresh, "float32")
     shorter = with_second([6, 17], [-0.05, -0.3])  # ended where the other went on
     assert "greedy token 2 differs" in str(compare(shorter, fresh, "float32"))
+
+
+def test_buffers_a_placeholder_load_sets_at_random_are_found() -> None:
+    """vLLM's placeholder loader sets every persistent floating-point buffer at random, which
+    the quick check (it scrambles parameters) would not see left so after the first swap: an
+    engine ahead of its weights is not started for such a model (keeper.prepare)."""
+    from types import SimpleNamespace
+
+    from ckpt_watcher.evaluators.vllm_internals import SwapExtension
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2)
+            self.norm = torch.nn.Module()
+            # as vLLM's placeholder loader leaves a persistent buffer
+            self.norm.register_buffer("scale", torch.empty(2).uniform_(-1e-3, 1e-3))
+            self.register_buffer("_k_scale", torch.tensor(1.0))  # set again after loading
+            self.register_buffer("zeros", torch.zeros(2))
+            random = torch.empty(2).uniform_(-1e-3, 1e-3)
+            self.register_buffer("cos_sin_cache", random, persistent=False)  # computed
+            self.register_buffer("positions", torch.arange(2))  # integers: left alone
+
+    ext = SwapExtension()
+    ext.model_runner = SimpleNamespace(get_model=lambda: Model())
+    assert ext.ckpt_watcher_random_buffers() == ["norm.scale"]
+    ext.model_runner = SimpleNamespace(get_model=lambda: torch.nn.Linear(2, 2))
+    assert ext.ckpt_watcher_random_buffers() == []

@@ -8,11 +8,13 @@ files, and the engine's arguments. Anything else, or any error in a swap, loads 
 loses nothing.
 
 An engine may also be started before its first checkpoint's weights exist (`prepare`): from a
-folder holding only the model's config and tokenizer, on placeholder (random) weights. The first
-checkpoint of that signature is swapped in, and served only once the quick check below proves
-that the swap wrote every weight (a weight left at its placeholder is NaN after the check's
-scramble, and its probes or bits differ); anything else loads cold. A placeholder is never
-evaluated: a request of another signature, or an adapter, drops it.
+folder holding only the model's config and tokenizer, on placeholder (random) weights (not for a
+model whose buffers still hold placeholder values after loading, a quantized KV cache's scales
+say: the check below does not see buffers). The first checkpoint of that signature is swapped
+in, and served only once the quick check below proves that the swap wrote every weight (a
+weight left at its placeholder is NaN after the check's scramble, and its probes or bits
+differ); anything else loads cold. A placeholder is never evaluated: a request of another
+signature, or an adapter, drops it.
 
 An engine serving LoRA adapters (`req.lora`) holds their base, loaded with LoRA enabled: it is
 kept while the next adapter's base is the same folder with no file written since, and never
@@ -304,6 +306,7 @@ class EngineKeeper:
     base_mark: Any = None  # the write mark of the base an adapter engine loaded
     placeholder: bool = False  # holds placeholder weights (prepare): never evaluated as is
     early_base: bool = False  # holds a LoRA run's base, loaded before its first adapter came
+    no_placeholder: dict[str, str] = field(default_factory=dict)  # signature -> why not
     swaps: dict[str, int] = field(default_factory=dict)  # swaps per signature
     cold_for_good: dict[str, str] = field(default_factory=dict)  # signature -> why
     checked: set[str] = field(default_factory=set)  # signatures the quick check proved here
@@ -392,8 +395,15 @@ class EngineKeeper:
             return sig
         if sig in self.cold_for_good:
             raise SwapError(f"swaps are off for this architecture: {self.cold_for_good[sig]}")
+        if sig in self.no_placeholder:
+            raise SwapError(self.no_placeholder[sig])
         self.drop()
         self.lm = load_model(req, swappable=True, placeholder=True)
+        random = self.lm.model.collective_rpc("ckpt_watcher_random_buffers")[0]
+        if random:  # what no swap is proven to set: its first checkpoint loads cold
+            self.drop()
+            self.no_placeholder[sig] = f"buffers a placeholder sets at random: {random[:3]}"
+            raise SwapError(self.no_placeholder[sig])
         self.signature, self.checkpoint, self.placeholder = sig, None, True
         return sig
 

@@ -56,6 +56,9 @@ from typing import Any
 # the load format of an engine started before its checkpoint's weights exist: every weight
 # random, replaced by the first swap (keeper.prepare)
 PLACEHOLDER_FORMAT = "dummy"
+PLACEHOLDER_RANGE = (
+    1e-3  # its values: uniform in +-this (weight_utils.initialize_single_dummy_weight)
+)
 RANK_KERNEL = "batched_count_greater_than"  # in vllm.v1.sample.sampler
 RELOAD_WRAPPER = "online_process_loader"  # vLLM's deferred loader, in reload/layerwise.py
 # what vLLM is told to mix into its worker (engine argument `worker_extension_cls`)
@@ -226,6 +229,26 @@ class SwapExtension:
         from ckpt_watcher.evaluators.weights import digest
 
         return digest(self.model_runner.get_model())
+
+    def ckpt_watcher_random_buffers(self) -> list[str]:
+        """The model's buffers that still hold vLLM's placeholder values (its loader sets every
+        persistent floating-point buffer uniformly in +-PLACEHOLDER_RANGE, `DummyModelLoader`,
+        unless the layer's processing after loading sets it again, as the attention layers'
+        KV-cache scales of an unquantized cache are set to 1): a checkpoint's reload may leave
+        them so (a quantized KV cache's scales), where a cold load sets them, and the quick
+        check, which scrambles parameters, would not see it."""
+        import torch
+
+        out = []
+        for prefix, module in self.model_runner.get_model().named_modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if name in module._non_persistent_buffers_set:
+                    continue
+                if not torch.is_floating_point(buffer) or not buffer.numel():
+                    continue
+                if 0 < float(buffer.abs().max()) <= PLACEHOLDER_RANGE:
+                    out.append(f"{prefix}.{name}" if prefix else name)
+        return out
 
     def _ckpt_watcher_reload(self, **source: Any) -> list[str]:
         if self.vllm_config.load_config.load_format == PLACEHOLDER_FORMAT:
