@@ -153,12 +153,15 @@ def test_buffers_a_placeholder_load_sets_at_random_are_found() -> None:
             self.norm.register_buffer("scale", torch.empty(2).uniform_(-1e-3, 1e-3))
             self.register_buffer("_k_scale", torch.tensor(1.0))  # set again after loading
             self.register_buffer("zeros", torch.zeros(2))
+            # an 8-bit buffer holds them rounded to 0 or its smallest steps
+            eight = torch.empty(64).uniform_(-1e-3, 1e-3).to(torch.float8_e4m3fn)
+            self.register_buffer("kv_scale", eight)
             random = torch.empty(2).uniform_(-1e-3, 1e-3)
             self.register_buffer("cos_sin_cache", random, persistent=False)  # computed
             self.register_buffer("positions", torch.arange(2))  # integers: left alone
 
     ext = SwapExtension()
     ext.model_runner = SimpleNamespace(get_model=lambda: Model())
-    assert ext.ckpt_watcher_random_buffers() == ["norm.scale"]
+    assert ext.ckpt_watcher_random_buffers() == ["kv_scale", "norm.scale"]
     ext.model_runner = SimpleNamespace(get_model=lambda: torch.nn.Linear(2, 2))
     assert ext.ckpt_watcher_random_buffers() == []

@@ -261,12 +261,11 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
             )
             assert row["device"].endswith("/cuda:6"), row
             # its worker writes its progress on its own node: status shows it all the same
-            # (as of the daemon's last heartbeat: the chunks it journaled before the cut)
+            # (as of the daemon's last heartbeat, and of the worker's last progress write,
+            # once a second: a worker frozen right after a chunk may not have written it yet)
             progress = wait_for(
                 lambda: (
-                    (p := (running(cfg, "r_step500") or {}).get("progress"))
-                    and p["done"] >= CHUNK
-                    and p
+                    (p := (running(cfg, "r_step500") or {}).get("progress")) and p["done"] > 0 and p
                 ),
                 30,
                 "the remote job's progress in status",

@@ -380,3 +380,25 @@ def test_a_warm_engine_that_keeps_crashing_jobs_makes_status_degraded(tmp_path: 
     failing = Failing(busy, killed="4242")  # the pid WarmExecutor.kill left in KILLED_FILE
     failing.ended("j5", 0)  # ok: the engine works
     assert failing.as_dict() == {"jobs": [], "last": None}
+
+
+def test_a_real_warm_worker_reports_a_failed_prepare_then_lets_go_when_idle(
+    tmp_path: Path,
+) -> None:
+    """`python -m ckpt_watcher.worker --serve` itself (no model is loaded): a request for an
+    engine ahead of a step that has no config yet fails and is reported (its device is not
+    kept for that run), and the worker, idle for `idle_seconds`, releases and exits by itself,
+    saying so in its engine.json, while the executor runs on."""
+    ex, q = _executor(tmp_path, sys.executable, idle=2)
+    try:
+        assert ex.prepare("cuda:0", _prepare(tmp_path, "A"), {})  # "/step": nothing there
+        assert _wait(lambda: ex.idle_engines() == {"cuda:0": None}, 60)
+        (pid,) = ex.worker_pids()
+        assert gone(pid, seconds=30)  # let go when idle
+        engine = json.loads((warm_home(tmp_path / "state", "cuda:0") / "engine.json").read_text())
+        assert engine["state"] == "released" and engine["ready_for"] is None, engine
+        said = (warm_home(tmp_path / "state", "cuda:0") / "worker.log").read_text()
+        assert "engine.prepare_failed" in said and "idle for 2 s" in said, said[-2000:]
+        assert ex.idle_engines() == {} and q.empty()
+    finally:
+        ex.close(timeout=5)

@@ -399,11 +399,16 @@ class EngineKeeper:
             raise SwapError(self.no_placeholder[sig])
         self.drop()
         self.lm = load_model(req, swappable=True, placeholder=True)
-        random = self.lm.model.collective_rpc("ckpt_watcher_random_buffers")[0]
-        if random:  # what no swap is proven to set: its first checkpoint loads cold
+        try:  # every worker's (each holds a part of the model under TP or PP)
+            per_worker = self.lm.model.collective_rpc("ckpt_watcher_random_buffers")
+            random = sorted({name for names in per_worker for name in names})
+            why = f"buffers a placeholder sets at random: {random[:3]}" if random else ""
+        except Exception as e:  # what cannot be checked is not started ahead
+            why = f"its buffers could not be checked: {type(e).__name__}: {e}"
+        if why:  # what no swap is proven to set: its first checkpoint loads cold
             self.drop()
-            self.no_placeholder[sig] = f"buffers a placeholder sets at random: {random[:3]}"
-            raise SwapError(self.no_placeholder[sig])
+            self.no_placeholder[sig] = why
+            raise SwapError(why)
         self.signature, self.checkpoint, self.placeholder = sig, None, True
         return sig
 

@@ -56,9 +56,10 @@ from typing import Any
 # the load format of an engine started before its checkpoint's weights exist: every weight
 # random, replaced by the first swap (keeper.prepare)
 PLACEHOLDER_FORMAT = "dummy"
-PLACEHOLDER_RANGE = (
-    1e-3  # its values: uniform in +-this (weight_utils.initialize_single_dummy_weight)
-)
+# its values: uniform in +-this (weight_utils.initialize_single_dummy_weight), and float8's
+# smallest steps (2^-9) they round to in an 8-bit buffer
+PLACEHOLDER_RANGE = 1e-3
+PLACEHOLDER_LIMIT = 4 * PLACEHOLDER_RANGE
 RANK_KERNEL = "batched_count_greater_than"  # in vllm.v1.sample.sampler
 RELOAD_WRAPPER = "online_process_loader"  # vLLM's deferred loader, in reload/layerwise.py
 # what vLLM is told to mix into its worker (engine argument `worker_extension_cls`)
@@ -246,7 +247,8 @@ class SwapExtension:
                     continue
                 if not torch.is_floating_point(buffer) or not buffer.numel():
                     continue
-                if 0 < float(buffer.abs().max()) <= PLACEHOLDER_RANGE:
+                # in float32: an 8-bit buffer holds them rounded to 0 or its smallest step
+                if 0 < float(buffer.float().abs().max()) <= PLACEHOLDER_LIMIT:
                     out.append(f"{prefix}.{name}" if prefix else name)
         return out
 

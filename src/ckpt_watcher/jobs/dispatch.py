@@ -186,7 +186,10 @@ class Dispatcher:
             for job, device in assignments:
                 self._start(job, device)
         taken = {device.id for _, device in assignments}
-        waiting = set((prefer or {}).values())  # an engine there waits for its run's next job
+        # an engine there waits for the next job of a run that has none running: no helper of
+        # another run's job takes its device (a helper of a running run's job may: its model)
+        running = {j.run_path for j in self.state.jobs("running")}
+        waiting = {d for run, d in (prefer or {}).items() if run not in running}
         spare = [d for d in free if d.id not in taken and d.label not in waiting]
         self.helpers.start(spare, self.helper_spec)
 

@@ -64,8 +64,14 @@ class EarlyEngines:
 
     def preferred(self) -> dict[str, str]:
         """Run path -> the device label whose idle engine holds that run's model (started ahead
-        of its first checkpoint, or left by its last job)."""
-        return {run: d for d, run in self.executor.idle_engines().items() if run is not None}
+        of its first checkpoint, or left by its last job), for the runs with work coming (a job
+        queued, a step being written): their devices are kept for them."""
+        idle = {run: d for d, run in self.executor.idle_engines().items() if run is not None}
+        if not idle:
+            return {}
+        coming = {j.run_path for j in self.state.jobs("queued")}
+        coming |= {r.run_path for r in self.state.checkpoints("incomplete")}
+        return {run: d for run, d in idle.items() if run in coming}
 
     def start(self, free: list[Device]) -> None:
         """Start engines for the runs whose model is known and whose first checkpoint has no
@@ -111,7 +117,11 @@ class EarlyEngines:
         )
         spec = self.dispatcher.spec(job, device)
         folder = JobFolder(warm_home(self.cfg.state_dir, device.label) / PREPARE_DIR)
-        folder.write_spec(spec)
-        ok = self.executor.prepare(device.label, folder, device.worker_env())
+        try:
+            folder.write_spec(spec)
+            ok = self.executor.prepare(device.label, folder, device.worker_env())
+        except OSError as e:  # a full disk, a worker starter that died: the job loads cold
+            log.warning("engine.prepare_failed", run=run_path, device=device.label, error=str(e))
+            return False
         log.info("engine.prepare", run=run_path, step=step, device=device.label, sent=ok)
         return ok

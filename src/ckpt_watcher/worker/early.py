@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from ckpt_watcher.checkpoints import model_meta
-from ckpt_watcher.errors import SwapError
+from ckpt_watcher.checkpoints import adapter, model_meta
+from ckpt_watcher.checkpoints.files import LocalFiles
+from ckpt_watcher.errors import AdapterNotServed, SwapError
 from ckpt_watcher.jobfolder import JobFolder
-from ckpt_watcher.worker.job import served_on
+from ckpt_watcher.worker.job import base_refused, served_on
 
 if TYPE_CHECKING:
     from ckpt_watcher.evaluators.keeper import EngineKeeper
@@ -36,15 +37,23 @@ def prepare(request_folder: JobFolder, placeholder: Path, keeper: EngineKeeper) 
     spec = request_folder.read_spec()
     req = spec.request
     source = Path(req.checkpoint)
-    files = model_meta.find(source, tokenizer_required="tokenizer" not in req.model_args)
-    if files is None:
-        base = served_on(source, req, None)  # a LoRA step saved alone, vLLM serving it
+    if adapter.is_adapter(LocalFiles(source).files):  # a LoRA step saved alone (its config
+        # and tokenizer too, maybe: the job serves the adapter all the same)
+        base = served_on(source, req, None)
         if base is None:
-            raise SwapError(f"{source}: no whole config and tokenizer, nor an adapter to serve")
+            raise SwapError(f"{source}: an adapter vLLM would not serve (merged when complete)")
         log.info("engine.preparing", run=spec.job_id, base=str(base), adapter=str(source))
-        sig = keeper.prepare(dataclasses.replace(req, checkpoint=str(base), lora=str(source)))
+        try:
+            sig = keeper.prepare(dataclasses.replace(req, checkpoint=str(base), lora=str(source)))
+        except AdapterNotServed as e:
+            if e.base_refused:  # its job merges at once, without a second engine start
+                base_refused(str(base))
+            raise
         log.info("engine.ready", run=spec.job_id, signature=sig)
         return sig
+    files = model_meta.find(source, tokenizer_required="tokenizer" not in req.model_args)
+    if files is None:
+        raise SwapError(f"{source}: no whole config and tokenizer to start an engine on")
     shutil.rmtree(placeholder, ignore_errors=True)
     placeholder.mkdir(parents=True)
     for path in files:

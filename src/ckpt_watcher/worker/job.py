@@ -227,6 +227,11 @@ def _run_job(folder: JobFolder, keeper: EngineKeeper | None, servers: Servers | 
 _NOT_SERVED: set[str] = set()
 
 
+def base_refused(base: str) -> None:
+    """vLLM refused to load `base` with LoRA enabled: this worker merges its adapters."""
+    _NOT_SERVED.add(base)
+
+
 def served_on(checkpoint: Path, req: EvalRequest, judged: str | None) -> Path | None:
     """The base model vLLM serves `checkpoint` on, if it is a LoRA adapter saved alone that
     vLLM serves as peft applies it (`adapter.unservable`) with its base's tokenizer; None:
@@ -386,7 +391,7 @@ def _run_tasks(
                 assert merge_now is not None
                 log.warning("worker.adapter_not_served", adapter=req.lora, why=str(refused))
                 if refused.base_refused:
-                    _NOT_SERVED.add(req.checkpoint)
+                    base_refused(req.checkpoint)
                 refused = None
                 if keeper is not None:
                     keeper.drop()
