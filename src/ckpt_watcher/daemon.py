@@ -160,7 +160,9 @@ class Daemon:
             self.helpers,
             self.metrics,
         )
-        self.early = EarlyEngines(cfg, self.state, self.executor, self.dispatcher, once)
+        self.early = EarlyEngines(
+            cfg, self.state, self.executor, self.dispatcher, once, wake=self.wake.set
+        )
         self.notifier = Notifier()
         self._last_heartbeat = 0.0
 

@@ -4,7 +4,8 @@ its tenth (`eval.early_engine`).
 
 A run's model is known once a step of it still being written (or complete but still settling,
 `stable_seconds`) has its config and tokenizer whole (checkpoints/model_meta.py); a LoRA run's,
-once a step's adapter config is whole (its base is then loaded, for real, with LoRA enabled). Then, when nothing of that run is queued or running and no
+once a step's adapter config is whole (its base is then loaded, for real, with LoRA enabled).
+Those files are read on a lane of their own (lane.py), never on the daemon's loop. Then, when nothing of that run is queued or running and no
 warm engine waits for it already, the first free device with no warm worker of its own gets one
 (executors/warm.py `prepare`; the worker's side is worker/early.py). Its job later goes to that
 device first (scheduler.assign's `prefer`, which also sends a run's next job to the idle engine
@@ -16,6 +17,8 @@ the device is free (`TRIES_PER_STEP`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import structlog
@@ -26,6 +29,7 @@ from ckpt_watcher.devices import Device
 from ckpt_watcher.executors.base import Executor
 from ckpt_watcher.jobfolder import PREPARE_DIR, JobFolder, warm_home
 from ckpt_watcher.jobs.dispatch import Dispatcher
+from ckpt_watcher.lane import Lane
 from ckpt_watcher.state import Job, State
 
 log = structlog.get_logger("ckpt_watcher.jobs")
@@ -45,8 +49,10 @@ class EarlyEngines:
         executor: Executor,
         dispatcher: Dispatcher,
         once: bool = False,
+        wake: Callable[[], None] | None = None,
     ) -> None:
-        """`once`: `watcher once`, which ends before a step being written is complete."""
+        """`once`: `watcher once`, which ends before a step being written is complete; `wake`
+        wakes the loop when a step's files have been read."""
         self.cfg = cfg
         self.state = state
         self.executor = executor
@@ -61,6 +67,9 @@ class EarlyEngines:
         )
         self.tried: dict[str, int] = {}  # step -> engines started for it
         self.tokenizer_required = not cfg.eval.model_args.get("tokenizer")
+        # a step's files are read on a lane of their own, never on the loop (EFS may hang)
+        self.lane = Lane("early-engines", wake)
+        self.looks: dict[str, Future[bool]] = {}  # step -> whether its model is known
 
     def preferred(self) -> dict[str, str]:
         """Run path -> the device label whose idle engine holds that run's model (started ahead
@@ -82,7 +91,11 @@ class EarlyEngines:
         waiting = {run for run in idle.values() if run is not None}
         busy = {j.run_path for j in self.state.jobs("queued", "running")}
         devices = [d for d in free if d.label not in idle]
-        for row in self.state.checkpoints("incomplete"):
+        rows = self.state.checkpoints("incomplete")
+        gone = self.looks.keys() - {r.location for r in rows}
+        for location in gone:  # judged since (or deleted): no more looks
+            del self.looks[location]
+        for row in rows:
             if not devices:
                 return
             tries = self.tried.get(row.location, 0)
@@ -90,15 +103,33 @@ class EarlyEngines:
                 continue
             if "://" in row.location:  # remote (S3): its files are not read ahead
                 continue
-            step = Path(row.location)
-            if model_meta.find(step, self.tokenizer_required) is None and not (
-                self.cfg.eval.serve_adapters and model_meta.adapter(step)
-            ):
+            if not self._known(row.location):
                 continue
             self.tried[row.location] = tries + 1
             device = devices.pop(0)
             if self._prepare(row.location, row.run, row.run_path, row.step, row.label, device):
                 waiting.add(row.run_path)
+
+    def _known(self, location: str) -> bool:
+        """Whether the step's model is known: the answer of the last look at its files, which
+        run on the lane (a new look is asked once that one has ended; False meanwhile)."""
+        look = self.looks.pop(location, None)
+        if look is not None and not look.done():
+            self.looks[location] = look
+            return False
+        self.looks[location] = self.lane.submit(lambda: self._readable(Path(location)))
+        if look is None:
+            return False
+        try:
+            return look.result()
+        except Exception:  # an unreadable folder: not known (yet)
+            return False
+
+    def _readable(self, step: Path) -> bool:
+        """On the lane: the step's config and tokenizer are whole (or its adapter config)."""
+        if model_meta.find(step, self.tokenizer_required) is not None:
+            return True
+        return bool(self.cfg.eval.serve_adapters and model_meta.adapter(step))
 
     def _prepare(
         self, location: str, run: str, run_path: str, step: int | None, label: str, device: Device
