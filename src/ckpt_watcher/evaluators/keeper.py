@@ -294,6 +294,12 @@ def free_memory() -> None:
             log.warning("engine.empty_cache_failed", error=str(e))
 
 
+def _signature(req: EvalRequest) -> str:
+    """The signature of `req`'s checkpoint with the engine arguments a kept engine has."""
+    _, args = engine_args(req, swappable=True)
+    return model_signature(Path(req.checkpoint), req.backend, args)
+
+
 # --- the keeper ------------------------------------------------------------------------------
 @dataclass
 class EngineKeeper:
@@ -320,8 +326,7 @@ class EngineKeeper:
     def acquire(self, req: EvalRequest) -> Engine:
         """The engine for `req`'s checkpoint: swapped into the kept one when possible."""
         began = time.monotonic()
-        _, args = engine_args(req, swappable=True)
-        sig = model_signature(Path(req.checkpoint), req.backend, args)
+        sig = _signature(req)
         if self.placeholder:  # an engine started before its weights: filled, or dropped
             if req.lora is None and sig == self.signature and sig not in self.cold_for_good:
                 engine = self._fill(req, sig, began)
@@ -385,8 +390,7 @@ class EngineKeeper:
         for that adapter's job (`_base_for_adapter`)."""
         if req.backend != "vllm":
             raise SwapError("an engine ahead of its weights is started for vLLM models only")
-        _, args = engine_args(req, swappable=True)
-        sig = model_signature(Path(req.checkpoint), req.backend, args)
+        sig = _signature(req)
         if req.lora is not None:  # a LoRA run: its base, for real, with LoRA enabled
             self.drop()
             self._load(req, sig)

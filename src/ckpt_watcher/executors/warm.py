@@ -145,14 +145,9 @@ class WarmExecutor(Executor):
             w = self._workers.get(device_label)
             if w is None or w.job_id is not None:
                 return
-            del self._workers[device_label]
-            self._retired = [r for r in self._retired if r.proc.poll() is None] + [w]
-        try:  # on purpose: its next worker must not count it failing
-            (warm_home(self.state_dir, device_label) / KILLED_FILE).write_text(str(w.proc.pid))
-        except OSError:
-            pass
+            self._retire(w)
         log.info("engine.given_back", device=device_label, pid=w.proc.pid, run=w.run)
-        kill_group(w.proc.pid)
+        self._kill_on_purpose(w)
 
     def _spawn(self, device: str, env: dict[str, str]) -> _Warm:
         home = warm_home(self.state_dir, device)
@@ -246,12 +241,17 @@ class WarmExecutor(Executor):
             w = next((w for w in self._workers.values() if w.job_id == job_id), None)
         if w is None:
             self.cold.kill(job_id)
-        else:  # on purpose (timeout, give-back, stop): its next worker must not count it failing
-            try:
-                (warm_home(self.state_dir, w.device) / KILLED_FILE).write_text(str(w.proc.pid))
-            except OSError:
-                pass
-            kill_group(w.proc.pid)
+        else:  # on purpose (timeout, give-back, stop)
+            self._kill_on_purpose(w)
+
+    def _kill_on_purpose(self, w: _Warm) -> None:
+        """Kill the warm worker's group, saying so first: its next worker must not count it
+        failing (serve.Failing)."""
+        try:
+            (warm_home(self.state_dir, w.device) / KILLED_FILE).write_text(str(w.proc.pid))
+        except OSError:
+            pass
+        kill_group(w.proc.pid)
 
     def running(self) -> set[str]:
         with self._lock:
