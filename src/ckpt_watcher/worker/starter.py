@@ -44,7 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckpt_watcher.jobfolder import STATUS_FD_ENV
+from ckpt_watcher.jobfolder import STATUS_FD_ENV, WORKER_NAME
+from ckpt_watcher.proctable import set_name
 
 REPORTS_FD = 1
 REQUEST_BYTES = 1 << 20  # a request's most: its environment, mostly
@@ -143,12 +144,18 @@ def serve() -> list[str] | None:
                 _note("the daemon closed its socket: ending (running workers go on)")
                 return None
             request = json.loads(data)
+            named_r, named_w = os.pipe()
             try:
                 pid = os.fork()
             except OSError as e:
                 _report({"failed": str(e)})
                 pid = -1
             if pid == 0:
+                # Named before the daemon learns its pid: a worker the daemon (or its recovery)
+                # looks at is never taken for the starter whose name it was forked with.
+                set_name(WORKER_NAME)
+                os.close(named_r)
+                os.close(named_w)
                 selector.close()
                 requests.detach()  # fd 0 is the worker's stdin from here on
                 os.close(wake_r)
@@ -156,6 +163,9 @@ def serve() -> list[str] | None:
                 return _become_worker(request, fds)
             for fd in fds:  # the worker's, and the daemon's: the starter keeps none
                 os.close(fd)
+            os.close(named_w)
+            os.read(named_r, 1)  # end of file once the child has named itself (or is gone)
+            os.close(named_r)
             if pid > 0:
                 _report({"started": pid})
         _reap()
