@@ -253,6 +253,10 @@ def test_an_engine_started_on_a_steps_config_serves_it_as_a_cold_load_would(
         _, st = status_json(cfg)
         assert st is not None and st["queue"] == [] and st["running"] == [], st
         assert "cuda:6: ready for tied" in shown()
+        # the first job's set-up done too (lm-eval's environment report, the tasks loaded)
+        (wlog,) = (state / "jobs" / "_warm").glob("*/worker.log")
+        said = wlog.read_text()
+        assert "engine.tasks_ready" in said and "tasks_not_ready" not in said, said[-3000:]
         for f in sorted(ckpt.iterdir()):  # the trainer writes the weights
             if f.name not in META_FILES:
                 shutil.copy(f, step / f.name)

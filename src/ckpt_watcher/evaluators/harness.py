@@ -172,6 +172,34 @@ def _code_execution(t: TaskRun) -> Iterator[None]:
         judge.forget()
 
 
+def ready_tasks(req: EvalRequest) -> float:
+    """Do ahead what the first job of `req` in this process would do before its first request:
+    lm-eval's environment report (`reuse_env_info`: torch's `collect_env`, 0.65 s here, once per
+    environment and working directory) and each plain lm-eval task loaded once (its dataset
+    prepared in the datasets cache, lm-eval's modules imported). For an engine started ahead of
+    its weights (worker/early.py). A task that fails to load is left to its job, which reports
+    it; a task that runs programs is loaded by its job only (under its sandbox). Returns the
+    seconds spent."""
+    import lm_eval.evaluator as evaluator
+
+    began = time.monotonic()
+    lmi.reuse_env_info(req.compile_cache)
+    lmi.cache_prompt_templates()
+    evaluator.add_env_info({})
+    plain = [t.task for t in req.tasks if t.harness == "lm-eval" and not t.allow_code_execution]
+    if plain:
+        metadata = dict(req.model_args) | {"pretrained": req.checkpoint}
+        tm = lmi.task_manager(
+            plain, task_paths(req.include_path), metadata=metadata, index_dir=req.compile_cache
+        )
+        for name in dict.fromkeys(plain):
+            try:
+                lmi.load_task(tm, name)
+            except Exception as e:  # noqa: BLE001 - its job loads it again and says why
+                log.info("task.not_ready", task=name, error=f"{type(e).__name__}: {e}")
+    return time.monotonic() - began
+
+
 def run_tasks(
     req: EvalRequest,
     on_outcome: Callable[[TaskOutcome], None],
