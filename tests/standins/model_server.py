@@ -4,6 +4,10 @@ those need of the real one, and nothing of a model. `python model_server.py SOCK
 - listens on the Unix socket SOCKET (vLLM's `--uds`); `GET /health` answers 200;
 - `POST /v1/completions` answers, as vLLM's sampler would with the request's own seed, a text
   made of that seed (`seed 123`), so the order a journal replays answers in can be seen;
+- `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` as vLLM answers them (a name loaded
+  twice, or a path whose name ends in `refused`, is a 400); a completion for an adapter says
+  which (`seed 123 by NAME`), and one for a model that is neither `checkpoint` nor a loaded
+  adapter is a 404;
 - `POST /tokenize` counts one token per character; `GET /metrics` exposes vLLM's token
   counters (`vllm:generation_tokens_total`), in Prometheus' text format as vLLM does;
 - MODE `hang`: completions are never answered and the counters never move (a server whose
@@ -25,6 +29,7 @@ from http.server import BaseHTTPRequestHandler
 SOCKET, MODE = sys.argv[1], sys.argv[2]
 tokens = [0]
 lock = threading.Lock()
+adapters: set[str] = set()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -61,8 +66,29 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/tokenize":
             self._send(200, json.dumps({"count": len(str(body.get("prompt", "")))}).encode())
             return
+        name = body.get("lora_name")
+        if self.path == "/v1/load_lora_adapter":
+            if name in adapters or str(body.get("lora_path")).endswith("refused"):
+                self._send(400, json.dumps({"error": {"message": f"cannot load {name}"}}).encode())
+                return
+            adapters.add(name)
+            self._send(
+                200, f"Success: LoRA adapter '{name}' added successfully.".encode(), "text/plain"
+            )
+            return
+        if self.path == "/v1/unload_lora_adapter":
+            if name not in adapters:
+                self._send(404, b'{"error": {"message": "not loaded"}}')
+                return
+            adapters.discard(name)
+            self._send(200, b"Success", "text/plain")
+            return
         if self.path != "/v1/completions":
             self._send(404, b'{"detail": "Not Found"}')
+            return
+        model = body.get("model")
+        if model != "checkpoint" and model not in adapters:
+            self._send(404, json.dumps({"error": {"message": f"no model {model}"}}).encode())
             return
         if MODE == "hang":
             time.sleep(3600)
@@ -74,7 +100,12 @@ class Handler(BaseHTTPRequestHandler):
             "object": "text_completion",
             "model": body.get("model"),
             "choices": [
-                {"index": 0, "text": f"seed {body.get('seed')}", "finish_reason": "length"}
+                {
+                    "index": 0,
+                    "text": f"seed {body.get('seed')}"
+                    + ("" if model == "checkpoint" else f" by {model}"),
+                    "finish_reason": "length",
+                }
             ],
         }
         self._send(200, json.dumps(answer).encode())

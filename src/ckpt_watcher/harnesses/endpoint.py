@@ -14,7 +14,10 @@ front of it; the harness is given the proxy's URL. For each completion request t
   rerun is answered from the journal up to where it stopped (`resumed`), so its metrics are
   those of an uninterrupted run;
 - forwards only what a harness needs (`ROUTES`: completions, chat completions, the model list,
-  tokenize, health): never the server's development routes, which swap weights.
+  tokenize, health): never the server's development routes, which swap weights;
+- on a step that is a LoRA adapter served on its base (`Servers.adapter`), asks for the adapter
+  under its name of the moment wherever the harness names the checkpoint (`model`), and answers
+  with the checkpoint's name: the harness, and the journal, see one model whatever the name.
 
 While the harness runs, `check()` watches the server: one that died, or that made no progress
 (no answer, no token counted in its /metrics) for `stall_seconds` while requests wait, is
@@ -279,12 +282,14 @@ class Endpoint:
                 f"{method} {route} is not served here; the watcher's endpoint serves "
                 + ", ".join(f"{m} {p}" for m, p in sorted(ROUTES)),
             )
-        if method != "POST" or route not in COMPLETIONS:
+        if method != "POST":
             return self.upstream(method, path, raw or None, headers)
         try:
             body = json.loads(raw or b"{}")
         except ValueError:
             return self.upstream(method, path, raw, headers)
+        if route not in COMPLETIONS:  # /tokenize
+            return self.ask(method, path, body)
         key = self.journal.key(path, body)
         occurrence = self.occurrence(key)
         saved = self.journal.get(key, occurrence)
@@ -296,14 +301,26 @@ class Endpoint:
         problem = self.clamp(path, body)
         if problem is not None:
             return _error(400, problem)
-        status, ctype, out = self.upstream(
-            method, path, json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
+        status, ctype, out = self.ask(method, path, body)
         if status == 200:
             self.journal.put(key, occurrence, ctype, out)
             with self._lock:
                 self.computed += 1
         return status, ctype, out
+
+    def ask(self, method: str, path: str, body: Any) -> tuple[int, str, bytes]:
+        """The server's answer to `body`: the adapter served asked for by its name of the moment
+        where the harness names the checkpoint, the answer naming the checkpoint again."""
+        adapter = self.servers.adapter
+        named = isinstance(body, dict) and body.get("model", self.model) == self.model
+        if adapter is not None and named:
+            body = body | {"model": adapter}
+        answer = self.upstream(
+            method, path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        if adapter is None or not named:
+            return answer
+        return _renamed(answer, adapter, self.model)
 
     def start_proxy(self) -> None:
         endpoint = self
@@ -342,6 +359,19 @@ class Endpoint:
 
 
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 502: "BadGatewayError"}
+
+
+def _renamed(answer: tuple[int, str, bytes], name: str, to: str) -> tuple[int, str, bytes]:
+    """The server's answer, its `model` field `to` where it was `name`."""
+    status, ctype, out = answer
+    try:
+        data = json.loads(out)
+    except ValueError:  # not JSON: as it came
+        return answer
+    if isinstance(data, dict) and data.get("model") == name:
+        data["model"] = to
+        out = json.dumps(data).encode()
+    return status, ctype, out
 
 
 def _error(status: int, message: str) -> tuple[int, str, bytes]:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from ckpt_watcher import redact
-from ckpt_watcher.errors import CheckpointChanged, EvalError, ServerLost
+from ckpt_watcher.errors import AdapterNotServed, CheckpointChanged, EvalError, ServerLost
 from ckpt_watcher.evaluators.failures import classify
 from ckpt_watcher.evaluators.harness import safe_filename, write_samples
 from ckpt_watcher.harnesses import interp, reaper
@@ -128,8 +128,8 @@ def run_entry(
                 endpoint.ended()
             parsed = h.read(ctx, rc)
         except Exception as e:
-            if isinstance(e, CheckpointChanged):
-                raise
+            if isinstance(e, CheckpointChanged | AdapterNotServed):  # the job's to handle:
+                raise  # (an adapter the server refuses is merged, and the entry run again)
             if isinstance(e, ServerLost):
                 servers.stop()  # what is left of it; the next attempt starts a new one
             failure = classify(e)

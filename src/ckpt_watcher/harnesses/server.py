@@ -26,6 +26,7 @@ the routes a harness needs.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import os
 import shutil
@@ -43,9 +44,9 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from ckpt_watcher import scratch
-from ckpt_watcher.errors import EvalError, SwapError
+from ckpt_watcher.errors import AdapterNotServed, EvalError, SwapError
 from ckpt_watcher.evaluators import compile_cache
-from ckpt_watcher.evaluators.harness import VLLM_ONLY_ARGS
+from ckpt_watcher.evaluators.harness import VLLM_ONLY_ARGS, lora_rank
 from ckpt_watcher.harnesses.reaper import reaped
 from ckpt_watcher.jobfolder import EvalRequest
 
@@ -69,6 +70,7 @@ _SERVER_ARGS = tuple(
 _CHECKPOINT = "<checkpoint>"
 _SOCKET = "<socket>"
 SOCKET_NAME = "vllm.sock"
+_adapter_ids = itertools.count(1)  # an adapter's name is never reused in a worker (see Servers)
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -141,6 +143,8 @@ def server_argv(
         from ckpt_watcher.evaluators.vllm_internals import SWAP_EXTENSION
 
         argv += ["--worker-extension-cls", SWAP_EXTENSION]
+    if req.lora is not None:  # the base, ready to serve adapters of this rank or less
+        argv += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(lora_rank(req.lora))]
     return argv
 
 
@@ -157,6 +161,8 @@ def _server_env(req: EvalRequest, swappable: bool) -> dict[str, str]:
             env["CUDA_VISIBLE_DEVICES"] = "-1"
     if swappable:  # /collective_rpc and /reset_prefix_cache, on its private socket only
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    if req.lora is not None:  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     return env
 
 
@@ -219,8 +225,8 @@ def request(
         conn.close()
 
 
-def _post(sock: str, path: str, body: dict[str, Any], timeout: float) -> Any:
-    """POST `body` to the server; its JSON answer (None for an empty one)."""
+def _call(sock: str, path: str, body: dict[str, Any], timeout: float) -> bytes:
+    """POST `body` to the server; its answer's bytes (SwapError unless it is a 200)."""
     status, _, raw = request(
         sock,
         "POST",
@@ -231,6 +237,12 @@ def _post(sock: str, path: str, body: dict[str, Any], timeout: float) -> Any:
     )
     if status != 200:
         raise SwapError(f"POST {path}: HTTP {status}: {raw[:300].decode(errors='replace')}")
+    return raw
+
+
+def _post(sock: str, path: str, body: dict[str, Any], timeout: float) -> Any:
+    """POST `body` to the server; its JSON answer (None for an empty one)."""
+    raw = _call(sock, path, body, timeout)
     return json.loads(raw) if raw.strip() else None
 
 
@@ -296,7 +308,15 @@ class Servers:
     """The model server of a worker's served entries: started for the first, shared by the
     job's entries that ask for the same server; with `keeper` (a warm worker) kept across jobs,
     each next checkpoint's weights swapped in where its signature allows. `keeper` keeps the
-    swap counts, the signatures gone cold for good and the events (`engine.json`)."""
+    swap counts, the signatures gone cold for good and the events (`engine.json`).
+
+    A LoRA adapter saved alone (`req.lora`, on its base `req.checkpoint`) is served, not
+    merged: the base started once with LoRA enabled at the adapter's rank, each step's adapter
+    loaded through `/v1/load_lora_adapter` under a name never used before in this worker (vLLM's
+    prefix cache keys hold the name: a reused one would answer from the last adapter's KV
+    blocks) and the last one unloaded. The entry's proxy asks for it by that name
+    (`adapter`). An adapter or base the server refuses raises AdapterNotServed: merged instead.
+    """
 
     def __init__(
         self,
@@ -314,6 +334,8 @@ class Servers:
         self._shape: list[str] = []  # its argv, the checkpoint's path left out
         self._signature: str | None = None
         self._this_job = False  # it serves this job's checkpoint (started or swapped for it)
+        self._checkpoint = ""  # the weights it serves (started on or swapped in)
+        self.adapter: str | None = None  # the name of the adapter it serves this job's on
 
     def job(self, req: EvalRequest) -> Servers:
         """The next job's request: its entries get its checkpoint, swapped in or started."""
@@ -355,6 +377,8 @@ class Servers:
         if same and self._this_job:
             return self.socket, "warm", 0.0
         began = time.monotonic()
+        if req.lora is not None:
+            return self._serve_adapter(req, out, shape, same, began)
         signature = self._signature_of(req, shape)
         if same and self._swappable(signature):
             kind = self._swap(req, signature, out, began)
@@ -364,6 +388,55 @@ class Servers:
         self._cold(req, out, shape, signature)
         self._quick_check(req, out, shape, signature)
         return self.socket, "cold", time.monotonic() - began
+
+    def _serve_adapter(
+        self, req: EvalRequest, out: Path, shape: list[str], same: bool, began: float
+    ) -> tuple[str, str, float]:
+        """`start` for an adapter: its base kept where the server has it already ("warm"),
+        else started with LoRA enabled ("cold"; a base the server will not start on so is
+        refused for good in this worker); then the adapter loaded in place of the last."""
+        assert req.lora is not None
+        kind = "warm"
+        if not (same and req.checkpoint == self._checkpoint):
+            kind = "cold"
+            self.stop()
+            try:
+                self._cold(req, out, shape, None)
+            except EvalError as e:
+                raise AdapterNotServed(
+                    f"vLLM's server would not start on {req.checkpoint} with LoRA enabled: {e}",
+                    base_refused=True,
+                ) from e
+        self._this_job = True
+        self._use_adapter(req.lora)
+        return self.socket, kind, time.monotonic() - began
+
+    def _use_adapter(self, path: str) -> None:
+        """The adapter in `path` loaded under a new name, the last one unloaded."""
+        if self.adapter is not None:
+            try:
+                _call(self.socket, "/v1/unload_lora_adapter", {"lora_name": self.adapter}, 60)
+            except (SwapError, OSError) as e:  # a new name never reaches its KV blocks
+                log.info("server.adapter_not_unloaded", name=self.adapter, error=str(e))
+            self.adapter = None
+        name = f"{Path(path).name}-{next(_adapter_ids)}"
+        began = time.monotonic()
+        try:
+            _call(
+                self.socket,
+                "/v1/load_lora_adapter",
+                {"lora_name": name, "lora_path": path},
+                SWAP_TIMEOUT_SECONDS,
+            )
+        except (SwapError, OSError) as e:
+            raise AdapterNotServed(f"vLLM's server cannot serve the adapter {path}: {e}") from e
+        self.adapter = name
+        log.info(
+            "server.adapter_served",
+            adapter=path,
+            name=name,
+            seconds=round(time.monotonic() - began, 3),
+        )
 
     def _quick_check(
         self, req: EvalRequest, out: Path, shape: list[str], signature: str | None
@@ -431,7 +504,7 @@ class Servers:
         try:
             swap(self.socket, req.checkpoint)
             keeper.swaps[signature] = n + 1
-            self._this_job = True
+            self._this_job, self._checkpoint = True, req.checkpoint
             warm = probe(self.socket) if keeper.fresh_check_due(signature, n) else None
         except Exception as e:  # any error in a swap: a fresh server, nothing lost
             keeper.event("server.swap_failed", error=f"{type(e).__name__}: {e}")
@@ -477,6 +550,7 @@ class Servers:
             self.stop()
             raise
         self._shape, self._signature, self._this_job = shape, signature, True
+        self._checkpoint = req.checkpoint
 
     def stop(self) -> None:
         if self._proc is not None:
@@ -487,3 +561,4 @@ class Servers:
             self._folder = None
         self.socket = ""
         self._signature, self._shape, self._this_job = None, [], False
+        self._checkpoint, self.adapter = "", None

@@ -288,6 +288,57 @@ class Flags:
     no_op: str | None = None  # why the checkpoint is its base model (checkpoints/noop.py)
 
 
+def _run_theirs(
+    theirs: list[TaskRun],
+    req: EvalRequest,
+    servers: Servers,
+    spec: JobSpec,
+    unchanged: Callable[[], None],
+    progress: Callable[[Progress], None],
+    merge_now: Callable[[], str] | None,
+    adapter_for: dict[bool, str | None],
+    record: Callable[[TaskOutcome], None],
+) -> list[TaskOutcome]:
+    """Each other harness's entry on the job's checkpoint. An adapter (`req.lora`) is served on
+    its base to an entry that asks a model server (harnesses/server.py); an entry that loads the
+    checkpoint itself, or one whose server refused the adapter, gets the merged copy."""
+    from ckpt_watcher.harnesses.run import harness, run_entry
+
+    on_copy: list[EvalRequest] = []
+
+    def copy() -> EvalRequest:
+        """The request on the merged copy (made once)."""
+        if not on_copy:
+            assert merge_now is not None
+            on_copy.append(dataclasses.replace(req, checkpoint=merge_now(), lora=None))
+        return on_copy[0]
+
+    refused = False
+    outcomes = []
+    for t in theirs:
+        entry, how = req, adapter_for[False]
+        if req.lora is not None:
+            served = not refused and harness(t.harness).served(dict(t.spec or {}))
+            if not served:
+                entry, t = copy(), _journaled_as(t, None)
+            how = "served" if served else "merged"
+        if servers.req is not entry:
+            servers.job(entry)
+        try:
+            outcome = run_entry(entry, servers, t, spec.device_label, unchanged, progress)
+        except AdapterNotServed as e:  # merged, and this entry run again on the copy
+            log.warning("worker.adapter_not_served", adapter=req.lora, why=str(e))
+            servers.stop()
+            refused, entry = True, copy()
+            servers.job(entry)
+            how, t = "merged", _journaled_as(t, None)
+            outcome = run_entry(entry, servers, t, spec.device_label, unchanged, progress)
+        adapter_for[False] = how
+        record(outcome)
+        outcomes.append(outcome)
+    return outcomes
+
+
 def _no_op(checkpoint: Path, is_adapter: bool, base: str | None) -> str | None:
     """Why `checkpoint` (an adapter saved alone, or a model whose source names its base)
     changes nothing, or None. A check that cannot be made says nothing: the step is
@@ -339,8 +390,8 @@ def _run_tasks(
     `native`: the conversion it was made by; `merge_now`: a served adapter merged into its
     base, for the harnesses that cannot serve it and where vLLM refuses it."""
     index = {t.key: i for i, t in enumerate(req.tasks)}
-    # how lm-eval's tasks, and the other harnesses', were given an adapter
-    adapter_for = {True: flags.adapter, False: "merged" if req.lora else flags.adapter}
+    # how lm-eval's tasks, and the other harness's entry running, were given an adapter
+    adapter_for = {True: flags.adapter, False: flags.adapter}
 
     last_progress = [0.0]
 
@@ -404,16 +455,8 @@ def _run_tasks(
         if theirs and keeper is not None and on_gpu:
             keeper.drop()  # the GPU's memory is the other harness's now
         if theirs:
-            from ckpt_watcher.harnesses.run import run_entry
-
-            if req.lora is not None:  # served harnesses take the merged model
-                assert merge_now is not None
-                req = dataclasses.replace(req, checkpoint=merge_now(), lora=None)
-                servers.job(req)
-            for t in theirs:
-                outcome = run_entry(req, servers, t, spec.device_label, unchanged, progress)
-                record(outcome)
-                outcomes.append(outcome)
+            outcomes += _run_theirs(theirs, req, servers, spec, unchanged, progress, merge_now,
+                                    adapter_for, record)  # fmt: skip
     except CheckpointChanged as e:
         servers.stop()  # it may serve bytes that are not the checkpoint's now
         return _record_crash(folder, e)
