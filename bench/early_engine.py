@@ -10,7 +10,7 @@ first/second in each, early/off for the first step, and whether the first step's
 equal in both modes. Each line's engine and `engine_seconds` (load, or swap and checks) say where
 the time went.
 
-Usage: python bench/early_engine.py [--delay 45] [--work /tmp/bench-early]
+Usage: python bench/early_engine.py [--delay 45] [--backend vllm|hf] [--work /tmp/bench-early]
 """
 
 from __future__ import annotations
@@ -60,11 +60,16 @@ def write(src: Path, step: Path, delay: float) -> None:
             shutil.copy(f, step / f.name)
 
 
-def run(root: Path, ckpts: list[Path], tasks_dir: Path, early: bool, delay: float) -> dict:
+HF = {"backend": "hf", "model_args": {"dtype": "float32", "max_model_len": 64}, "max_attempts": 1}
+
+
+def run(
+    root: Path, ckpts: list[Path], tasks_dir: Path, early: bool, delay: float, backend: str = "vllm"
+) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     watch = root / "ckpts"
     watch.mkdir(parents=True)
-    ev = VLLM | {"warm_engine": True, "early_engine": early}
+    ev = (VLLM if backend == "vllm" else HF) | {"warm_engine": True, "early_engine": early}
     cfg = config(root / "w.yaml", root, watch, tasks_dir, ["addition"], eval=ev)
     text = cfg.read_text().replace("poll_seconds: 5", "poll_seconds: 1")
     cfg.write_text(text + "stable_seconds: 1\n")
@@ -96,13 +101,15 @@ def run(root: Path, ckpts: list[Path], tasks_dir: Path, early: bool, delay: floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--delay", type=float, default=45.0)
+    ap.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-early"))
     args = ap.parse_args()
     tasks_dir, _ = task_folder(args.work)
     ckpts = checkpoints(args.work, tied=False)[:2]
     out = {}
     for early in (True, False):
-        r = run(args.work / ("early" if early else "off"), ckpts, tasks_dir, early, args.delay)
+        mode = "early" if early else "off"
+        r = run(args.work / mode, ckpts, tasks_dir, early, args.delay, args.backend)
         out[early] = r
         name = "early_engine: true " if early else "early_engine: false"
         print(

@@ -174,25 +174,66 @@ def test_swapped_weights_give_a_cold_starts_metrics_on_vllm(
     assert not (state / "compile-cache").exists()
 
 
-def test_swapped_weights_give_a_cold_starts_metrics_on_hf(
+HF = {"backend": "hf", "model_args": {"dtype": "float32", "max_model_len": 64}, "batch_size": 32}
+META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def _engine_now(state: Path) -> dict[str, Any] | None:
+    files = list((state / "jobs" / "_warm").glob("*/engine.json"))
+    return json.loads(files[0].read_text()) if files else None
+
+
+def test_on_hf_an_engine_started_on_a_steps_config_and_its_swaps_give_a_cold_starts_metrics(
     tmp_path_factory: pytest.TempPathFactory,
     tmp_path: Path,
     runs: dict[str, list[Path]],
     tasks_dir: Path,
 ) -> None:
-    hf = {
-        "backend": "hf",
-        "model_args": {"dtype": "float32", "max_model_len": 64},
-        "batch_size": 32,
+    """The hf backend, warm engines, a daemon (`watcher run`) on a CPU slot. Step 30's config
+    and tokenizer first: its engine (the model built from its config, its weights never
+    initialized) is ready before its weights exist; once they are written they are swapped in
+    and proven (the quick check), and every metric equals a cold start's to the last bit
+    (`engine: early`). Steps 60 and 90 are swapped into the same engine, each its own
+    numbers."""
+    first, *later = runs["tied"]
+    cold = _cold(tmp_path_factory, "tied", first, tasks_dir, **HF)
+    watch = tmp_path / "watch"
+    step = watch / first.name
+    step.mkdir(parents=True)
+    for name in META_FILES:  # what a trainer's save_pretrained writes before the weights
+        shutil.copy(first / name, step / name)
+    cfg = _config(tmp_path, watch, tasks_dir, warm_engine=True, **HF)
+    state, log, ledgers = tmp_path / "state", tmp_path / "daemon.log", tmp_path / "ledgers"
+    with watcher_run(cfg, log) as daemon:
+        ready = wait_for(
+            lambda: (e := _engine_now(state)) and e["state"] == "ready" and e, 120, "ready",
+            daemon, log,
+        )  # fmt: skip
+        assert ready["ready_for"] == "tied" and not read_ledger(ledgers, "tied"), ready
+        for f in sorted(first.iterdir()):  # the trainer writes the weights
+            if f.name not in META_FILES:
+                shutil.copy(f, step / f.name)
+        lines = wait_for(
+            lambda: len(ln := read_ledger(ledgers, "tied")) == 2 and ln, 120, "2", daemon, log
+        )
+        assert [ln["engine"] for ln in lines] == ["early", "early"], lines
+        assert _metrics(lines) == _metrics(cold), (lines, cold)
+        for ck in later:  # appear at once, as a trainer's atomic save
+            shutil.copytree(ck, tmp_path / "staged" / ck.name)
+            (tmp_path / "staged" / ck.name).rename(watch / ck.name)
+        lines = wait_for(
+            lambda: len(ln := read_ledger(ledgers, "tied")) == 6 and ln, 120, "6", daemon, log
+        )
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(60) == 0, log.read_text()[-3000:]
+    assert {ln["engine"] for ln in lines[2:]} == {"warm"}, lines
+    ppl = {
+        ln["step"]: ln["metrics"]["perplexity,none"] for ln in lines if ln["task"] == "addition_ll"
     }
-    cold, warm, state = _cold_then_warm(
-        tmp_path_factory, tmp_path, "tied", runs["tied"], tasks_dir, **hf
-    )
-    _assert_warm_equals_cold(cold, warm)
-    assert [(e["event"], e["check"]) for e in _engine_file(state)["events"]] == QUICK_OK
-
-
-META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+    assert len(set(ppl.values())) == 3, ppl  # each step's own weights
+    after = _engine_file(state)
+    assert after["pid"] == ready["pid"], after  # one engine
+    assert [(e["event"], e["check"]) for e in after["events"]] == QUICK_OK, after
 
 
 @pytest.mark.vllm
@@ -232,8 +273,7 @@ def test_an_engine_started_on_a_steps_config_serves_it_as_a_cold_load_would(
     state, log, ledgers = tmp_path / "state", tmp_path / "daemon.log", tmp_path / "ledgers"
 
     def engine() -> dict[str, Any] | None:
-        files = list((state / "jobs" / "_warm").glob("*/engine.json"))
-        return json.loads(files[0].read_text()) if files else None
+        return _engine_now(state)
 
     def shown() -> str:
         return status.render(status.gather(load_config(cfg)))

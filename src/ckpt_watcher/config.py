@@ -466,17 +466,20 @@ class EvalConfig(_Model):
     warm_idle_seconds: float = Field(600.0, gt=0)
     """A warm engine with no job for this long is released."""
     early_engine: bool = True
-    """With warm engines on vLLM: as soon as a run's model is known (a step still being
-    written, or settling, whose config and tokenizer are whole), a free device starts its engine on
+    """With warm engines (vLLM, or hf with `warm_engine: true`): as soon as a run's model is
+    known (a step still being written, or settling, whose config and tokenizer are whole), a
+    free device starts its engine on
     placeholder weights, and the step's weights are swapped in (and proven) when it is
     complete, so a run's first checkpoint does not wait for an engine start. The device is
     given back like any other when another process starts using its GPU."""
     serve_adapters: bool = True
     """On vLLM, a LoRA adapter saved alone is served on its base model (loaded once, with LoRA
     enabled; each step's adapter under an id of its own) for lm-eval's tasks, instead of being
-    merged into a copy of the base for each step. Adapters vLLM cannot serve as peft applies
-    them (DoRA, modules_to_save, ...; see docs) are merged all the same, and so are those of
-    other harnesses and of the hf backend. false: every adapter is merged."""
+    merged into a copy of the base for each step; the same on the model server of served
+    harnesses (verifiers, a command with `serve: true`). Adapters vLLM cannot serve as peft
+    applies them (DoRA, modules_to_save, ...; see docs) are merged all the same, and so are
+    those given to harnesses that load the checkpoint themselves and of the hf backend.
+    false: every adapter is merged."""
     think_end: str | None = Field(None, min_length=1)
     """Every task entry's end-of-thinking marker unless it names its own (reasoning models:
     `</think>`); null: responses are scored whole."""

@@ -135,11 +135,14 @@ def lora_rank(folder: str) -> int:
 
 def load_model(req: EvalRequest, swappable: bool = False, placeholder: bool = False) -> Any:
     """Load the checkpoint once, as lm-eval's backend with the clamp; returns an lm-eval LM.
-    `placeholder` (vLLM): random weights, from a folder that needs only the model's config and
-    tokenizer (an engine started before its checkpoint's weights exist, keeper.prepare)."""
+    `placeholder`: weights that are not the checkpoint's (vLLM's random ones; on hf allocated,
+    never initialized), from a folder that needs only the model's config and tokenizer (an
+    engine started before its checkpoint's weights exist, keeper.prepare)."""
     cls, args = engine_args(req, swappable)
-    if placeholder:
+    if placeholder and req.backend == "vllm":
         args["load_format"] = vllm_internals.PLACEHOLDER_FORMAT
+    elif placeholder:
+        cls = lmi.placeholder_backend(cls)
     heap.settle()  # the imports out of the full collections an engine start runs (heap.py)
     try:
         lm = engine_watch.watched(lambda: cls(pretrained=req.checkpoint, **args))

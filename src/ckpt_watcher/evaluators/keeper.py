@@ -385,11 +385,9 @@ class EngineKeeper:
     def prepare(self, req: EvalRequest) -> str:
         """Start an engine for `req` (its checkpoint: a folder with the model's config and
         tokenizer, no weights needed) on placeholder weights, for the first checkpoint of that
-        signature to be swapped into (`acquire`); returns the signature. vLLM only. With
-        `req.lora` (a LoRA run) its base is loaded for real instead, with LoRA enabled, and kept
-        for that adapter's job (`_base_for_adapter`)."""
-        if req.backend != "vllm":
-            raise SwapError("an engine ahead of its weights is started for vLLM models only")
+        signature to be swapped into (`acquire`); returns the signature. With `req.lora` (a
+        LoRA run on vLLM) its base is loaded for real instead, with LoRA enabled, and kept for
+        that adapter's job (`_base_for_adapter`)."""
         sig = _signature(req)
         if req.lora is not None:  # a LoRA run: its base, for real, with LoRA enabled
             self.drop()
@@ -403,6 +401,10 @@ class EngineKeeper:
             raise SwapError(self.no_placeholder[sig])
         self.drop()
         self.lm = load_model(req, swappable=True, placeholder=True)
+        if req.backend != "vllm":  # hf: buffers are computed from the config, as cold; one the
+            # checkpoint must set and lacks fails the swap (keeper._load_hf)
+            self.signature, self.checkpoint, self.placeholder = sig, None, True
+            return sig
         try:  # every worker's (each holds a part of the model under TP or PP)
             per_worker = self.lm.model.collective_rpc("ckpt_watcher_random_buffers")
             random = sorted({name for names in per_worker for name in names})

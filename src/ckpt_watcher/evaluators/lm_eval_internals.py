@@ -21,7 +21,10 @@ with the expected parameters, so an upgrade that moves one fails fast and says w
   lm-eval hands each response to (`StatsHook`);
 - prompt templates: lm-eval compiles a task's Jinja template again for every document and
   every few-shot example it renders (`utils.apply_template`); a worker compiles each once
-  (`cache_prompt_templates`).
+  (`cache_prompt_templates`);
+- placeholder weights on hf: HFLM's `_create_model` builds the model from its folder's config
+  with its weights allocated and never initialized (`PlaceholderHF`), for an engine started
+  before its checkpoint's weights exist (evaluators/keeper.py `prepare`).
 """
 
 from __future__ import annotations
@@ -85,6 +88,12 @@ RELIED_ON: list[tuple[str, str, list[str]]] = [
 ]
 # Functions we call with keywords: (module, attribute path, keywords it must take, any order)
 RELIED_ON_KEYWORDS: list[tuple[str, str, list[str]]] = [
+    # HFLM.__init__ calls it with these keywords (PlaceholderHF takes them)
+    (
+        "lm_eval.models.huggingface",
+        "HFLM._create_model",
+        ["pretrained", "revision", "dtype", "trust_remote_code", "subfolder"],
+    ),
     (
         "lm_eval",
         "simple_evaluate",
@@ -455,6 +464,48 @@ class MeasuredHF:
                 measures.append((len(ids), finish, (text, ids)))
         self._measured(measures)  # type: ignore[attr-defined]
         return out
+
+
+class PlaceholderHF:
+    """HFLM whose model is built from its folder's config alone (no weights file is read): its
+    weights allocated on the device and never initialized (transformers' `no_init_weights`),
+    its generation config read as `from_pretrained` reads it. Nothing is evaluated on it: the
+    first checkpoint's weights are swapped in and proven first (evaluators/keeper.py)."""
+
+    def _create_model(
+        self,
+        pretrained: str,
+        revision: str | None = "main",
+        dtype: Any = "auto",
+        trust_remote_code: bool | None = False,
+        subfolder: str = "",
+        **kwargs: Any,
+    ) -> None:
+        import torch
+        from transformers import AutoConfig, GenerationConfig
+        from transformers.initialization import no_init_weights
+
+        trust = bool(trust_remote_code)
+        config = AutoConfig.from_pretrained(
+            pretrained, revision=revision, trust_remote_code=trust, subfolder=subfolder
+        )
+        if dtype in (None, "auto"):
+            dtype = getattr(config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        auto = self.AUTO_MODEL_CLASS  # type: ignore[attr-defined]
+        with no_init_weights(), torch.device(self._device):  # type: ignore[attr-defined]
+            model = auto.from_config(config, dtype=dtype, trust_remote_code=trust)
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(pretrained)
+        except OSError:  # none in the folder: from_pretrained keeps the config's own
+            pass
+        self._model = model.eval()
+
+
+def placeholder_backend(backend: type) -> type:
+    """`backend` (an HFLM class) building its model with placeholder weights."""
+    return type(f"Placeholder{backend.__name__}", (PlaceholderHF, backend), {})
 
 
 def unit_keys(requests: list[Any], samples: list[Any]) -> list[str]:

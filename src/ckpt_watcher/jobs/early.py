@@ -5,14 +5,15 @@ its tenth (`eval.early_engine`).
 A run's model is known once a step of it still being written (or complete but still settling,
 `stable_seconds`) has its config and tokenizer whole (checkpoints/model_meta.py); a LoRA run's,
 once a step's adapter config is whole (its base is then loaded, for real, with LoRA enabled).
-Those files are read on a lane of their own (lane.py), never on the daemon's loop. Then, when nothing of that run is queued or running and no
-warm engine waits for it already, the first free device with no warm worker of its own gets one
-(executors/warm.py `prepare`; the worker's side is worker/early.py). Its job later goes to that
-device first (scheduler.assign's `prefer`, which also sends a run's next job to the idle engine
-its last job left), and no helper takes that device meanwhile. Only on a free device (the idle rule of
-`devices.py` holds as for jobs), never in place of a warm engine another run left, and given
-back like a job when another process starts using its GPU (gpus.py), and started again once
-the device is free (`TRIES_PER_STEP`).
+Those files are read on a lane of their own (lane.py), never on the daemon's loop. Then, when
+nothing of that run is queued or running and no warm engine waits for it already, the first
+free device with no warm worker of its own gets one (executors/warm.py `prepare`; the worker's
+side is worker/early.py, which also does the first job's lm-eval set-up). Its job later goes to
+that device first (scheduler.assign's `prefer`, which also sends a run's next job to the idle
+engine its last job left), and no helper takes that device meanwhile. Only on a free device
+(the idle rule of `devices.py` holds as for jobs), never in place of a warm engine another run
+left, and given back like a job when another process starts using its GPU (gpus.py), and
+started again once the device is free (`TRIES_PER_STEP`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class EarlyEngines:
         self.enabled = (
             cfg.eval.early_engine
             and executor.starts_engines_ahead
-            and cfg.eval.backend == "vllm"
+            and cfg.eval.backend in ("vllm", "hf")
             and bool(self.tasks)
             and not once
         )
@@ -129,7 +130,8 @@ class EarlyEngines:
         """On the lane: the step's config and tokenizer are whole (or its adapter config)."""
         if model_meta.find(step, self.tokenizer_required) is not None:
             return True
-        return bool(self.cfg.eval.serve_adapters and model_meta.adapter(step))
+        served = self.cfg.eval.backend == "vllm" and self.cfg.eval.serve_adapters
+        return bool(served and model_meta.adapter(step))
 
     def _prepare(
         self, location: str, run: str, run_path: str, step: int | None, label: str, device: Device
