@@ -597,3 +597,6 @@ def test_a_served_adapters_journal_is_never_a_merged_ones() -> None:
     assert served.journal.folder == ref.folder  # the daemon's folder: removed with the line
     assert _journaled_as(served, None).journal == ref
     assert _journaled_as(TaskRun("t", 0), "served").journal is None
+    # a served harness's entry: its proxy's journal is keyed by the same identity
+    command = TaskRun("sums", None, journal=ref, harness="command")
+    assert _journaled_as(command, "served").journal.identity["adapter"] == "served"  # type: ignore[union-attr]

@@ -69,9 +69,26 @@ def call(endpoint: Endpoint, method: str, path: str, body: Any = None) -> tuple[
         conn.close()
 
 
-def complete(endpoint: Endpoint, **extra: Any) -> tuple[int, Any]:
+def complete_body(endpoint: Endpoint, **extra: Any) -> dict[str, Any]:
     body = {"model": endpoint.model, "prompt": "12+34=", "max_tokens": 4} | extra
-    return call(endpoint, "POST", "/v1/completions", body)
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def complete(endpoint: Endpoint, **extra: Any) -> tuple[int, Any]:
+    return call(endpoint, "POST", "/v1/completions", complete_body(endpoint, **extra))
+
+
+def raw_call(endpoint: Endpoint, body: dict[str, Any]) -> bytes:
+    """A completion's answer as bytes (a streamed one is not JSON)."""
+    host, port = endpoint.url.split("//")[1].split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        return conn.getresponse().read()
+    finally:
+        conn.close()
 
 
 def in_background(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
@@ -100,7 +117,17 @@ def test_each_steps_adapter_is_asked_for_under_a_new_name_and_answers_as_the_che
                 status, answer = complete(endpoint, seed=7)
                 assert status == 200 and answer["model"] == "checkpoint", answer
                 assert complete(endpoint, seed=7) == (status, answer)  # one name for the job
+                # no model, or an empty one (the base, to vLLM): the checkpoint all the same
+                assert complete(endpoint, seed=7, model="") == (status, answer)
+                assert complete(endpoint, seed=7, model=None) == (status, answer)
                 seen.append((endpoint.engine, answer["choices"][0]["text"]))
+                # the model list and a streamed answer name the checkpoint only
+                models = call(endpoint, "GET", "/v1/models")[1]["data"]
+                assert [m["id"] for m in models] == ["checkpoint"], models
+                streamed = raw_call(endpoint, complete_body(endpoint, seed=7, stream=True))
+                assert streamed.count(b'"model": "checkpoint"') == 2, streamed
+                assert f'"model": "{servers.adapter}"'.encode() not in streamed, streamed
+                assert b" by " + str(servers.adapter).encode() in streamed  # the adapter's
         assert [engine for engine, _ in seen] == ["cold", "warm", "warm"]
         names = [text.split(" by ")[1] for _, text in seen]
         steps = ["checkpoint-10", "checkpoint-20", "checkpoint-10"]
@@ -110,6 +137,15 @@ def test_each_steps_adapter_is_asked_for_under_a_new_name_and_answers_as_the_che
         with pytest.raises(AdapterNotServed, match="cannot serve the adapter"):
             with serve(servers, {}, tmp_path, None):
                 pass
+        servers.stop()
+        exits = Servers(
+            argv_of=lambda req, spec, sock, swappable: [sys.executable, str(STANDIN), sock, "exit"]
+        )
+        exits.job(dataclasses.replace(base, lora=str(tmp_path / "checkpoint-30")))
+        with pytest.raises(AdapterNotServed, match="would not start") as refused:
+            with serve(exits, {}, tmp_path, None):
+                pass
+        assert refused.value.base_refused  # its next adapters are merged at once
         servers.job(base)  # the base alone (no LoRA flags here): answered as itself
         with serve(servers, {}, tmp_path, None) as endpoint:
             assert complete(endpoint, seed=7)[1]["choices"][0]["text"] == "seed 7"

@@ -6,8 +6,10 @@ those need of the real one, and nothing of a model. `python model_server.py SOCK
   made of that seed (`seed 123`), so the order a journal replays answers in can be seen;
 - `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` as vLLM answers them (a name loaded
   twice, or a path whose name ends in `refused`, is a 400); a completion for an adapter says
-  which (`seed 123 by NAME`), and one for a model that is neither `checkpoint` nor a loaded
-  adapter is a 404;
+  which (`seed 123 by NAME`), one for no model or an empty one is the base's, and one for
+  a model that is neither `checkpoint` nor a loaded adapter is a 404; `GET /v1/models` lists
+  `checkpoint` and the adapters loaded; `stream: true` answers in server-sent events, each
+  naming the model;
 - `POST /tokenize` counts one token per character; `GET /metrics` exposes vLLM's token
   counters (`vllm:generation_tokens_total`), in Prometheus' text format as vLLM does;
 - MODE `hang`: completions are never answered and the counters never move (a server whose
@@ -48,6 +50,9 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/health":
             self._send(200, b"")
+        elif self.path == "/v1/models":
+            listed = [{"id": m, "object": "model"} for m in ["checkpoint", *sorted(adapters)]]
+            self._send(200, json.dumps({"object": "list", "data": listed}).encode())
         elif self.path == "/metrics":
             with lock:
                 if MODE == "slow":
@@ -86,7 +91,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.path != "/v1/completions":
             self._send(404, b'{"detail": "Not Found"}')
             return
-        model = body.get("model")
+        model = body.get("model") or "checkpoint"
         if model != "checkpoint" and model not in adapters:
             self._send(404, json.dumps({"error": {"message": f"no model {model}"}}).encode())
             return
@@ -108,6 +113,11 @@ class Handler(BaseHTTPRequestHandler):
                 }
             ],
         }
+        if body.get("stream"):
+            events = [answer, {**answer, "choices": []}]
+            text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+            self._send(200, text.encode(), "text/event-stream; charset=utf-8")
+            return
         self._send(200, json.dumps(answer).encode())
 
     def log_message(self, format: str, *args: object) -> None:

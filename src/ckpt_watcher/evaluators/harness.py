@@ -181,23 +181,28 @@ def ready_tasks(req: EvalRequest) -> float:
     environment and working directory) and each plain lm-eval task loaded once (its dataset
     prepared in the datasets cache, lm-eval's modules imported). For an engine started ahead of
     its weights (worker/early.py). A task that fails to load is left to its job, which reports
-    it; a task that runs programs is loaded by its job only (under its sandbox). Returns the
-    seconds spent."""
+    it; an entry that runs programs is loaded by its job only (under its sandbox), and a code
+    task's utils loaded here find the watcher's `code_eval`, refusing (`_code_execution`).
+    Returns the seconds spent."""
     import lm_eval.evaluator as evaluator
 
     began = time.monotonic()
     lmi.reuse_env_info(req.compile_cache)
     lmi.cache_prompt_templates()
     evaluator.add_env_info({})
-    plain = [t.task for t in req.tasks if t.harness == "lm-eval" and not t.allow_code_execution]
+    plain = {t.task: t for t in req.tasks if t.harness == "lm-eval" and not t.allow_code_execution}
     if plain:
         metadata = dict(req.model_args) | {"pretrained": req.checkpoint}
         tm = lmi.task_manager(
-            plain, task_paths(req.include_path), metadata=metadata, index_dir=req.compile_cache
+            list(plain),
+            task_paths(req.include_path),
+            metadata=metadata,
+            index_dir=req.compile_cache,
         )
-        for name in dict.fromkeys(plain):
+        for name, t in plain.items():
             try:
-                lmi.load_task(tm, name)
+                with _code_execution(t):  # a code task's utils ask for code_eval: ours, refusing
+                    lmi.load_task(tm, name)
             except Exception as e:  # noqa: BLE001 - its job loads it again and says why
                 log.info("task.not_ready", task=name, error=f"{type(e).__name__}: {e}")
     return time.monotonic() - began

@@ -283,10 +283,14 @@ class Endpoint:
                 + ", ".join(f"{m} {p}" for m, p in sorted(ROUTES)),
             )
         if method != "POST":
-            return self.upstream(method, path, raw or None, headers)
+            answer = self.upstream(method, path, raw or None, headers)
+            adapter = self.servers.adapter
+            return answer if adapter is None else _renamed(answer, adapter, self.model)
         try:
             body = json.loads(raw or b"{}")
         except ValueError:
+            return self.upstream(method, path, raw, headers)
+        if not isinstance(body, dict):  # the server says what is wrong with it
             return self.upstream(method, path, raw, headers)
         if route not in COMPLETIONS:  # /tokenize
             return self.ask(method, path, body)
@@ -312,7 +316,8 @@ class Endpoint:
         """The server's answer to `body`: the adapter served asked for by its name of the moment
         where the harness names the checkpoint, the answer naming the checkpoint again."""
         adapter = self.servers.adapter
-        named = isinstance(body, dict) and body.get("model", self.model) == self.model
+        # no model, or an empty one, is the base to vLLM: the harness means the checkpoint
+        named = isinstance(body, dict) and body.get("model") in (None, "", self.model)
         if adapter is not None and named:
             body = body | {"model": adapter}
         answer = self.upstream(
@@ -362,16 +367,34 @@ ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 502: "BadGatewayErr
 
 
 def _renamed(answer: tuple[int, str, bytes], name: str, to: str) -> tuple[int, str, bytes]:
-    """The server's answer, its `model` field `to` where it was `name`."""
+    """The server's answer with the adapter `name` said as `to`: its `model` field (in a JSON
+    answer, or in each event of a streamed one), and left out of the model list."""
     status, ctype, out = answer
+    if ctype.startswith("text/event-stream"):
+        lines = out.split(b"\n")
+        for i, line in enumerate(lines):
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                lines[i] = b"data: " + _renamed_json(line[6:], name, to)
+        return status, ctype, b"\n".join(lines)
+    return status, ctype, _renamed_json(out, name, to)
+
+
+def _renamed_json(raw: bytes, name: str, to: str) -> bytes:
     try:
-        data = json.loads(out)
+        data = json.loads(raw)
     except ValueError:  # not JSON: as it came
-        return answer
-    if isinstance(data, dict) and data.get("model") == name:
+        return raw
+    if not isinstance(data, dict):
+        return raw
+    if data.get("object") == "list" and isinstance(data.get("data"), list):  # /v1/models
+        data["data"] = [
+            m for m in data["data"] if not (isinstance(m, dict) and m.get("id") == name)
+        ]
+    elif data.get("model") == name:
         data["model"] = to
-        out = json.dumps(data).encode()
-    return status, ctype, out
+    else:
+        return raw
+    return json.dumps(data).encode()
 
 
 def _error(status: int, message: str) -> tuple[int, str, bytes]:

@@ -166,13 +166,17 @@ def _server_env(req: EvalRequest, swappable: bool) -> dict[str, str]:
     return env
 
 
+class ServerExited(EvalError):
+    """The model server ended before it answered (a bad argument, a model it cannot load)."""
+
+
 def _wait_ready(proc: subprocess.Popen[bytes], sock: str, logfile: Path, timeout: float) -> None:
     """Until our server answers /health on its own socket; fails at once if it exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-15:])
-            raise EvalError(f"the model server exited with status {proc.returncode}:\n{tail}")
+            raise ServerExited(f"the model server exited with status {proc.returncode}:\n{tail}")
         with suppress(OSError, http.client.HTTPException):
             conn = UnixHTTPConnection(sock, timeout=2)
             try:
@@ -402,7 +406,7 @@ class Servers:
             self.stop()
             try:
                 self._cold(req, out, shape, None)
-            except EvalError as e:
+            except ServerExited as e:  # (one that does not answer in time fails the entry)
                 raise AdapterNotServed(
                     f"vLLM's server would not start on {req.checkpoint} with LoRA enabled: {e}",
                     base_refused=True,

@@ -272,7 +272,7 @@ def _journaled_as(t: TaskRun, adapter: str | None) -> TaskRun:
     """`t`, its journal's records valid only for an adapter evaluated that way ("served"; None:
     merged, the identity as the daemon gave it): a served and a merged run of one step differ
     in their last bits (bf16), and an attempt never resumes from the other's responses."""
-    if t.journal is None or t.harness != "lm-eval":
+    if t.journal is None:  # (a served harness's proxy journal too: keyed by this identity)
         return t
     identity = {k: v for k, v in t.journal.identity.items() if k != "adapter"}
     if adapter is not None:
@@ -328,6 +328,8 @@ def _run_theirs(
             outcome = run_entry(entry, servers, t, spec.device_label, unchanged, progress)
         except AdapterNotServed as e:  # merged, and this entry run again on the copy
             log.warning("worker.adapter_not_served", adapter=req.lora, why=str(e))
+            if e.base_refused:  # the next adapters on it are merged at once
+                base_refused(req.checkpoint)
             servers.stop()
             refused, entry = True, copy()
             servers.job(entry)
