@@ -63,7 +63,8 @@ def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_p
     """jobs/early.py with stand-ins for the state, dispatcher and executor: a step being
     written whose config and tokenizer are whole gets an engine on the first free device that
     has no warm worker; not a second one while it waits, nor one for a run whose model an idle
-    engine holds, nor for a step on S3; at most TRIES_PER_STEP times per step; never where the
+    engine holds; a step on S3 on its meta files, fetched into the state folder (removed once
+    the step is no longer incomplete); at most TRIES_PER_STEP times per step; never where the
     executor cannot start engines ahead (Ray), nor in `watcher once`."""
     import dataclasses
     import json
@@ -81,14 +82,23 @@ def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_p
         if meta:
             (folder / "config.json").write_text(json.dumps({"hidden_size": 8}))
             (folder / "tokenizer.json").write_text("{}")
-        return SimpleNamespace(location=str(folder), run=run, run_path=run, step=n, label="")
+        return SimpleNamespace(
+            location=str(folder), source="local", run=run, run_path=run, step=n, label=""
+        )
 
     rows = [step("A", 10), step("A", 20), step("B", 10), step("C", 10), step("D", 10, meta=False)]
     lora = step("F", 10, meta=False)  # a LoRA step saved alone: its adapter config, whole
     Path(lora.location, "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4}')
     rows.append(lora)
-    rows.append(
-        SimpleNamespace(location="s3://b/E/step_10", run="E", run_path="E", step=10, label="")
+    remote = SimpleNamespace(
+        location="s3://b/E/step_10", source="s3", run="E", run_path="E", step=10, label=""
+    )
+    rows.append(remote)
+    listed = {"config.json": b'{"hidden_size": 8}', "tokenizer.json": b"{}", "model.bin": b"x"}
+    bucket = SimpleNamespace(  # an S3 source's view of the step: its listing, its objects
+        view=lambda location: SimpleNamespace(
+            files={k: len(v) for k, v in listed.items()}, read=lambda name: listed[name]
+        )
     )
     queued: list[SimpleNamespace] = []
     state = SimpleNamespace(
@@ -101,6 +111,7 @@ def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_p
         spec=lambda job, device: JobSpec(
             job.id, device.label, dataclasses.replace(request, checkpoint=job.location)
         ),
+        discovery=SimpleNamespace(source_named=lambda name: bucket if name == "s3" else None),
     )
     cfg = SimpleNamespace(
         state_dir=tmp_path / "state",
@@ -144,9 +155,15 @@ def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_p
     early.start(devices)
     assert warm.sent == []  # the first pass asks for the files to be read
     start()
-    # one for A (not one per step), one for F's base; none for B-E
-    assert warm.sent == [("cpu:1", "step_10"), ("cpu:2", "step_10")]
-    assert early.preferred() == {"B": "cpu:0", "A": "cpu:1", "F": "cpu:2"}
+    # one for A (not one per step), one for F's base, one for E on S3; none for B-D
+    fetched = early._fetched_for(remote.location)
+    assert warm.sent == [("cpu:1", "step_10"), ("cpu:2", "step_10"), ("cpu:3", fetched.name)]
+    assert early.preferred() == {"B": "cpu:0", "A": "cpu:1", "F": "cpu:2", "E": "cpu:3"}
+    assert sorted(p.name for p in fetched.iterdir()) == ["config.json", "tokenizer.json"]
+    rows.remove(remote)  # judged complete: its fetched files go
+    del warm.idle["cpu:3"]
+    start()
+    assert not fetched.exists()
     warm.sent.clear()
     start()
     assert warm.sent == []  # their engines wait
@@ -162,7 +179,7 @@ def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_p
     rows.append(step("G", 10))
     for look in list(early.looks.values()):
         look.result(timeout=10)
-    early._readable = lambda step: hang.wait(60)  # type: ignore[method-assign]
+    early._readable = lambda *a: hang.wait(60)  # type: ignore[method-assign]
     early.start(devices)
     early.start(devices)  # returned while the read hangs
     assert not early.looks[rows[-1].location].done()

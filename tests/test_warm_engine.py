@@ -26,6 +26,7 @@ from .conftest import (
     base_config,
     derived_checkpoints,
     read_ledger,
+    s3_source,
     shared_once,
     write_config,
 )
@@ -183,18 +184,24 @@ def _engine_now(state: Path) -> dict[str, Any] | None:
     return json.loads(files[0].read_text()) if files else None
 
 
-def test_on_hf_an_engine_started_on_a_steps_config_and_its_swaps_give_a_cold_starts_metrics(
+def test_on_hf_engines_started_on_local_and_s3_steps_configs_and_swaps_give_cold_metrics(
     tmp_path_factory: pytest.TempPathFactory,
     tmp_path: Path,
     runs: dict[str, list[Path]],
     tasks_dir: Path,
+    s3_endpoint: str,
+    bucket: str,
 ) -> None:
-    """The hf backend, warm engines, a daemon (`watcher run`) on a CPU slot. Step 30's config
-    and tokenizer first: its engine (the model built from its config, its weights never
-    initialized) is ready before its weights exist; once they are written they are swapped in
-    and proven (the quick check), and every metric equals a cold start's to the last bit
-    (`engine: early`). Steps 60 and 90 are swapped into the same engine, each its own
+    """The hf backend, warm engines, one daemon (`watcher run`) on two CPU slots watching a
+    folder and an S3 prefix. Each source's first step comes as a trainer writes it, its config
+    and tokenizer first: an engine (the model built from its config, its weights never
+    initialized) is ready for each run before its weights exist (the S3 step's meta files
+    fetched, never its weights). Once the weights are written they are swapped in and proven
+    (the quick check), and every metric equals a cold start's to the last bit (`engine:
+    early`). The local run's steps 60 and 90 are swapped into its engine, each its own
     numbers."""
+    from ckpt_watcher.s3client import make_client
+
     first, *later = runs["tied"]
     cold = _cold(tmp_path_factory, "tied", first, tasks_dir, **HF)
     watch = tmp_path / "watch"
@@ -202,22 +209,40 @@ def test_on_hf_an_engine_started_on_a_steps_config_and_its_swaps_give_a_cold_sta
     step.mkdir(parents=True)
     for name in META_FILES:  # what a trainer's save_pretrained writes before the weights
         shutil.copy(first / name, step / name)
-    cfg = _config(tmp_path, watch, tasks_dir, warm_engine=True, **HF)
+    client = make_client(s3_endpoint)
+    far = "runs/remote_step30/"  # the same weights, as run `remote` on S3
+    for name in META_FILES:
+        client.upload_file(str(first / name), bucket, far + name)
+    raw = base_config(tmp_path, watch, tasks_dir, **(VLLM_EVAL | HF), max_attempts=1,
+                      tasks=TASKS, warm_engine=True)  # fmt: skip
+    raw["sources"].append(s3_source(f"s3://{bucket}/runs/", tmp_path / "cache"))
+    raw["devices"] = {"gpus": [], "cpu_slots": 2}
+    cfg = write_config(tmp_path / "w.yaml", raw)
     state, log, ledgers = tmp_path / "state", tmp_path / "daemon.log", tmp_path / "ledgers"
+
+    def engines() -> dict[str, dict[str, Any]]:
+        found = [
+            json.loads(p.read_text()) for p in (state / "jobs" / "_warm").glob("*/engine.json")
+        ]
+        return {e["ready_for"]: e for e in found if e["state"] == "ready"}
+
     with watcher_run(cfg, log) as daemon:
-        ready = wait_for(
-            lambda: (e := _engine_now(state)) and e["state"] == "ready" and e, 120, "ready",
-            daemon, log,
-        )  # fmt: skip
-        assert ready["ready_for"] == "tied" and not read_ledger(ledgers, "tied"), ready
-        for f in sorted(first.iterdir()):  # the trainer writes the weights
+        ready = wait_for(lambda: len(e := engines()) == 2 and e, 120, "2 ready", daemon, log)
+        assert sorted(ready) == ["remote", "tied"], ready
+        assert not read_ledger(ledgers, "tied") and not read_ledger(ledgers, "remote")
+        for f in sorted(first.iterdir()):  # the trainers write the weights
             if f.name not in META_FILES:
                 shutil.copy(f, step / f.name)
-        lines = wait_for(
-            lambda: len(ln := read_ledger(ledgers, "tied")) == 2 and ln, 120, "2", daemon, log
-        )
-        assert [ln["engine"] for ln in lines] == ["early", "early"], lines
-        assert _metrics(lines) == _metrics(cold), (lines, cold)
+                client.upload_file(str(f), bucket, far + f.name)
+
+        def both() -> list[dict[str, Any]] | None:
+            lines = read_ledger(ledgers, "tied") + read_ledger(ledgers, "remote")
+            return lines if len(lines) == 4 else None
+
+        lines = wait_for(both, 120, "4 lines", daemon, log)
+        assert [ln["engine"] for ln in lines] == ["early"] * 4, lines
+        for run in ("tied", "remote"):
+            assert _metrics([ln for ln in lines if ln["run"] == run]) == _metrics(cold), run
         for ck in later:  # appear at once, as a trainer's atomic save
             shutil.copytree(ck, tmp_path / "staged" / ck.name)
             (tmp_path / "staged" / ck.name).rename(watch / ck.name)
@@ -231,9 +256,12 @@ def test_on_hf_an_engine_started_on_a_steps_config_and_its_swaps_give_a_cold_sta
         ln["step"]: ln["metrics"]["perplexity,none"] for ln in lines if ln["task"] == "addition_ll"
     }
     assert len(set(ppl.values())) == 3, ppl  # each step's own weights
-    after = _engine_file(state)
-    assert after["pid"] == ready["pid"], after  # one engine
-    assert [(e["event"], e["check"]) for e in after["events"]] == QUICK_OK, after
+    after = [json.loads(p.read_text()) for p in (state / "jobs" / "_warm").glob("*/engine.json")]
+    assert {e["pid"] for e in after} == {e["pid"] for e in ready.values()}, after  # no third
+    for engine in after:  # each engine's first weights proven by the quick check
+        assert [(e["event"], e["check"]) for e in engine["events"]] == QUICK_OK, engine
+    # the S3 step's fetched meta files are gone with its incompleteness
+    assert not (state / "early-meta").exists() or not any((state / "early-meta").iterdir())
 
 
 @pytest.mark.vllm

@@ -5,7 +5,8 @@ its tenth (`eval.early_engine`).
 A run's model is known once a step of it still being written (or complete but still settling,
 `stable_seconds`) has its config and tokenizer whole (checkpoints/model_meta.py); a LoRA run's,
 once a step's adapter config is whole (its base is then loaded, for real, with LoRA enabled).
-Those files are read on a lane of their own (lane.py), never on the daemon's loop. Then, when
+Those files are read on a lane of their own (lane.py), never on the daemon's loop; an S3
+step's are fetched into `<state_dir>/early-meta/` (`model_meta.fetch`). Then, when
 nothing of that run is queued or running and no warm engine waits for it already, the first
 free device with no warm worker of its own gets one (executors/warm.py `prepare`; the worker's
 side is worker/early.py, which also does the first job's lm-eval set-up). Its job later goes to
@@ -18,6 +19,9 @@ started again once the device is free (`TRIES_PER_STEP`).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import shutil
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -31,7 +35,7 @@ from ckpt_watcher.executors.base import Executor
 from ckpt_watcher.jobfolder import PREPARE_DIR, JobFolder, warm_home
 from ckpt_watcher.jobs.dispatch import Dispatcher
 from ckpt_watcher.lane import Lane
-from ckpt_watcher.state import Job, State
+from ckpt_watcher.state import CheckpointRow, Job, State
 
 log = structlog.get_logger("ckpt_watcher.jobs")
 
@@ -70,7 +74,11 @@ class EarlyEngines:
         self.tokenizer_required = not cfg.eval.model_args.get("tokenizer")
         # a step's files are read on a lane of their own, never on the loop (EFS may hang)
         self.lane = Lane("early-engines", wake)
-        self.looks: dict[str, Future[bool]] = {}  # step -> whether its model is known
+        # step -> the folder its engine starts on once its model is known (None: not yet)
+        self.looks: dict[str, Future[str | None]] = {}
+        # the meta files of S3 steps, fetched: what an engine starts on (the worker copies them)
+        self.fetched = cfg.state_dir / "early-meta"
+        shutil.rmtree(self.fetched, ignore_errors=True)  # a daemon before this one's
 
     def preferred(self) -> dict[str, str]:
         """Run path -> the device label whose idle engine holds that run's model (started ahead
@@ -96,52 +104,68 @@ class EarlyEngines:
         gone = self.looks.keys() - {r.location for r in rows}
         for location in gone:  # judged since (or deleted): no more looks
             del self.looks[location]
+            shutil.rmtree(self._fetched_for(location), ignore_errors=True)
         for row in rows:
             if not devices:
                 return
             tries = self.tried.get(row.location, 0)
             if row.run_path in waiting or row.run_path in busy or tries >= TRIES_PER_STEP:
                 continue
-            if "://" in row.location:  # remote (S3): its files are not read ahead
-                continue
-            if not self._known(row.location):
+            folder = self._known(row.location, row.source)
+            if folder is None:
                 continue
             self.tried[row.location] = tries + 1
             device = devices.pop(0)
-            if self._prepare(row.location, row.run, row.run_path, row.step, row.label, device):
+            if self._prepare(row, folder, device):
                 waiting.add(row.run_path)
 
-    def _known(self, location: str) -> bool:
-        """Whether the step's model is known: the answer of the last look at its files, which
-        run on the lane (a new look is asked once that one has ended; False meanwhile)."""
-        look = self.looks.pop(location, None)
+    def _known(self, location: str, source: str) -> str | None:
+        """The folder the step's engine starts on once its model is known: the answer of the
+        last look at its files, which run on the lane (None meanwhile, and a new look asked
+        once one has ended without it). Once known it stays known: its files are not read,
+        nor fetched again, while the engine may be reading them."""
+        look = self.looks.get(location)
         if look is not None and not look.done():
-            self.looks[location] = look
-            return False
-        self.looks[location] = self.lane.submit(lambda: self._readable(Path(location)))
-        if look is None:
-            return False
+            return None
         try:
-            return look.result()
-        except Exception:  # an unreadable folder: not known (yet)
-            return False
+            folder = look.result() if look is not None else None
+        except Exception:  # an unreadable folder, an S3 error: not known (yet)
+            folder = None
+        if folder is None:
+            self.looks[location] = self.lane.submit(lambda: self._readable(location, source))
+        return folder
 
-    def _readable(self, step: Path) -> bool:
-        """On the lane: the step's config and tokenizer are whole (or its adapter config)."""
+    def _readable(self, location: str, source: str) -> str | None:
+        """On the lane: the folder with the step's whole config and tokenizer (or its adapter
+        config), or None. An S3 step's are fetched into a folder of ours (an adapter's base is
+        started ahead for local steps only)."""
+        if "://" in location:
+            src = self.dispatcher.discovery.source_named(source)
+            if src is None:
+                return None
+            files = src.view(location)
+            names = model_meta.find_in(files, self.tokenizer_required)
+            if names is None:
+                return None
+            return str(model_meta.fetch(files, names, self._fetched_for(location)))
+        step = Path(location)
         if model_meta.find(step, self.tokenizer_required) is not None:
-            return True
+            return location
         served = self.cfg.eval.backend == "vllm" and self.cfg.eval.serve_adapters
-        return bool(served and model_meta.adapter(step))
+        return location if served and model_meta.adapter(step) else None
 
-    def _prepare(
-        self, location: str, run: str, run_path: str, step: int | None, label: str, device: Device
-    ) -> bool:
+    def _fetched_for(self, location: str) -> Path:
+        return self.fetched / hashlib.sha256(location.encode()).hexdigest()[:16]
+
+    def _prepare(self, row: CheckpointRow, folder: str, device: Device) -> bool:
+        """Ask for an engine on `device` for the step `row`, started on `folder`."""
+        run_path = row.run_path
         job = Job(
             id=run_path,
-            location=location,
-            run=run,
-            step=step,
-            label=label,
+            location=row.location,
+            run=row.run,
+            step=row.step,
+            label=row.label,
             tasks=self.tasks,
             settings_hash="",
             created_at=0.0,
@@ -149,12 +173,15 @@ class EarlyEngines:
             run_path=run_path,
         )
         spec = self.dispatcher.spec(job, device)
-        folder = JobFolder(warm_home(self.cfg.state_dir, device.label) / PREPARE_DIR)
+        if folder != row.location:  # an S3 step: its meta files, fetched (nothing is staged)
+            request = dataclasses.replace(spec.request, checkpoint=folder)
+            spec = dataclasses.replace(spec, request=request, stage=None)
+        prepare = JobFolder(warm_home(self.cfg.state_dir, device.label) / PREPARE_DIR)
         try:
-            folder.write_spec(spec)
-            ok = self.executor.prepare(device.label, folder, device.worker_env())
+            prepare.write_spec(spec)
+            ok = self.executor.prepare(device.label, prepare, device.worker_env())
         except OSError as e:  # a full disk, a worker starter that died: the job loads cold
             log.warning("engine.prepare_failed", run=run_path, device=device.label, error=str(e))
             return False
-        log.info("engine.prepare", run=run_path, step=step, device=device.label, sent=ok)
+        log.info("engine.prepare", run=run_path, step=row.step, device=device.label, sent=ok)
         return ok
