@@ -242,3 +242,46 @@ print(json.dumps({"same": same, "strict": strict, "compiles": len(compiles) - 15
     assert r.returncode == 0, r.stderr[-2000:]
     # `original` compiled 150 times (3 templates x 50 documents); the cached one 3 + 1 times
     assert json.loads(r.stdout) == {"same": True, "strict": True, "compiles": 4}, r.stdout
+
+
+def test_a_placeholder_hf_model_is_built_as_from_pretrained_builds_it_or_refused(
+    tmp_path: Path,
+) -> None:
+    """PlaceholderHF (an hf engine started before its checkpoint's weights): its generation
+    config read as `from_pretrained` reads it (config.json's own generation fields where the
+    step has no generation_config.json: a repetition penalty changes greedy text), an
+    attention implementation passed on; what it cannot build as `from_pretrained` would (an
+    adapter, a dtype only the weights would decide) refused with SwapError: a cold load."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ckpt_watcher.demo import tiny
+    from ckpt_watcher.errors import SwapError
+    from ckpt_watcher.evaluators import lm_eval_internals as lmi
+
+    full, meta = tmp_path / "full", tmp_path / "meta"
+    tok = tiny.build_tokenizer()
+    tok.save_pretrained(full)
+    tiny.build_model(len(tok)).save_pretrained(full)
+    (full / "generation_config.json").unlink()
+    config = json.loads((full / "config.json").read_text())
+    (full / "config.json").write_text(json.dumps(config | {"repetition_penalty": 1.3}))
+    meta.mkdir()
+    for f in full.iterdir():
+        if not f.name.endswith(".safetensors"):
+            (meta / f.name).write_bytes(f.read_bytes())
+    placeholder = lmi.placeholder_backend(lmi.clamped_backend("hf"))
+    args = {"device": "cpu", "dtype": "float32", "attn_implementation": "eager"}
+    lm = placeholder(pretrained=str(meta), **args)
+    cold = AutoModelForCausalLM.from_pretrained(
+        full, dtype=torch.float32, attn_implementation="eager"
+    )
+    assert lm.model.generation_config.to_dict() == cold.generation_config.to_dict()
+    assert lm.model.generation_config.repetition_penalty == 1.3
+    assert lm.model.config._attn_implementation == "eager"
+    with pytest.raises(SwapError, match="no placeholder model with peft"):
+        placeholder(pretrained=str(meta), device="cpu", dtype="float32", peft=str(full))
+    del config["dtype"]
+    (meta / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SwapError, match="dtype auto and no dtype in the config"):
+        placeholder(pretrained=str(meta), device="cpu", dtype="auto")

@@ -69,6 +69,7 @@ def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_p
     import dataclasses
     import json
     import threading
+    from concurrent.futures import Future
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -160,6 +161,23 @@ def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_p
     assert warm.sent == [("cpu:1", "step_10"), ("cpu:2", "step_10"), ("cpu:3", fetched.name)]
     assert early.preferred() == {"B": "cpu:0", "A": "cpu:1", "F": "cpu:2", "E": "cpu:3"}
     assert sorted(p.name for p in fetched.iterdir()) == ["config.json", "tokenizer.json"]
+    # D's model is not known (no config yet): looked at again every LOOK_SECONDS, not at
+    # every pass; a look that finds nothing does not wake the loop, one that finds does
+    undecided = rows[4].location
+    first = early.looks[undecided]
+    for _ in range(3):
+        assert early._known(undecided, "local") is None
+    assert early.looks[undecided] is first
+    early.next_look[undecided] = 0.0  # LOOK_SECONDS later
+    assert early._known(undecided, "local") is None
+    assert early.looks[undecided] is not first
+    woke: list[int] = []
+    early.wake = lambda: woke.append(1)
+    for answer in (None, "/a/step"):
+        done: Future[str | None] = Future()
+        done.set_result(answer)
+        early._found(done)
+    assert woke == [1]
     rows.remove(remote)  # judged complete: its fetched files go
     del warm.idle["cpu:3"]
     start()

@@ -124,8 +124,9 @@ TIE_LOGPROB = math.log(0.5)  # two tokens tying for the top are each at most thi
 
 def tolerance(dtype: str | None) -> tuple[float, float]:
     """(atol, rtol) for a logprob. Swapped and fresh engines hold the same weights and run the
-    same kernels on the same batch, so on CPU their numbers are equal to the bit; on GPU the
-    reduction order may differ. A float32 engine then moves logprobs by ~1e-6; a 16-bit one
+    same kernels on the same batch, so on CPU their numbers are equal to the bit, except where
+    the weights sit at other memory alignments (an hf model filled from a placeholder: its
+    step-by-step logprobs differ in the last bits); on GPU the reduction order may differ. A float32 engine then moves logprobs by ~1e-6; a 16-bit one
     (8 to 11 mantissa bits, eps 2^-8 for bfloat16) by up to ~1% of a logprob. A stale or half
     swapped weight moves them by far more and usually changes the greedy tokens."""
     if str(dtype).replace("torch.", "") in ("float32", "float", "fp32"):
@@ -400,7 +401,11 @@ class EngineKeeper:
         if sig in self.no_placeholder:
             raise SwapError(self.no_placeholder[sig])
         self.drop()
-        self.lm = load_model(req, swappable=True, placeholder=True)
+        try:
+            self.lm = load_model(req, swappable=True, placeholder=True)
+        except SwapError as e:  # a model no placeholder stands for (PlaceholderHF): cold
+            self.no_placeholder[sig] = str(e)
+            raise
         if req.backend != "vllm":  # hf: buffers are computed from the config, as cold; one the
             # checkpoint must set and lacks fails the swap (keeper._load_hf)
             self.signature, self.checkpoint, self.placeholder = sig, None, True

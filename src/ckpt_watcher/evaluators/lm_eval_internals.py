@@ -42,7 +42,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ckpt_watcher.durable import write_atomic, write_json_atomic
-from ckpt_watcher.errors import BackendUnavailable, EvalError
+from ckpt_watcher.errors import BackendUnavailable, EvalError, SwapError
 from ckpt_watcher.evaluators.clamp import ClampCounts, clamp_gen_toks
 
 # (module, attribute path, parameter names it must accept, in order, after self)
@@ -466,11 +466,23 @@ class MeasuredHF:
         return out
 
 
+# what the placeholder passes on to the model as `from_pretrained` would (any other argument
+# of lm-eval's model loading, an adapter, quantization, sharding: no placeholder, a cold load)
+PLACEHOLDER_PASSES = frozenset({"attn_implementation"})
+# `_create_model`'s own arguments the placeholder cannot honour when they are set
+PLACEHOLDER_REFUSES = (
+    "parallelize", "tp_plan", "peft", "delta", "autogptq", "gptqmodel", "gguf_file",
+    "quantization_config",
+)  # fmt: skip
+
+
 class PlaceholderHF:
     """HFLM whose model is built from its folder's config alone (no weights file is read): its
     weights allocated on the device and never initialized (transformers' `no_init_weights`),
-    its generation config read as `from_pretrained` reads it. Nothing is evaluated on it: the
-    first checkpoint's weights are swapped in and proven first (evaluators/keeper.py)."""
+    its generation config made as `from_pretrained` makes it. Nothing is evaluated on it: the
+    first checkpoint's weights are swapped in and proven first (evaluators/keeper.py). What it
+    cannot build as `from_pretrained` would (an adapter, quantization, sharding, an argument it
+    does not know, a dtype the weights alone would decide) raises SwapError: a cold load."""
 
     def _create_model(
         self,
@@ -485,21 +497,33 @@ class PlaceholderHF:
         from transformers import AutoConfig, GenerationConfig
         from transformers.initialization import no_init_weights
 
+        refused = [k for k in PLACEHOLDER_REFUSES if kwargs.pop(k, None)]
+        for k in ("gpus", "max_memory_per_gpu", "max_cpu_memory", "offload_folder"):
+            kwargs.pop(k, None)  # where lm-eval would place a sharded model (`parallelize`)
+        refused += sorted(set(kwargs) - PLACEHOLDER_PASSES)
+        if refused:
+            raise SwapError(f"no placeholder model with {', '.join(refused)}: loaded cold")
         trust = bool(trust_remote_code)
         config = AutoConfig.from_pretrained(
             pretrained, revision=revision, trust_remote_code=trust, subfolder=subfolder
         )
         if dtype in (None, "auto"):
-            dtype = getattr(config, "dtype", None) or torch.float32
+            dtype = getattr(config, "dtype", None)
+            if dtype is None:  # from_pretrained would take the weights' own: unknown yet
+                raise SwapError("dtype auto and no dtype in the config: loaded cold")
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         auto = self.AUTO_MODEL_CLASS  # type: ignore[attr-defined]
         with no_init_weights(), torch.device(self._device):  # type: ignore[attr-defined]
-            model = auto.from_config(config, dtype=dtype, trust_remote_code=trust)
-        try:
-            model.generation_config = GenerationConfig.from_pretrained(pretrained)
-        except OSError:  # none in the folder: from_pretrained keeps the config's own
-            pass
+            model = auto.from_config(config, dtype=dtype, trust_remote_code=trust, **kwargs)
+        if model.can_generate():  # as from_pretrained reads it (`adjust_generation_fn`)
+            where: dict[str, Any] = {"revision": revision or "main", "subfolder": subfolder}
+            try:
+                model.generation_config = GenerationConfig.from_pretrained(pretrained, **where)
+            except OSError:  # none in the folder: from config.json's own generation fields
+                model.generation_config = GenerationConfig.from_pretrained(
+                    pretrained, config_file_name="config.json", _from_model_config=True, **where
+                )
         self._model = model.eval()
 
 

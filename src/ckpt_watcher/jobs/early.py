@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import shutil
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -42,6 +43,7 @@ log = structlog.get_logger("ckpt_watcher.jobs")
 # Engines started for one step at most: again after one was given back to training, or released
 # idle, but not for ever for a step whose engine will not start (its worker waits, not ready)
 TRIES_PER_STEP = 3
+LOOK_SECONDS = 2.0  # between two looks at the files of a step whose model is not known yet
 
 
 class EarlyEngines:
@@ -73,12 +75,15 @@ class EarlyEngines:
         self.tried: dict[str, int] = {}  # step -> engines started for it
         self.tokenizer_required = not cfg.eval.model_args.get("tokenizer")
         # a step's files are read on a lane of their own, never on the loop (EFS may hang)
-        self.lane = Lane("early-engines", wake)
+        self.lane = Lane("early-engines")
+        self.wake = wake  # once a look finds a step's model (not after every look)
         # step -> the folder its engine starts on once its model is known (None: not yet)
         self.looks: dict[str, Future[str | None]] = {}
-        # the meta files of S3 steps, fetched: what an engine starts on (the worker copies them)
+        self.next_look: dict[str, float] = {}  # step -> when it may be looked at again
+        # the meta files of S3 steps, fetched: what an engine starts on (the worker copies them);
+        # what no step looked at now holds is removed at each pass (`_sweep`): a look that
+        # ended after its step left, an earlier daemon's
         self.fetched = cfg.state_dir / "early-meta"
-        shutil.rmtree(self.fetched, ignore_errors=True)  # a daemon before this one's
 
     def preferred(self) -> dict[str, str]:
         """Run path -> the device label whose idle engine holds that run's model (started ahead
@@ -104,7 +109,8 @@ class EarlyEngines:
         gone = self.looks.keys() - {r.location for r in rows}
         for location in gone:  # judged since (or deleted): no more looks
             del self.looks[location]
-            shutil.rmtree(self._fetched_for(location), ignore_errors=True)
+            self.next_look.pop(location, None)
+        self._sweep()
         for row in rows:
             if not devices:
                 return
@@ -131,9 +137,34 @@ class EarlyEngines:
             folder = look.result() if look is not None else None
         except Exception:  # an unreadable folder, an S3 error: not known (yet)
             folder = None
-        if folder is None:
-            self.looks[location] = self.lane.submit(lambda: self._readable(location, source))
+        now = time.monotonic()
+        if folder is None and now >= self.next_look.get(location, 0.0):
+            self.next_look[location] = now + LOOK_SECONDS  # not once a loop pass
+            look = self.lane.submit(lambda: self._readable(location, source))
+            look.add_done_callback(self._found)
+            self.looks[location] = look
         return folder
+
+    def _found(self, look: Future[str | None]) -> None:
+        """On the lane, a look ended: the loop is woken when it found a step's model."""
+        try:
+            found = look.result() is not None
+        except Exception:
+            found = False
+        if found and self.wake is not None:
+            self.wake()
+
+    def _sweep(self) -> None:
+        """Remove the fetched folders of steps no longer looked at."""
+        if not self.fetched.exists():
+            return
+        kept = {self._fetched_for(location).name for location in self.looks}
+        try:
+            folders = [p for p in self.fetched.iterdir() if p.name not in kept]
+        except OSError:
+            return
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _readable(self, location: str, source: str) -> str | None:
         """On the lane: the folder with the step's whole config and tokenizer (or its adapter
