@@ -23,10 +23,19 @@ Exit 0 when every part run holds, 1 when not. `DEVICE=cpu` runs the parts on the
 float32; `busy` is skipped) to try the script without a GPU; there the engine core runs in the
 worker's process unless VLLM_ENABLE_V1_MULTIPROCESSING=1, as on CUDA.
 
+  early     (only when named) a run's first checkpoint on a fresh host (a compile cache of its
+            own), as a trainer writes it: its config and tokenizer first, its weights once an
+            engine is ready for them (`watcher status`: `ready for <run>`), then the next
+            checkpoints; with `eval.early_engine` on and off, one `watcher run` each: the
+            seconds from each checkpoint's last file to its result, the first against the
+            second, and the first early against off (issue 62's goal: the first within 10 % of
+            the second)
+
   checkpoints  alone: only builds the parts' checkpoints (CKPTS of them, and the one `resume`
             uses) in WORK, without a GPU: build them here and carry them to a lent machine
 
-Usage: bash bench/gpu_smoke.sh [busy] [equality] [resume] | checkpoints   (all three by default)
+Usage: bash bench/gpu_smoke.sh [busy] [equality] [resume] [early] | checkpoints
+       (busy, equality and resume by default)
        env: BACKEND=vllm|hf  SIZE=tiny|0.6b  CKPTS=3  SAMPLES=64  WORK=/tmp/gpu_smoke  DEVICE=cuda|cpu
 """
 
@@ -470,6 +479,112 @@ def part_equality(work: Path, backend: str, size: str, n: int) -> bool:
     return equal and "warm" in engines
 
 
+# --- early: the first checkpoint on a fresh host, with an engine started ahead of its weights --
+
+# what a trainer's save_pretrained writes before the weights
+META = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+        "special_tokens_map.json")  # fmt: skip
+
+
+def engine_ready(d: Path) -> bool:
+    for path in (d / "state" / "jobs" / "_warm").glob("*/engine.json"):
+        try:
+            if json.loads(path.read_text())["state"] == "ready":
+                return True
+        except (OSError, ValueError, KeyError):
+            pass
+    return False
+
+
+def run_as_written(work: Path, mode: str, ckpts: list[Path], backend: str) -> dict[str, Any]:
+    """One `watcher run` (fresh compile cache) over checkpoints written as a trainer writes them;
+    each checkpoint's seconds from its last file to its ledger line."""
+    d = work / mode
+    shutil.rmtree(d, ignore_errors=True)
+    (d / "watch").mkdir(parents=True)
+    cfg = write_config(
+        d,
+        {
+            "backend": backend,
+            "model_args": model_args(backend),
+            "batch_size": 32,
+            "include_path": str(task_folder(work)),
+            "warm_engine": True,
+            "early_engine": mode == "early",
+            "compile_cache_dir": str(d / "compile-cache"),  # a fresh host's
+            "max_attempts": 1,
+            "tasks": [{"task": "addition", "num_fewshot": 0}],
+        },
+        devices=devices(idle_memory_mib=0),
+    )
+    out: dict[str, Any] = {"ready_s": None, "after_files": [], "lines": []}
+    began = time.time()
+    with open(d / "run.log", "wb") as log:
+        proc = subprocess.Popen([*WATCHER, "run", "-c", str(cfg)], stdout=log, stderr=log)
+        try:
+            first = d / "watch" / ckpts[0].name
+            first.mkdir()
+            for name in META:
+                if (ckpts[0] / name).exists():
+                    shutil.copy(ckpts[0] / name, first / name)
+            if mode == "early":
+                if not wait_for(lambda: engine_ready(d), 1800, 0.5):
+                    say(f"  {mode}: no engine ready in 1800 s (see {d / 'run.log'})")
+                    return out
+                out["ready_s"] = time.time() - began
+                say(f"  {mode}: engine ready {out['ready_s']:.1f} s after the daemon's start")
+            for i, ck in enumerate(ckpts):
+                if i == 0:  # the weights, once the engine waits for them
+                    for f in sorted(ck.iterdir()):
+                        if not (first / f.name).exists():
+                            shutil.copy(f, first / f.name)
+                else:  # the next ones appear at once (a trainer's atomic save)
+                    shutil.copytree(ck, d / "staged" / ck.name)
+                    (d / "staged" / ck.name).rename(d / "watch" / ck.name)
+                written = time.time()
+                if not wait_for(lambda n=i + 1: len(ledger(d)) >= n, 1800, 0.05):
+                    say(f"  {mode}: no result for {ck.name} in 1800 s")
+                    break
+                line = ledger(d)[i]
+                out["after_files"].append(time.time() - written)
+                say(f"  {mode}: {ck.name} {line['status']} {out['after_files'][-1]:.1f} s after "
+                    f"its last file (engine {line['engine']}, {line['engine_seconds']} s)")  # fmt: skip
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    out["lines"] = ledger(d)
+    return out
+
+
+def part_early(work: Path, backend: str, size: str, n: int) -> bool:
+    ckpts = checkpoints(work, size, max(2, n))
+    got = {mode: run_as_written(work, mode, ckpts, backend) for mode in ("early", "off")}
+    early, off = got["early"], got["off"]
+    times = {m: g["after_files"] for m, g in got.items()}
+    ok = all(len(t) == len(ckpts) for t in times.values()) and all(
+        ln["status"] == "ok" for g in got.values() for ln in g["lines"]
+    )
+    ok = ok and bool(early["lines"]) and early["lines"][0]["engine"] == "early"
+    same = ok and early["lines"][0]["metrics"] == off["lines"][0]["metrics"]
+    if ok:
+        say(
+            f"gpu_smoke early: {gpu_name()}, backend {backend}, {size} model, {DTYPE}, a fresh "
+            f"host: engine ready {early['ready_s']:.1f} s after the daemon's start; the first "
+            f"checkpoint's result {times['early'][0]:.1f} s after its last file with the early "
+            f"engine (the second {times['early'][1]:.1f} s: first/second "
+            f"{times['early'][0] / times['early'][1]:.2f}), {times['off'][0]:.1f} s without "
+            f"(early/off {times['early'][0] / times['off'][0]:.2f}); first metrics "
+            f"{'equal' if same else 'DIFFER'} in both"
+        )
+    else:
+        say(f"gpu_smoke early: FAILED ({times}; see {work / 'early'} and {work / 'off'})")
+    return ok and same
+
+
 # --- resume: kill -9 of vLLM's engine process, then of the worker -----------------------------
 
 
@@ -630,9 +745,9 @@ def main() -> None:
     work = Path(os.environ.get("WORK", "/tmp/gpu_smoke"))
     backend, size = os.environ["BACKEND"], os.environ.get("SIZE", "tiny")
     parts = sys.argv[1:] or ["busy", "equality", "resume"]
-    unknown = set(parts) - {"busy", "equality", "resume", "checkpoints"}
+    unknown = set(parts) - {"busy", "equality", "resume", "early", "checkpoints"}
     if unknown:
-        sys.exit(f"unknown parts {sorted(unknown)}: busy, equality, resume, checkpoints")
+        sys.exit(f"unknown parts {sorted(unknown)}: busy, equality, resume, early, checkpoints")
     work.mkdir(parents=True, exist_ok=True)
     # two runs in one work folder share its part folders and compile cache: the second's `prime`
     # removes the first's state under its running daemon, and the figures mix
@@ -656,6 +771,8 @@ def main() -> None:
             results[part] = part_busy(work, backend, size)
         elif part == "equality":
             results[part] = part_equality(work, backend, size, int(os.environ.get("CKPTS", "3")))
+        elif part == "early":
+            results[part] = part_early(work, backend, size, int(os.environ.get("CKPTS", "3")))
         else:
             results[part] = part_resume(work, backend, size, int(os.environ.get("SAMPLES", "64")))
         say(f"({part}: {time.monotonic() - began:.0f} s)")

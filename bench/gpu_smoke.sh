@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU smoke test and figures, for a machine with one NVIDIA GPU (never part of CI; skipped
 # without a GPU). What each part checks and prints: bench/gpu_smoke.py's docstring.
-# Usage: bash bench/gpu_smoke.sh [busy] [equality] [resume]   (all three by default)
+# Usage: bash bench/gpu_smoke.sh [busy] [equality] [resume] [early]   (the first three by default)
 #        bash bench/gpu_smoke.sh checkpoints   (builds the checkpoints only, no GPU needed: carry them)
 #        env: PYTHON=python3 BACKEND=vllm|hf SIZE=tiny|0.6b CKPTS=3 SAMPLES=64 WORK=/tmp/gpu_smoke
 #             PRELOAD=0: one-shot workers as fresh processes (executor.preload: false)
