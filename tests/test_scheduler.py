@@ -95,10 +95,24 @@ def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_p
         location="s3://b/E/step_10", source="s3", run="E", run_path="E", step=10, label=""
     )
     rows.append(remote)
-    listed = {"config.json": b'{"hidden_size": 8}', "tokenizer.json": b"{}", "model.bin": b"x"}
-    bucket = SimpleNamespace(  # an S3 source's view of the step: its listing, its objects
+    lora_far = SimpleNamespace(
+        location="s3://b/H/step_10", source="s3", run="H", run_path="H", step=10, label=""
+    )
+    rows.append(lora_far)
+    objects = {
+        remote.location: {
+            "config.json": b'{"hidden_size": 8}', "tokenizer.json": b"{}", "model.bin": b"x"
+        },
+        lora_far.location: {  # a LoRA step saved alone: its config and weights up, the rest not
+            "adapter_config.json": b'{"peft_type": "LORA", "r": 4}',
+            "adapter_model.safetensors": b"weights",
+            "training_args.bin": b"x",
+        },
+    }  # fmt: skip
+    bucket = SimpleNamespace(  # an S3 source's view of a step: its listing, its objects
         view=lambda location: SimpleNamespace(
-            files={k: len(v) for k, v in listed.items()}, read=lambda name: listed[name]
+            files={k: len(v) for k, v in objects[location].items()},
+            read=lambda name: objects[location][name],
         )
     )
     queued: list[SimpleNamespace] = []
@@ -142,7 +156,7 @@ def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_p
             self.idle[label] = folder.read_spec().job_id
             return True
 
-    devices = cpu_slots(4)
+    devices = cpu_slots(5)
     queued.append(SimpleNamespace(run_path="C"))  # C's job is queued already: no engine
     warm = Warm({"cpu:0": "B"})  # B's last job left its engine idle on cpu:0
     early = EarlyEngines(cfg, state, warm, dispatcher)  # type: ignore[arg-type]
@@ -156,11 +170,22 @@ def test_early_engines_start_once_per_run_on_devices_without_a_warm_worker(tmp_p
     early.start(devices)
     assert warm.sent == []  # the first pass asks for the files to be read
     start()
-    # one for A (not one per step), one for F's base, one for E on S3; none for B-D
-    fetched = early._fetched_for(remote.location)
-    assert warm.sent == [("cpu:1", "step_10"), ("cpu:2", "step_10"), ("cpu:3", fetched.name)]
-    assert early.preferred() == {"B": "cpu:0", "A": "cpu:1", "F": "cpu:2", "E": "cpu:3"}
+    # one for A (not one per step), one for F's base, one for E on S3 and one for H's base
+    # (S3); none for B-D
+    fetched, adapter = early._fetched_for(remote.location), early._fetched_for(lora_far.location)
+    assert warm.sent == [
+        ("cpu:1", "step_10"), ("cpu:2", "step_10"), ("cpu:3", fetched.name),
+        ("cpu:4", adapter.name),
+    ]  # fmt: skip
+    assert early.preferred() == {
+        "B": "cpu:0", "A": "cpu:1", "F": "cpu:2", "E": "cpu:3", "H": "cpu:4"
+    }  # fmt: skip
     assert sorted(p.name for p in fetched.iterdir()) == ["config.json", "tokenizer.json"]
+    assert sorted(p.name for p in adapter.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"
+    ]  # fmt: skip
+    rows.remove(lora_far)
+    del warm.idle["cpu:4"]
     # D's model is not known (no config yet): looked at again every LOOK_SECONDS, not at
     # every pass; a look that finds nothing does not wake the loop, one that finds does
     undecided = rows[4].location

@@ -26,6 +26,9 @@ TOKENIZERS = ("tokenizer.json", "tokenizer_config.json")
 PLACES = ("", "huggingface", "actor/huggingface")
 NAMES = HF_META | {"spiece.model"}
 MAX_BYTES = 256 << 20  # a meta file larger than this is not one (nothing is fetched)
+ADAPTER_MAX_BYTES = (
+    8 << 30
+)  # an adapter's weights fetched ahead (a rank-64 adapter of a 70B: 1.6 GB)
 
 
 def find(step: Path, tokenizer_required: bool = True) -> list[Path] | None:
@@ -77,6 +80,23 @@ def find_in(files: CheckpointFiles, tokenizer_required: bool = True) -> list[str
 
 def _reader(files: CheckpointFiles, prefix: str) -> Callable[[str], bytes]:
     return lambda name: files.read(prefix + name)
+
+
+def adapter_in(files: CheckpointFiles) -> list[str] | None:
+    """A LoRA step saved alone, read through its listing (an S3 prefix): its adapter config
+    (whole) and weights, and the tokenizer and generation files beside them; None until both
+    are there. An object is listed once whole (S3 writes objects at once), so the adapter can
+    be read before the step is judged complete."""
+    listed = files.files
+    weights = "adapter_model.safetensors"
+    if ADAPTER not in listed or listed.get(weights, ADAPTER_MAX_BYTES + 1) > ADAPTER_MAX_BYTES:
+        return None
+    try:
+        json.loads(files.read(ADAPTER))
+    except (OSError, ValueError):
+        return None
+    beside = sorted(n for n in NAMES if listed.get(n, MAX_BYTES + 1) <= MAX_BYTES)
+    return [ADAPTER, weights, *beside]
 
 
 def fetch(files: CheckpointFiles, names: list[str], into: Path) -> Path:

@@ -6,7 +6,8 @@ A run's model is known once a step of it still being written (or complete but st
 `stable_seconds`) has its config and tokenizer whole (checkpoints/model_meta.py); a LoRA run's,
 once a step's adapter config is whole (its base is then loaded, for real, with LoRA enabled).
 Those files are read on a lane of their own (lane.py), never on the daemon's loop; an S3
-step's are fetched into `<state_dir>/early-meta/` (`model_meta.fetch`). Then, when
+step's are fetched into `<state_dir>/early-meta/` (`model_meta.fetch`; a LoRA step's adapter
+config and weights once both are up). Then, when
 nothing of that run is queued or running and no warm engine waits for it already, the first
 free device with no warm worker of its own gets one (executors/warm.py `prepare`; the worker's
 side is worker/early.py, which also does the first job's lm-eval set-up). Its job later goes to
@@ -168,21 +169,23 @@ class EarlyEngines:
 
     def _readable(self, location: str, source: str) -> str | None:
         """On the lane: the folder with the step's whole config and tokenizer (or its adapter
-        config), or None. An S3 step's are fetched into a folder of ours (an adapter's base is
-        started ahead for local steps only)."""
+        config), or None. An S3 step's are fetched into a folder of ours (a LoRA step's adapter
+        config and weights, once both are up: vLLM's base is started on what they name)."""
+        served = self.cfg.eval.backend == "vllm" and self.cfg.eval.serve_adapters
         if "://" in location:
             src = self.dispatcher.discovery.source_named(source)
             if src is None:
                 return None
             files = src.view(location)
-            names = model_meta.find_in(files, self.tokenizer_required)
+            # an adapter first, as the worker looks (worker/early.py): one may hold a config too
+            names = model_meta.adapter_in(files) if served else None
+            names = names or model_meta.find_in(files, self.tokenizer_required)
             if names is None:
                 return None
             return str(model_meta.fetch(files, names, self._fetched_for(location)))
         step = Path(location)
         if model_meta.find(step, self.tokenizer_required) is not None:
             return location
-        served = self.cfg.eval.backend == "vllm" and self.cfg.eval.serve_adapters
         return location if served and model_meta.adapter(step) else None
 
     def _fetched_for(self, location: str) -> Path:
