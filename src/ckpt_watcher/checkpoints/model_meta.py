@@ -26,9 +26,8 @@ TOKENIZERS = ("tokenizer.json", "tokenizer_config.json")
 PLACES = ("", "huggingface", "actor/huggingface")
 NAMES = HF_META | {"spiece.model"}
 MAX_BYTES = 256 << 20  # a meta file larger than this is not one (nothing is fetched)
-ADAPTER_MAX_BYTES = (
-    8 << 30
-)  # an adapter's weights fetched ahead (a rank-64 adapter of a 70B: 1.6 GB)
+# an adapter's weights fetched ahead at most (a rank-64 adapter of a 70B model: 1.6 GB)
+ADAPTER_MAX_BYTES = 8 << 30
 
 
 def find(step: Path, tokenizer_required: bool = True) -> list[Path] | None:
@@ -72,7 +71,7 @@ def find_in(files: CheckpointFiles, tokenizer_required: bool = True) -> list[str
     listed = files.files
     for place in PLACES:
         prefix = f"{place}/" if place else ""
-        names = sorted(n for n in NAMES if listed.get(prefix + n, MAX_BYTES + 1) <= MAX_BYTES)
+        names = _meta_listed(listed, prefix)
         if _judged(names, _reader(files, prefix), tokenizer_required):
             return [prefix + n for n in names]
     return None
@@ -95,8 +94,12 @@ def adapter_in(files: CheckpointFiles) -> list[str] | None:
         json.loads(files.read(ADAPTER))
     except (OSError, ValueError):
         return None
-    beside = sorted(n for n in NAMES if listed.get(n, MAX_BYTES + 1) <= MAX_BYTES)
-    return [ADAPTER, weights, *beside]
+    return [ADAPTER, weights, *_meta_listed(listed, "")]
+
+
+def _meta_listed(listed: dict[str, int], prefix: str) -> list[str]:
+    """The meta files a listing holds under `prefix` (none larger than MAX_BYTES)."""
+    return sorted(n for n in NAMES if listed.get(prefix + n, MAX_BYTES + 1) <= MAX_BYTES)
 
 
 def fetch(files: CheckpointFiles, names: list[str], into: Path) -> Path:

@@ -192,13 +192,7 @@ def ready_tasks(req: EvalRequest) -> float:
     evaluator.add_env_info({})
     plain = {t.task: t for t in req.tasks if t.harness == "lm-eval" and not t.allow_code_execution}
     if plain:
-        metadata = dict(req.model_args) | {"pretrained": req.checkpoint}
-        tm = lmi.task_manager(
-            list(plain),
-            task_paths(req.include_path),
-            metadata=metadata,
-            index_dir=req.compile_cache,
-        )
+        tm = _task_manager(req, list(plain))
         for name, t in plain.items():
             try:
                 with _code_execution(t):  # a code task's utils ask for code_eval: ours, refusing
@@ -206,6 +200,17 @@ def ready_tasks(req: EvalRequest) -> float:
             except Exception as e:  # noqa: BLE001 - its job loads it again and says why
                 log.info("task.not_ready", task=name, error=f"{type(e).__name__}: {e}")
     return time.monotonic() - began
+
+
+def _task_manager(req: EvalRequest, names: list[str]) -> Any:
+    """lm-eval's TaskManager for the tasks `names` of `req`, their metadata the engine's
+    arguments and checkpoint (and the adapter served on it, under lm-eval's own name)."""
+    metadata = dict(req.model_args) | {"pretrained": req.checkpoint}
+    if req.lora is not None:
+        metadata["lora_local_path"] = req.lora
+    return lmi.task_manager(
+        names, task_paths(req.include_path), metadata=metadata, index_dir=req.compile_cache
+    )
 
 
 def run_tasks(
@@ -255,13 +260,7 @@ def _run_each(
     version: str,
 ) -> list[TaskOutcome]:
     """`run_tasks`' loop: each task on the loaded `lm`, its outcome passed on as it ends."""
-    metadata = dict(req.model_args) | {"pretrained": req.checkpoint}
-    if req.lora is not None:  # the adapter served on `pretrained`, under lm-eval's own name
-        metadata["lora_local_path"] = req.lora
-    names = [t.task for t in req.tasks]
-    task_manager = lmi.task_manager(
-        names, task_paths(req.include_path), metadata=metadata, index_dir=req.compile_cache
-    )
+    task_manager = _task_manager(req, [t.task for t in req.tasks])
     results_dir = Path(req.results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     outcomes = []

@@ -126,8 +126,9 @@ def tolerance(dtype: str | None) -> tuple[float, float]:
     """(atol, rtol) for a logprob. Swapped and fresh engines hold the same weights and run the
     same kernels on the same batch, so on CPU their numbers are equal to the bit, except where
     the weights sit at other memory alignments (an hf model filled from a placeholder: its
-    step-by-step logprobs differ in the last bits); on GPU the reduction order may differ. A float32 engine then moves logprobs by ~1e-6; a 16-bit one
-    (8 to 11 mantissa bits, eps 2^-8 for bfloat16) by up to ~1% of a logprob. A stale or half
+    step-by-step logprobs differ in the last bits); on GPU the reduction order may differ. A
+    float32 engine then moves logprobs by ~1e-6; a 16-bit one (8 to 11 mantissa bits, eps 2^-8
+    for bfloat16) by up to ~1% of a logprob. A stale or half
     swapped weight moves them by far more and usually changes the greedy tokens."""
     if str(dtype).replace("torch.", "") in ("float32", "float", "fp32"):
         return 1e-4, 1e-4
@@ -406,22 +407,25 @@ class EngineKeeper:
         except SwapError as e:  # a model no placeholder stands for (PlaceholderHF): cold
             self.no_placeholder[sig] = str(e)
             raise
-        if req.backend != "vllm":  # hf: buffers are computed from the config, as cold; one the
-            # checkpoint must set and lacks fails the swap (keeper._load_hf)
-            self.signature, self.checkpoint, self.placeholder = sig, None, True
-            return sig
-        try:  # every worker's (each holds a part of the model under TP or PP)
-            per_worker = self.lm.model.collective_rpc("ckpt_watcher_random_buffers")
-            random = sorted({name for names in per_worker for name in names})
-            why = f"buffers a placeholder sets at random: {random[:3]}" if random else ""
-        except Exception as e:  # what cannot be checked is not started ahead
-            why = f"its buffers could not be checked: {type(e).__name__}: {e}"
+        # (hf: buffers are computed from the config, as cold; one the checkpoint must set and
+        # lacks fails the swap, _load_hf)
+        why = self._random_buffers() if req.backend == "vllm" else ""
         if why:  # what no swap is proven to set: its first checkpoint loads cold
             self.drop()
             self.no_placeholder[sig] = why
             raise SwapError(why)
         self.signature, self.checkpoint, self.placeholder = sig, None, True
         return sig
+
+    def _random_buffers(self) -> str:
+        """Why the vLLM engine just started on placeholder weights cannot be filled by a swap
+        (buffers still at placeholder values, in any of its workers), or ""."""
+        try:  # every worker's (each holds a part of the model under TP or PP)
+            per_worker = self.lm.model.collective_rpc("ckpt_watcher_random_buffers")
+        except Exception as e:  # what cannot be checked is not started ahead
+            return f"its buffers could not be checked: {type(e).__name__}: {e}"
+        random = sorted({name for names in per_worker for name in names})
+        return f"buffers a placeholder sets at random: {random[:3]}" if random else ""
 
     def _fill(self, req: EvalRequest, sig: str, began: float) -> Engine | None:
         """The first checkpoint swapped into an engine `prepare` started: its Engine once the

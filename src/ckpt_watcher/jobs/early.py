@@ -7,9 +7,9 @@ A run's model is known once a step of it still being written (or complete but st
 once a step's adapter config is whole (its base is then loaded, for real, with LoRA enabled).
 Those files are read on a lane of their own (lane.py), never on the daemon's loop; an S3
 step's are fetched into `<state_dir>/early-meta/` (`model_meta.fetch`; a LoRA step's adapter
-config and weights once both are up). Then, when
-nothing of that run is queued or running and no warm engine waits for it already, the first
-free device with no warm worker of its own gets one (executors/warm.py `prepare`; the worker's
+config and weights once both are up). Then, when nothing of that run is queued or running and
+no warm engine waits for it already, the first free device with no warm worker of its own gets
+one (executors/warm.py `prepare`; the worker's
 side is worker/early.py, which also does the first job's lm-eval set-up). Its job later goes to
 that device first (scheduler.assign's `prefer`, which also sends a run's next job to the idle
 engine its last job left), and no helper takes that device meanwhile. Only on a free device
