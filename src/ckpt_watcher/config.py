@@ -380,7 +380,7 @@ class SandboxConfig(_Model):
     processes: int = Field(1, ge=1)
     """Processes a program may run, itself included: 1, none started (a seccomp filter refuses
     fork, vfork and clone). Above 1, bounded by RLIMIT_NPROC, which binds only where the watcher
-    runs as an unprivileged user (the kernel exempts root)."""
+    runs as an unprivileged user: refused as root (the kernel exempts root)."""
     file_size_mb: int = Field(16, ge=1)
     """Largest file a program may write (in its private /tmp)."""
     open_files: int = Field(64, ge=16)

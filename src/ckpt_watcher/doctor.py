@@ -116,6 +116,7 @@ def check_sandbox(cfg: WatcherConfig) -> Check:
         box = open_sandbox(settings)
     except SandboxUnavailable as e:
         return Check("sandbox", not code, f"{e} ({uses})")
+    box.close()
     if settings.run_model_code_unsandboxed:
         return Check(
             "sandbox",

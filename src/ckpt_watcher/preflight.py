@@ -141,6 +141,7 @@ def sandbox_problem(cfg: WatcherConfig) -> str | None:
             f"config field eval.sandbox: {', '.join(code)} run model-written code, and {e} "
             "(or leave those entries out)"
         )
+    box.close()
     log.info("sandbox.ready", sandbox=box.name, entries=code)
     return None
 

@@ -180,6 +180,9 @@ def judge_for(settings: dict[str, Any] | None) -> CodeEval:
 
     wanted = SandboxConfig(**(settings or {}))
     if JUDGE.sandbox is None or JUDGE.settings != wanted:
+        if JUDGE.sandbox is not None:
+            JUDGE.sandbox.close()  # its servers, with the settings before
+            JUDGE.sandbox = None
         try:
             JUDGE.sandbox = open_sandbox(wanted)
         except SandboxUnavailable as e:

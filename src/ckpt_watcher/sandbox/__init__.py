@@ -11,8 +11,10 @@ A program judged against tests (LiveCodeBench's) gets their inputs only and repo
 gave; `judge.py` compares outside the sandbox, so the expected outputs are never within a
 program's reach.
 
-Each program runs in a process of its own, under `runner.py`, which sets its limits and reports
-its verdict: `passed`, `failed` (an assertion), `timeout` (CPU time), `memory`, `runtime_error`
+Each program runs in a process of its own, forked for it by a server kept in the sandbox
+(`forkserver.py`, one per parallel slot: a program costs a fork, not a sandbox and an
+interpreter; nothing a program does there reaches the next one's verdict), under `runner.py`,
+which sets its limits and reports its verdict: `passed`, `failed` (an assertion), `timeout` (CPU time), `memory`, `runtime_error`
 or `syntax_error`, with the first lines of its error. Limits are CPU seconds, so a correct
 program passes on a busy host as on an idle one; the wall-clock limit is only a backstop
 (a program that sleeps).

@@ -92,10 +92,11 @@ def argv(
     bwrap: Path,
     bwrap_version: tuple[int, ...],
     limits: Limits,
-    seccomp_fd: int,
     command: list[str],
 ) -> list[str]:
-    """bwrap's arguments around `command` (the runner, by its interpreter's path)."""
+    """bwrap's arguments around `command` (the sandbox's server, by its interpreter's path).
+    No seccomp filter here: the server forks a child for each program, which installs the
+    program's filter itself (forkserver.py)."""
     args = [str(bwrap), "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc"]
     args += ["--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
     if bwrap_version >= (0, 8):
@@ -117,10 +118,13 @@ def argv(
             args += ["--symlink", os.readlink(folder), folder]
         else:
             args += ["--ro-bind", folder, folder]
-    args += ["--proc", "/proc", "--dev", "/dev", "--chdir", "/tmp", "--clearenv"]
+    # /dev read-only once made: its tmpfs has no size limit, and what a program wrote there
+    # (or in /dev/shm) would stay for the next programs of this sandbox's server
+    args += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
+    args += ["--chdir", "/tmp", "--clearenv"]
     for key, value in CLEAN_ENV.items():
         args += ["--setenv", key, value]
-    args += ["--seccomp", str(seccomp_fd), "--", *command]
+    args += ["--", *command]
     return args
 
 

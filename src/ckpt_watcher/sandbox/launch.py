@@ -1,28 +1,34 @@
-"""One program, one process of its own, one verdict; many at once up to the CPUs given.
+"""Programs to verdicts, up to `parallel` at once, each one in a child forked for it by one of
+the sandbox's servers (forkserver.py): a server is one bubblewrap sandbox around one warm
+interpreter, started when first needed and kept for the next programs, so that a program costs a
+fork, not a sandbox and an interpreter (about 30 ms each).
 
-The runner (runner.py, run as `python -s -P -c`) gets its request on stdin and reports on file
-descriptor 3; what the program prints is read as it comes, up to `OUTPUT_BYTES` (the rest is
-dropped, never held). A program that leaves no report is judged by how its process ended: by
-CPU time or the wall-clock backstop (`timeout`), else `runtime_error` naming the signal or exit.
-A sandbox that fails to start a program raises `SandboxFailure`: no verdict is ever made up.
+A program's request goes in on a pipe of its own; what it prints is read as it comes, up to
+`OUTPUT_BYTES` (the rest is dropped, never held), and its runner reports its verdict on another.
+A program that leaves no report is judged by how its process ended (the server says: its wait
+status and CPU time): by CPU time or the wall-clock backstop (`timeout`), else `runtime_error`
+naming the signal or exit. A server is ended, and a new one started for the next program, after
+a program that reached the backstop, one that may start processes, or one that left the server
+other than it was; a server that ended or stopped answering is replaced the same way. A sandbox
+that cannot start or run a program raises `SandboxFailure`: no verdict is ever made up.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import selectors
-import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +42,17 @@ from ckpt_watcher.sandbox.program import (
 )
 
 RUNNER = (Path(__file__).parent / "runner.py").read_text(encoding="utf-8")
+SERVER = (Path(__file__).parent / "forkserver.py").read_text(encoding="utf-8")
 OUTPUT_BYTES = 4 << 20  # of a program's stdout kept (a stdin/stdout test's answer)
 ERROR_BYTES = 64 << 10  # of its stderr kept
+START_SECONDS = 60.0  # for a server to start (bwrap, then the interpreter) at most
+REPORT_FD = 3  # where the runner reports, in the program's process
 
 
 class Sandbox:
     """Runs programs (`run`, `run_many`) in bubblewrap, or, where `jail` is false (the explicit
-    unsandboxed setting), with the same runner and limits and no isolation."""
+    unsandboxed setting), with the same runner, servers and limits and no isolation. `close`
+    ends its servers (also when it is collected, and at exit)."""
 
     def __init__(
         self,
@@ -57,14 +67,27 @@ class Sandbox:
         self.python = python
         self.parallel = max(1, parallel or len(os.sched_getaffinity(0)))
         self.bwrap: Path | None = None
-        self._filter = b""
+        self._version: tuple[int, ...] = ()
+        if limits.processes > 1 and os.geteuid() == 0:
+            raise SandboxUnavailable(
+                f"eval.sandbox.processes is {limits.processes}: a program may start processes "
+                "only where the watcher runs as an unprivileged user (systemd's User=); as root "
+                "the kernel's process limit (RLIMIT_NPROC) does not bind, and one fork bomb "
+                "would take the host. Set processes: 1, or run the watcher as another user"
+            )
+        try:
+            self._filter = seccomp.program_filter(processes=limits.processes > 1)
+        except seccomp.Unsupported as e:
+            if jail:
+                raise SandboxUnavailable(str(e)) from None
+            self._filter = b""  # unsandboxed: its limits, without the filter
         if jail:
             self.bwrap = bwrap.find(bwrap_setting)
             self._version = bwrap.version(self.bwrap)
-            try:
-                self._filter = seccomp.no_new_processes()
-            except seccomp.Unsupported as e:
-                raise SandboxUnavailable(str(e)) from None
+        self._idle: list[_Server] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _end_all, self._idle)
 
     @property
     def name(self) -> str:
@@ -84,6 +107,18 @@ class Sandbox:
                 f"a trivial program did not pass in the sandbox ({said.status}: {said.error})"
             )
 
+    def close(self) -> None:
+        """End the servers (a program being judged ends its own when it is done)."""
+        with self._lock:
+            servers, self._idle[:] = list(self._idle), []
+        _end_all(servers)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def run_many(self, programs: Sequence[Program]) -> list[Verdict]:
         """Each program's verdict, in order, up to `parallel` at once."""
         if len(programs) <= 1 or self.parallel == 1:
@@ -100,89 +135,44 @@ class Sandbox:
                 cpu_seconds=limits.cpu_seconds * n,
                 wall_seconds=limits.wall_seconds + limits.cpu_seconds * n,
             )
-        command = [self.python, "-s", "-P", "-c", RUNNER]
-        report_r, report_w = os.pipe()
-        info_r, info_w = os.pipe()
-        keep = [report_w, info_w]
-        cwd = None
-        try:
-            if self.jail:
-                assert self.bwrap is not None
-                filter_fd = os.memfd_create("ckpt-watcher-seccomp")
-                os.write(filter_fd, self._filter)
-                os.lseek(filter_fd, 0, os.SEEK_SET)
-                keep.append(filter_fd)
-                argv = bwrap.argv(self.bwrap, self._version, self.limits, filter_fd, command)
-                argv[1:1] = ["--info-fd", str(info_w)]  # written once the sandbox is up
-                env: dict[str, str] = {}
-            else:
-                cwd = tempfile.mkdtemp(prefix="ckpt-watcher-unsandboxed-")
-                argv, env = command, dict(bwrap.CLEAN_ENV) | {"HOME": cwd}
-                os.write(info_w, b"{}")  # nothing to set up
-            began = time.monotonic()
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=keep,
-                env=env,
-                cwd=cwd,
-                start_new_session=True,
-            )
-        except BaseException:
-            for fd in (report_r, info_r):
-                os.close(fd)
-            raise
-        finally:
-            for fd in keep:
-                os.close(fd)
         request = {"source": program.source, "stdin": program.stdin, "as_main": program.as_main,
-                   "limits": asdict(self.limits), "report_fd": report_w,
+                   "limits": asdict(self.limits), "report_fd": REPORT_FD,
                    "tests": judge.inputs_only(program.tests) if program.tests else None,
                    "call": program.call}  # fmt: skip
+        data = json.dumps(request).encode()
+        server = self._take()
         try:
-            read, timed_out = _collect(proc, [report_r, info_r], request, limits)
-            rc, usage = _reap(proc)
-        finally:
-            os.close(report_r)
-            os.close(info_r)
-            if cwd is not None:
-                shutil.rmtree(cwd, ignore_errors=True)
-        wall = round(time.monotonic() - began, 3)
-        stdout = read["stdout"].decode("utf-8", errors="replace")
-        err = read["stderr"].decode("utf-8", errors="replace")
-        if not read[info_r] and not timed_out:  # bwrap never started the sandbox
-            raise SandboxFailure(bwrap.unavailable(err))
-        try:
-            report = json.loads(read[report_r]) if read[report_r] else None
-        except ValueError:
-            report = None
-        if isinstance(report, dict) and program.tests:
-            cpu_used = float(report.get("cpu_seconds") or 0.0)
-            return judge.verdict(program.tests, program.call, report, stdout, cpu_used, wall)
-        if isinstance(report, dict):
-            return Verdict(
-                str(report.get("status")),
-                str(report.get("error") or ""),
-                stdout,
-                float(report.get("cpu_seconds") or 0.0),
-                wall,
+            ran = server.judge(data, limits.wall_seconds)
+        except _Gone:  # it ended between two programs (a program before stopped or killed it)
+            server.end()
+            server = _Server(self)
+            ran = server.judge(data, limits.wall_seconds)
+        except BaseException:
+            server.end()
+            raise
+        if ran.answer is not None and not ran.answer.get("setup"):
+            server.end()
+            raise SandboxFailure(
+                f"the sandbox's server could not start a program: {ran.answer.get('error')}"
             )
-        cpu = round(usage.ru_utime + usage.ru_stime, 3) if usage is not None else 0.0
-        if timed_out:
-            why = f"no end after {limits.wall_seconds:g} s of wall-clock time"
-            return Verdict("timeout", why, stdout, cpu, wall)
-        signum = -rc if rc < 0 else rc - 128 if rc > 128 else 0
-        if signum in (signal.SIGXCPU, signal.SIGKILL) and cpu >= limits.cpu_seconds:
-            return Verdict("timeout", "CPU time limit reached", stdout, cpu, wall)
-        why = (
-            f"its process ended by signal {signal.Signals(signum).name}"
-            if signum in signal.Signals._value2member_map_
-            else f"it ended its process itself (exit code {rc})"
-        )
-        tail = "\n".join(err.strip().splitlines()[-4:])
-        return Verdict("runtime_error", f"{why}\n{tail}".strip(), stdout, cpu, wall)
+        # a server goes on only as it was: not past the backstop, nothing of a program left
+        if ran.timed_out or ran.answer is None or not ran.answer.get("clean"):
+            server.end()
+        elif self.limits.processes > 1:  # its processes end with the sandbox, none is left
+            server.end()
+        else:
+            with self._lock:
+                self._idle.append(server)
+        return _verdict(program, limits, ran)
+
+    def _take(self) -> _Server:
+        with self._lock:
+            if self._pid != os.getpid():  # a fork of the process that started them
+                self._idle.clear()
+                self._pid = os.getpid()
+            if self._idle:
+                return self._idle.pop()
+        return _Server(self)
 
 
 def open_sandbox(settings: Any) -> Sandbox:
@@ -202,70 +192,264 @@ def open_sandbox(settings: Any) -> Sandbox:
         bwrap_setting=settings.bwrap,
         parallel=settings.parallel,
     )
-    box.check()
+    try:
+        box.check()  # its first server, kept for the programs to come
+    except BaseException:
+        box.close()
+        raise
     return box
 
 
-def _collect(
-    proc: subprocess.Popen[bytes], pipes: list[int], request: dict[str, Any], limits: Limits
-) -> tuple[dict[Any, bytes], bool]:
-    """Feed the request; read stdout, stderr and `pipes` as they come (capped) until all close
-    or the wall-clock backstop passes (the process group is then killed). What each said
-    (`stdout`, `stderr`, and by each pipe's fd), and whether the backstop ended it."""
-    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-    feeder = threading.Thread(target=_feed, args=(proc.stdin, request), daemon=True)
-    feeder.start()
-    names: dict[int, Any] = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr"}
-    names |= {fd: fd for fd in pipes}
-    caps = {"stdout": OUTPUT_BYTES, "stderr": ERROR_BYTES} | {fd: 1 << 20 for fd in pipes}
-    got: dict[Any, bytearray] = {name: bytearray() for name in names.values()}
-    deadline = time.monotonic() + limits.wall_seconds
-    timed_out = False
-    with selectors.DefaultSelector() as sel:
-        for fd in names:
-            sel.register(fd, selectors.EVENT_READ)
-        while sel.get_map():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                timed_out = True
-                _kill(proc)
-                break
-            for key, _ in sel.select(min(left, 1.0)):
-                chunk = os.read(key.fd, 65536)
-                name = names[key.fd]
-                if not chunk:
-                    sel.unregister(key.fd)
-                elif len(got[name]) < caps[name]:
-                    got[name] += chunk[: caps[name] - len(got[name])]
-    feeder.join(timeout=5)  # it ended or met a closed pipe: never two threads on one stream
-    return {name: bytes(data) for name, data in got.items()}, timed_out
+@dataclass
+class _Ran:
+    """What one program's run gave: its streams, its runner's report, the server's answer
+    (None where the server ended first or was ended), whether the backstop ended it."""
+
+    stdout: bytes
+    stderr: bytes
+    report: bytes
+    answer: dict[str, Any] | None
+    timed_out: bool
+    wall: float
 
 
-def _feed(stdin: Any, request: dict[str, Any]) -> None:
+class _Gone(Exception):
+    """The server had ended before it took the program."""
+
+
+class _Server:
+    """One forking server in a sandbox of its own, and the socket the host talks to it on."""
+
+    def __init__(self, box: Sandbox) -> None:
+        self.jail = box.jail
+        self.processes = box.limits.processes
+        self.ended = False
+        host_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock = host_end
+        # the programs' folder: the sandbox's private /tmp, or a folder of its own unsandboxed
+        self.folder = "/tmp" if box.jail else tempfile.mkdtemp(prefix="ckpt-watcher-unsandboxed-")
+        self.errors = tempfile.TemporaryFile()
+        command = [box.python, "-s", "-P", "-c", SERVER, str(server_end.fileno()), self.folder,
+                   box._filter.hex()]  # fmt: skip
+        if box.jail:
+            assert box.bwrap is not None
+            argv = bwrap.argv(box.bwrap, box._version, box.limits, command)
+            env: dict[str, str] = {}
+            cwd = None
+        else:
+            argv, env, cwd = command, dict(bwrap.CLEAN_ENV) | {"HOME": self.folder}, self.folder
+        try:
+            self.proc = _spawn(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=self.errors,
+                pass_fds=[server_end.fileno()],
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
+        except BaseException:
+            server_end.close()
+            self._release()
+            raise
+        server_end.close()
+        try:
+            self._start(box)
+        except BaseException:
+            self.end()
+            raise
+
+    def _start(self, box: Sandbox) -> None:
+        """Give it the runner, and wait for it to say it is ready."""
+        runner = RUNNER.encode()
+        self.sock.settimeout(START_SECONDS)
+        try:
+            self.sock.send(str(len(runner)).encode())
+            for at in range(0, len(runner), 1 << 16):
+                self.sock.send(runner[at : at + (1 << 16)])
+            ready = self.sock.recv(64)
+        except OSError:
+            ready = b""
+        self.sock.settimeout(None)
+        if not ready:
+            try:
+                self.proc.wait(timeout=5)  # what it said, whole
+            except subprocess.TimeoutExpired:
+                pass
+            self.errors.seek(0)
+            said = self.errors.read(ERROR_BYTES).decode("utf-8", errors="replace")
+            if box.jail:
+                raise SandboxFailure(bwrap.unavailable(said))
+            raise SandboxFailure(f"the sandbox's server could not start: {said.strip()[-500:]}")
+
+    def judge(self, request: bytes, wall_seconds: float) -> _Ran:
+        """Run one program (its runner's request) in a child of this server."""
+        pipes = [os.pipe() for _ in range(4)]  # request, stdout, stderr, report
+        theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
+        feed, out, err, report = pipes[0][1], pipes[1][0], pipes[2][0], pipes[3][0]
+        began = time.monotonic()
+        try:
+            socket.send_fds(self.sock, [b"{}"], theirs)
+        except OSError:
+            for fd in (*theirs, feed, out, err, report):
+                os.close(fd)
+            raise _Gone from None
+        for fd in theirs:
+            os.close(fd)
+        try:
+            _feed(feed, request)
+            ran = self._collect(out, err, report, began + wall_seconds)
+        finally:
+            for fd in (out, err, report):
+                os.close(fd)
+        ran.wall = round(time.monotonic() - began, 3)
+        return ran
+
+    def _collect(self, out: int, err: int, report: int, deadline: float) -> _Ran:
+        """Read the streams as they come (capped) and the server's answer, until the streams
+        close and the answer is in (or the server is gone), or the backstop passes (this
+        server is then ended, and the program with it)."""
+        names = {out: "stdout", err: "stderr", report: "report", self.sock.fileno(): "answer"}
+        caps = {"stdout": OUTPUT_BYTES, "stderr": ERROR_BYTES, "report": 1 << 20}
+        got = {name: bytearray() for name in caps}
+        answer: dict[str, Any] | None = None
+        timed_out = False
+        with selectors.DefaultSelector() as sel:
+            for fd in names:
+                sel.register(fd, selectors.EVENT_READ)
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    timed_out = True
+                    self.end()
+                    break
+                for key, _ in sel.select(min(left, 1.0)):
+                    name = names[key.fd]
+                    if name == "answer":
+                        sel.unregister(key.fd)
+                        try:
+                            message = self.sock.recv(1 << 16)
+                            answer = json.loads(message) if message else None
+                        except (OSError, ValueError):
+                            answer = None
+                        if answer is not None and self.processes > 1:
+                            # the program ended: what still holds its streams is a process
+                            # it left, which ends with this server
+                            self.end()
+                        continue
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        sel.unregister(key.fd)
+                    elif len(got[name]) < caps[name]:
+                        got[name] += chunk[: caps[name] - len(got[name])]
+        return _Ran(bytes(got["stdout"]), bytes(got["stderr"]), bytes(got["report"]), answer,
+                    timed_out, 0.0)  # fmt: skip
+
+    def end(self) -> None:
+        """This server and whatever runs in its sandbox, ended; its folder removed."""
+        if self.ended:
+            return
+        self.ended = True
+        if getattr(self, "proc", None) is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # bwrap, and so its pid namespace
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self._release()
+
+    def _release(self) -> None:
+        self.sock.close()
+        self.errors.close()
+        if not self.jail:
+            import shutil
+
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _end_all(servers: list[_Server]) -> None:
+    for server in servers:
+        server.end()
+
+
+def _verdict(program: Program, limits: Limits, ran: _Ran) -> Verdict:
+    """The verdict from what a program's run gave."""
+    stdout = ran.stdout.decode("utf-8", errors="replace")
+    err = ran.stderr.decode("utf-8", errors="replace")
+    wall = ran.wall
     try:
-        stdin.write(json.dumps(request).encode())
-        stdin.close()
-    except OSError:  # it ended before reading it all
-        pass
+        report = json.loads(ran.report) if ran.report else None
+    except ValueError:
+        report = None
+    if isinstance(report, dict) and program.tests:
+        cpu_used = float(report.get("cpu_seconds") or 0.0)
+        return judge.verdict(program.tests, program.call, report, stdout, cpu_used, wall)
+    if isinstance(report, dict):
+        return Verdict(
+            str(report.get("status")),
+            str(report.get("error") or ""),
+            stdout,
+            float(report.get("cpu_seconds") or 0.0),
+            wall,
+        )
+    answer = ran.answer or {}
+    cpu = float(answer.get("cpu") or 0.0)
+    if ran.timed_out:
+        why = f"no end after {limits.wall_seconds:g} s of wall-clock time"
+        return Verdict("timeout", why, stdout, cpu, wall)
+    if ran.answer is None:
+        why = "it ended the sandbox's server it was run from"
+        return Verdict("runtime_error", why, stdout, cpu, wall)
+    rc = os.waitstatus_to_exitcode(int(answer["status"]))
+    signum = -rc if rc < 0 else 0
+    if signum in (signal.SIGXCPU, signal.SIGKILL) and cpu >= limits.cpu_seconds:
+        return Verdict("timeout", "CPU time limit reached", stdout, cpu, wall)
+    why = (
+        f"its process ended by signal {signal.Signals(signum).name}"
+        if signum in signal.Signals._value2member_map_
+        else f"it ended its process itself (exit code {rc})"
+    )
+    tail = "\n".join(err.strip().splitlines()[-4:])
+    return Verdict("runtime_error", f"{why}\n{tail}".strip(), stdout, cpu, wall)
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # bwrap and whatever is in its session
-    except ProcessLookupError:
-        pass
+def _feed(fd: int, data: bytes) -> None:
+    """The request into its pipe: at once where the pipe holds it all, else from a thread (the
+    runner reads it whole before anything else)."""
+    if len(data) <= 65536:
+        try:
+            os.write(fd, data)
+        except OSError:  # the child ended before reading it
+            pass
+        os.close(fd)
+        return
+
+    def write() -> None:
+        try:
+            with open(fd, "wb") as pipe:
+                pipe.write(data)
+        except OSError:
+            pass
+
+    threading.Thread(target=write, daemon=True, name="sandbox-feed").start()
 
 
-def _reap(proc: subprocess.Popen[bytes]) -> tuple[int, Any]:
-    """Its exit status, and the CPU it and what it waited for used."""
-    try:
-        _, status, usage = os.wait4(proc.pid, 0)
-    except ChildProcessError:
-        return proc.wait(), None
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    for stream in (proc.stdin, proc.stdout, proc.stderr):
-        if stream is not None:
-            # stdin may hold a request it never read: closing flushes it into a closed pipe
-            with contextlib.suppress(OSError):
-                stream.close()
-    return proc.returncode, usage
+_LAUNCHER: tuple[int, ThreadPoolExecutor] | None = None
+_LAUNCHER_LOCK = threading.Lock()
+
+
+def _spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """Popen from a thread that lives as long as this process: bwrap's `--die-with-parent`
+    ends the sandbox when the *thread* that started it ends (the kernel's parent-death signal
+    follows the thread), and servers outlive the threads that judge programs."""
+    global _LAUNCHER
+    with _LAUNCHER_LOCK:
+        if _LAUNCHER is None or _LAUNCHER[0] != os.getpid():
+            _LAUNCHER = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="sandbox-launch"))
+        launcher = _LAUNCHER[1]
+    return launcher.submit(_popen, argv, kwargs).result()
+
+
+def _popen(argv: list[str], kwargs: dict[str, Any]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(argv, **kwargs)

@@ -1,5 +1,7 @@
 """What runs inside the sandbox, in front of one model-written program: the standard library
-only (it is run as `python -c` with this file's text, under the limits the host gives it).
+only. The sandbox's server (forkserver.py) holds this file's text as a module and calls `main`
+in a child forked for each program; the child then ends at once (`os._exit`: nothing the
+program left behind, atexit or threads, runs after its verdict).
 
 It reads one request (JSON on stdin until EOF): the program's source, its stdin, whether it
 runs as `__main__` (a stdin/stdout program) or as lm-eval's `code_eval` runs it (in an empty
@@ -70,6 +72,8 @@ def _limits(limits: dict, tests: int = 1) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     processes = int(limits["processes"])
     if processes > 1:  # else the seccomp filter refuses every new process
+        # beside the program's own: the sandbox's init and the server it was forked from
+        processes += 2
         resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
 
 
@@ -279,6 +283,15 @@ def _run_tests(request: dict) -> dict:
     return {"status": "ran", "error": "", "outputs": outputs}
 
 
+def warm() -> None:
+    """Import ahead what every run imports (`_guard`'s, the tests protocol's), once in the
+    server each child is forked from: a child then starts with them, as after its own import."""
+    import decimal  # noqa: F401
+    import hashlib  # noqa: F401
+    import shutil  # noqa: F401
+    import subprocess  # noqa: F401
+
+
 def main() -> None:
     global _report_fd
     request = json.loads(sys.stdin.buffer.read())
@@ -286,12 +299,13 @@ def main() -> None:
     _limits(request["limits"], len(request.get("tests") or ()))
     signal.signal(signal.SIGXCPU, _on_cpu_limit)
     # the program's own stdin, as a real file descriptor 0
-    fd = os.open("/tmp/.program-stdin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    # (in its folder: the sandbox's /tmp, emptied after it)
+    fd = os.open(".program-stdin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     os.write(fd, request.get("stdin", "").encode())
     os.lseek(fd, 0, os.SEEK_SET)
     os.dup2(fd, 0)
     os.close(fd)
-    os.unlink("/tmp/.program-stdin")
+    os.unlink(".program-stdin")
     sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
     if request.get("tests") is not None:
         _report(_run_tests(request))
@@ -325,8 +339,3 @@ def main() -> None:
         except Exception:  # a program that closed its stdout
             pass
     _report({"status": status, "error": error})
-
-
-if __name__ == "__main__":  # `python -c` with this text: the host's launch
-    main()
-    os._exit(0)  # nothing the program left behind (atexit, threads) runs after its verdict

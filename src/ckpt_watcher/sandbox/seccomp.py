@@ -1,4 +1,5 @@
-"""The seccomp filter a sandboxed program runs under: it cannot start another process.
+"""The seccomp filter a sandboxed program runs under: it cannot start another process (where
+its limits allow only itself), nor make a System V IPC object.
 
 Process creation is the one thing the kernel's limits cannot bound everywhere: RLIMIT_NPROC
 counts a user's processes, and a watcher that runs as root maps the sandbox's user to root,
@@ -7,6 +8,12 @@ memory limit bounds) but not processes: `fork`, `vfork` and `clone` without CLON
 with EPERM, `clone3` (whose flags a filter cannot read) with ENOSYS, so that glibc starts its
 threads with `clone`. lm-eval's `code_eval` takes `os.fork` and `subprocess.Popen` away from the
 programs it runs too (its `reliability_guard`), so no verdict changes for it.
+
+System V shared memory, semaphores and message queues outlive the process that made them (they
+belong to the IPC namespace, which the sandbox's server keeps from one program to the next), and
+their memory is counted in no limit of the program's: `shmget`, `semget` and `msgget` fail with
+EPERM. Python's standard library uses none of them (multiprocessing's shared memory is POSIX,
+files under /dev/shm, which the sandbox mounts read-only).
 
 The filter is a classic BPF program (the bytes bubblewrap's `--seccomp FD` loads), for x86-64
 and aarch64; a system call of any other architecture (x32's, i386's) kills the process.
@@ -31,14 +38,18 @@ _ARCHES = {
     "x86_64": (0xC000003E, 57, 58, 56, 435),
     "aarch64": (0xC00000B7, None, None, 220, 435),
 }
+# shmget, semget, msgget
+_IPC = {"x86_64": (29, 64, 68), "aarch64": (194, 190, 186)}
 
 
 class Unsupported(Exception):
     """No filter for this machine's architecture."""
 
 
-def no_new_processes(machine: str | None = None) -> bytes:
-    """The filter, as the `struct sock_filter` array bubblewrap reads."""
+def program_filter(processes: bool = False, machine: str | None = None) -> bytes:
+    """The filter, as a `struct sock_filter` array (what `PR_SET_SECCOMP` and bubblewrap's
+    `--seccomp` read); `processes`: the program may start processes (its limits allow more than
+    one), which then only its process limit bounds."""
     arch = machine or platform.machine()
     if arch not in _ARCHES:
         raise Unsupported(f"no seccomp filter for {arch} (x86_64 and aarch64 have one)")
@@ -52,6 +63,10 @@ def no_new_processes(machine: str | None = None) -> bytes:
     ]
     if arch == "x86_64":
         prog.append(("jge", X32_BIT, "eperm", None))
+    for ipc in _IPC[arch]:
+        prog.append(("jeq", ipc, "eperm", None))
+    if processes:
+        prog.append(("ret", _ALLOW))
     for nr in (fork, vfork):
         if nr is not None:
             prog.append(("jeq", nr, "eperm", None))
