@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -208,11 +209,35 @@ def test_nothing_a_program_does_reaches_the_next_ones_verdict() -> None:
         "shared_memory": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
         "assert libc.shmget(0, 1 << 30, 0o1600) != -1, ctypes.get_errno()\n",
         "dev_shm": "open('/dev/shm/x', 'w').write('x')\n",
+        # (found by review: each of these reached the programs after it)
+        "lurks_traced": "import ctypes, os, signal, threading, time\n"  # stop, yet live on
+        "def lurk():\n    time.sleep(0.05)\n    signal.pthread_kill(main, signal.SIGUSR1)\n"
+        "    while True:\n        time.sleep(0.01)\n"
+        "main = threading.main_thread().ident\nthreading.Thread(target=lurk).start()\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "assert libc.ptrace(0, 0, 0, 0) == 0, ctypes.get_errno()\ntime.sleep(1)\n",
+        "chmods_tmp": "import os\nos.chmod('/tmp', 0o555)\n",
+        "marks_tmp": "import os\nos.setxattr('/tmp', 'user.seen', b'x')\n",
+        "writes_root": "open('/leak', 'w').write('x' * 100)\n",
+        "slows_server": server + "os.setpriority(os.PRIO_PROCESS, server, 19)\n",
+        "pins_server": server + "os.sched_setaffinity(server, {0})\n",
+        "nice_session": "open('/proc/self/autogroup', 'w').write('19')\n",
+        "queues_and_keys": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "q = libc.mq_open(b'/q', 0o102, 0o600, None)\n"
+        "k = libc.syscall(248, b'user', b'k', b'secret', 6, -2)\n"  # add_key (x86_64)
+        "assert (q, k) != (-1, -1), ctypes.get_errno()\n",
     }
+    cpus = sorted(os.sched_getaffinity(0))
     honest = [
         Program(
-            "import os\nassert os.listdir('/tmp') == [] and os.getcwd() == '/tmp'\n", as_main=True
-        ),  # fmt: skip
+            "import os, sys\nassert os.listdir('/tmp') == [] and os.getcwd() == '/tmp'\n"
+            "assert sys.argv == ['-c'] and os.stat('/tmp').st_mode & 0o777 == 0o755\n"
+            "assert os.listxattr('/tmp') == [] and os.getpriority(os.PRIO_PROCESS, 0) == 0\n"
+            f"assert sorted(os.sched_getaffinity(0)) == {cpus}\n"
+            "assert not os.path.exists('/leak')\n"
+            "assert open('/proc/self/autogroup').read().endswith('nice 0\\n')\n",
+            as_main=True,
+        ),
         Program("x = [0] * (100 << 20)\nassert sum(x) == 0\n"),  # 800 MiB past 50 MiB
         Program("assert 1 + 1 == 3, 'wrong'\n"),
     ]
@@ -230,6 +255,67 @@ def test_nothing_a_program_does_reaches_the_next_ones_verdict() -> None:
     assert "Permission denied" in said["traces_server"].error
     assert said["shared_memory"].status == "failed" and "1" in said["shared_memory"].error  # EPERM
     assert "Read-only file system" in said["dev_shm"].error
+    assert "Read-only file system" in said["writes_root"].error
+    for name in ("lurks_traced", "queues_and_keys"):  # EPERM: the filter's
+        assert said[name].status == "failed" and said[name].error.endswith(": 1"), said[name]
+    for name in ("slows_server", "pins_server"):
+        assert "Operation not permitted" in said[name].error, said[name]
+
+
+def test_servers_end_with_their_sandbox_and_only_there() -> None:
+    """Its servers are the sandbox's: a fork of the host that exits leaves them running, one
+    judging a program while the sandbox is closed ends once it is done, and no more are kept
+    than the programs it judges at once (found by review)."""
+    box = Sandbox(LIMITS, parallel=2)
+    assert box.run(Program("pass\n")).passed
+    pid = os.fork()
+    if pid == 0:  # a fork of the host (a worker starter's, say) that exits normally: at
+        try:  # its exit, the sandbox's finalizer runs, as here
+            box._finalizer()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    time.sleep(0.1)
+    assert all(server.proc.poll() is None for server in box._idle)  # still running
+    assert box.run(Program("import time\ntime.sleep(0.2)\n")).passed
+
+    def closed_meanwhile() -> None:
+        time.sleep(0.3)
+        box.close()
+
+    closer = threading.Thread(target=closed_meanwhile)
+    closer.start()
+    assert box.run(Program("import time\ntime.sleep(1)\n")).passed
+    closer.join()
+    assert not box._idle  # ended, not kept
+    with ThreadPoolExecutor(4) as pool:
+        batches = pool.map(box.run_many, [[Program("pass\n")] * 6] * 4)
+        assert all(v.passed for batch in batches for v in batch)
+    assert len(box._idle) <= 2
+    box.close()
+
+
+def test_unsandboxed_servers_remove_their_folders_even_when_their_host_is_killed() -> None:
+    """Unsandboxed, each server's programs run in a folder of the host's: removed when its host
+    is done with it, closed or killed -9."""
+    script = (
+        "import sys\nfrom ckpt_watcher.sandbox import Limits, Program, Sandbox\n"
+        "box = Sandbox(Limits(), jail=False, parallel=2)\n"
+        "said = box.run_many([Program('import os\\nprint(os.getcwd())\\n', as_main=True)] * 4)\n"
+        "print(' '.join(sorted({v.stdout.strip() for v in said})), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    host = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert host.stdout is not None
+    folders = [Path(f) for f in host.stdout.readline().split()]
+    assert folders and all(f.is_dir() for f in folders), folders
+    host.kill()
+    host.wait()
+    deadline = time.monotonic() + 10
+    while any(f.exists() for f in folders) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(f.exists() for f in folders), folders
 
 
 def test_a_bwrap_that_cannot_start_is_a_sandbox_failure_never_a_verdict(tmp_path: Path) -> None:
@@ -256,6 +342,8 @@ def test_as_an_unprivileged_user_the_same_sandbox_runs(tmp_path: Path) -> None:
 
     with pytest.raises(SandboxUnavailable, match="unprivileged user"):
         Sandbox(replace(LIMITS, processes=4))  # as root: refused, never unbounded
+    with pytest.raises(SandboxUnavailable, match="needs the sandbox"):
+        Sandbox(replace(LIMITS, processes=4), jail=False)  # no pid namespace to end them
     left = "import os, time\nif os.fork() == 0:\n    time.sleep(30)\n    os._exit(0)\n"
     pids = "import os\nprint(sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
     script = (

@@ -121,7 +121,9 @@ def argv(
     # /dev read-only once made: its tmpfs has no size limit, and what a program wrote there
     # (or in /dev/shm) would stay for the next programs of this sandbox's server
     args += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
-    args += ["--chdir", "/tmp", "--clearenv"]
+    # and its root (a tmpfs of bwrap's, where it made the mount points) read-only last: what a
+    # program wrote there would count in no limit and stay for the programs after it
+    args += ["--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
     for key, value in CLEAN_ENV.items():
         args += ["--setenv", key, value]
     args += ["--", *command]

@@ -2,36 +2,44 @@
 that a program costs a fork of a warm interpreter, not the start of one (the standard library
 only; run as `python -s -P -c` with this file's text, one server per parallel slot).
 
-The host (launch.py) talks to it over a socket (file descriptor `argv[1]`): first the runner's
-source (runner.py, kept as a module here), then for each program one message with four file
-descriptors: the request to read, and where the program's stdout, stderr and verdict go. The
-child takes them as 0, 1, 2 and 3, closes everything else of the server's, installs the seccomp
-filter (`argv[3]`, hex: seccomp.py's; none unsandboxed on an architecture it has none for)
-and runs the runner's `main`. The server answers with how the child ended (its wait
-status and CPU time), whether it got as far as the program (`setup`: else what failed), and
-whether this server is still as it was (`clean`).
+Its arguments: the socket the host talks to it on, the programs' folder (the sandbox's /tmp;
+unsandboxed, a folder of the host's, removed when the host is done), the seccomp filter (hex:
+seccomp.py's; empty unsandboxed on an architecture it has none for) and `jail` or `host`. The
+host sends the runner's source first (runner.py, kept as a module here), then for each program
+one message with four file descriptors: the request to read, and where the program's stdout,
+stderr and verdict go. The child takes them as 0, 1, 2 and 3, closes everything else of the
+server's, starts a session of its own, dies with the server, installs the filter and runs the
+runner's `main`. The server answers with how the child ended (its wait status and CPU time),
+whether it got as far as the program (`setup`: else what failed), and whether this server is
+still as it was (`clean`).
 
-Nothing one program does may reach the next one's verdict. Between programs the server empties
-its folder (`argv[2]`: the sandbox's /tmp); the server is not dumpable, so a program can neither
-trace it nor read its memory; where a program may start processes the host ends this server
-after it (the sandbox's pid namespace ends them all). What the server cannot put back (its
-folder, its own limits changed by `prlimit`) it reports as not `clean`, and the host ends it; a
-program that stops or kills the server only costs the host a new one.
+Nothing one program does may reach the next one's verdict. The filter keeps a program off the
+server (no ptrace; scheduling, priorities and limits set on itself only) and from making what
+outlives it (IPC objects, keys); the server is not dumpable (its memory and /proc files are
+not the program's to read). After each program the server empties its folder and checks what
+its children would inherit (`_state`: limits, priority, scheduling, its folder's mode and
+attributes) and, in the sandbox, that no process is left. What it cannot put back it reports as
+not `clean`, and the host ends it; where a program may start processes, the host ends the
+server after it (the sandbox's pid namespace ends them all); a program that stops or kills the
+server only costs the host a new one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import json
 import os
 import resource
+import signal
 import socket
 import stat
 import sys
 import types
 
-PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 4, 38, 22, 2
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 FDS = 4  # request, stdout, stderr, verdict
 LIMITS = tuple(getattr(resource, n) for n in dir(resource) if n.startswith("RLIMIT_"))
 
@@ -42,7 +50,7 @@ class _Filter(ctypes.Structure):  # struct sock_fprog
 
 def serve(argv: list[str]) -> None:
     sock = socket.socket(fileno=int(argv[0]))
-    folder, code = argv[1], bytes.fromhex(argv[2])
+    folder, code, jail = argv[1], bytes.fromhex(argv[2]), argv[3] == "jail"
     libc = ctypes.CDLL(None, use_errno=True)
     program = ctypes.create_string_buffer(code, len(code))
     fprog = _Filter(len(code) // 8, ctypes.cast(program, ctypes.c_void_p))
@@ -50,35 +58,92 @@ def serve(argv: list[str]) -> None:
     runner = types.ModuleType("runner")
     exec(compile(_receive(sock), "<runner>", "exec"), runner.__dict__)  # noqa: S102
     runner.warm()
-    limits = _limits()
     os.chdir(folder)
+    state = _state(folder)
     sock.send(b'{"ready": true}')
+    try:
+        while True:
+            try:
+                message, fds, _, _ = socket.recv_fds(sock, 1 << 16, FDS)
+            except OSError:
+                return
+            if not message:  # the host closed: it is gone or done with us
+                return
+            said_r, said_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                _child(sock, fds, said_w, bool(code), libc, fprog)
+                sys.argv[:] = ["-c"]  # as a program run by `python -c` sees it
+                runner.main()
+                os._exit(0)
+            for fd in (*fds, said_w):
+                os.close(fd)
+            status, cpu, stopped = _wait(pid)
+            said = _read_all(said_r)
+            clean = not stopped and _empty(folder) and _state(folder) == state
+            if jail:  # nothing but the sandbox's init and this server is left in it
+                clean = clean and set(_pids()) <= {1, os.getpid()}
+            answer = {
+                "status": status,
+                "cpu": cpu,
+                "setup": said == b"ok",
+                "error": "" if said == b"ok" else said.decode(errors="replace"),
+                "clean": clean,
+            }
+            sock.send(json.dumps(answer).encode())
+    finally:
+        if not jail:  # a folder of the host's: the sandbox's /tmp goes with the sandbox
+            _empty(folder)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+
+
+def _wait(pid: int) -> tuple[int, float, bool]:
+    """The child's end: its wait status and CPU time, and whether it stopped first. A child
+    that stops (one that made this server its tracer) is not at its end: it, and every thread
+    it left, is killed, and this server is then not reused."""
+    stopped = False
     while True:
-        try:
-            message, fds, _, _ = socket.recv_fds(sock, 1 << 16, FDS)
-        except OSError:
-            return
-        if not message:  # the host closed: it is gone or done with us
-            return
-        said_r, said_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            _child(sock, fds, said_w, bool(code), libc, fprog)
-            runner.main()
-            os._exit(0)
-        for fd in (*fds, said_w):
-            os.close(fd)
         _, status, usage = os.wait4(pid, 0)
-        said = _read_all(said_r)
-        clean = _empty(folder) and _limits() == limits
-        answer = {
-            "status": status,
-            "cpu": round(usage.ru_utime + usage.ru_stime, 3),
-            "setup": said == b"ok",
-            "error": "" if said == b"ok" else said.decode(errors="replace"),
-            "clean": clean,
-        }
-        sock.send(json.dumps(answer).encode())
+        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+            return status, round(usage.ru_utime + usage.ru_stime, 3), stopped
+        stopped = True
+        os.kill(pid, signal.SIGKILL)
+
+
+def _state(folder: str) -> tuple[object, ...]:
+    """What of this server a program could change for the programs after it: the limits,
+    priority and scheduling its children inherit, and its folder's mode, owner and extended
+    attributes (ACLs too). The seccomp filter keeps a program from changing the server's; this
+    is the check that it did not."""
+    st = os.stat(folder)
+    try:
+        attrs = sorted((n, os.getxattr(folder, n)) for n in os.listxattr(folder))
+    except OSError:
+        attrs = []
+    return (
+        [resource.getrlimit(r) for r in LIMITS],
+        os.getpriority(os.PRIO_PROCESS, 0),
+        os.sched_getscheduler(0),
+        os.sched_getparam(0).sched_priority,
+        sorted(os.sched_getaffinity(0)),
+        _text("/proc/self/oom_score_adj"),
+        _text("/proc/self/autogroup").split(" ", 1)[-1],  # its nice (its name has a counter)
+        (st.st_mode, st.st_uid, st.st_gid),
+        attrs,
+    )
+
+
+def _text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
 def _child(
@@ -100,6 +165,8 @@ def _child(
             os.dup2(fd, i)  # inheritable
         said = FDS
         sock.detach()
+        os.setsid()  # its own session: its autogroup's nice is not the server's
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # it ends with the server
         os.closerange(FDS + 1, max(os.sysconf("SC_OPEN_MAX"), 1 << 16))  # the server's, all
         libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
         if seccomp:
@@ -132,10 +199,6 @@ def _read_all(fd: int) -> bytes:
         data += chunk
     os.close(fd)
     return data
-
-
-def _limits() -> list[tuple[int, int]]:
-    return [resource.getrlimit(r) for r in LIMITS]
 
 
 def _empty(folder: str) -> bool:

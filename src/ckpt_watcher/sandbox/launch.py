@@ -15,6 +15,7 @@ that cannot start or run a program raises `SandboxFailure`: no verdict is ever m
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import selectors
@@ -68,6 +69,11 @@ class Sandbox:
         self.parallel = max(1, parallel or len(os.sched_getaffinity(0)))
         self.bwrap: Path | None = None
         self._version: tuple[int, ...] = ()
+        if limits.processes > 1 and not jail:
+            raise SandboxUnavailable(
+                "eval.sandbox.processes above 1 needs the sandbox: unsandboxed, a process a "
+                "program starts could outlive it. Set processes: 1"
+            )
         if limits.processes > 1 and os.geteuid() == 0:
             raise SandboxUnavailable(
                 f"eval.sandbox.processes is {limits.processes}: a program may start processes "
@@ -86,6 +92,7 @@ class Sandbox:
             self._version = bwrap.version(self.bwrap)
         self._idle: list[_Server] = []
         self._lock = threading.Lock()
+        self._closed = 0  # times closed: a server taken before the last close is not kept
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, _end_all, self._idle)
 
@@ -111,6 +118,7 @@ class Sandbox:
         """End the servers (a program being judged ends its own when it is done)."""
         with self._lock:
             servers, self._idle[:] = list(self._idle), []
+            self._closed += 1
         _end_all(servers)
 
     def __enter__(self) -> Sandbox:
@@ -140,7 +148,7 @@ class Sandbox:
                    "tests": judge.inputs_only(program.tests) if program.tests else None,
                    "call": program.call}  # fmt: skip
         data = json.dumps(request).encode()
-        server = self._take()
+        server, closed = self._take()
         try:
             ran = server.judge(data, limits.wall_seconds)
         except _Gone:  # it ended between two programs (a program before stopped or killed it)
@@ -161,18 +169,28 @@ class Sandbox:
         elif self.limits.processes > 1:  # its processes end with the sandbox, none is left
             server.end()
         else:
-            with self._lock:
-                self._idle.append(server)
+            self._keep(server, closed)
         return _verdict(program, limits, ran)
 
-    def _take(self) -> _Server:
+    def _take(self) -> tuple[_Server, int]:
+        """An idle server, else a new one; and how many times this sandbox was closed then."""
         with self._lock:
             if self._pid != os.getpid():  # a fork of the process that started them
                 self._idle.clear()
                 self._pid = os.getpid()
+            closed = self._closed
             if self._idle:
-                return self._idle.pop()
-        return _Server(self)
+                return self._idle.pop(), closed
+        return _Server(self), closed
+
+    def _keep(self, server: _Server, closed: int) -> None:
+        """Keep a server for the next program: not past `parallel` idle ones, not one taken
+        before this sandbox was closed."""
+        with self._lock:
+            if self._closed == closed and len(self._idle) < self.parallel:
+                self._idle.append(server)
+                return
+        server.end()
 
 
 def open_sandbox(settings: Any) -> Sandbox:
@@ -224,13 +242,14 @@ class _Server:
         self.jail = box.jail
         self.processes = box.limits.processes
         self.ended = False
+        self.owner = os.getpid()  # a fork of this process must not end it
         host_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = host_end
         # the programs' folder: the sandbox's private /tmp, or a folder of its own unsandboxed
         self.folder = "/tmp" if box.jail else tempfile.mkdtemp(prefix="ckpt-watcher-unsandboxed-")
         self.errors = tempfile.TemporaryFile()
         command = [box.python, "-s", "-P", "-c", SERVER, str(server_end.fileno()), self.folder,
-                   box._filter.hex()]  # fmt: skip
+                   box._filter.hex(), "jail" if box.jail else "host"]  # fmt: skip
         if box.jail:
             assert box.bwrap is not None
             argv = bwrap.argv(box.bwrap, box._version, box.limits, command)
@@ -295,14 +314,20 @@ class _Server:
             for fd in (*theirs, feed, out, err, report):
                 os.close(fd)
             raise _Gone from None
-        for fd in theirs:
+        for fd in theirs[1:]:
             os.close(fd)
+        # the request's read end stays open here (its reader still meets the end of it): what
+        # is left unread in it says whether a child ever took the request
+        unread = theirs[0]
         try:
             _feed(feed, request)
             ran = self._collect(out, err, report, began + wall_seconds)
+            untouched = _unread(unread) == len(request)
         finally:
-            for fd in (out, err, report):
+            for fd in (out, err, report, unread):
                 os.close(fd)
+        if ran.answer is None and not ran.timed_out and untouched:
+            raise _Gone  # it ended after taking the message, before a child read the request
         ran.wall = round(time.monotonic() - began, 3)
         return ran
 
@@ -351,6 +376,10 @@ class _Server:
         if self.ended:
             return
         self.ended = True
+        if os.getpid() != self.owner:  # a fork of its host: the server is the host's to end
+            self.sock.close()
+            self.errors.close()
+            return
         if getattr(self, "proc", None) is not None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)  # bwrap, and so its pid namespace
@@ -366,6 +395,16 @@ class _Server:
             import shutil
 
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in a pipe."""
+    import fcntl
+    import termios
+
+    got = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, got)
+    return got[0]
 
 
 def _end_all(servers: list[_Server]) -> None:

@@ -1,5 +1,5 @@
 """The seccomp filter a sandboxed program runs under: it cannot start another process (where
-its limits allow only itself), nor make a System V IPC object.
+its limits allow only itself), act on any process but itself, nor make what would outlive it.
 
 Process creation is the one thing the kernel's limits cannot bound everywhere: RLIMIT_NPROC
 counts a user's processes, and a watcher that runs as root maps the sandbox's user to root,
@@ -9,11 +9,16 @@ with EPERM, `clone3` (whose flags a filter cannot read) with ENOSYS, so that gli
 threads with `clone`. lm-eval's `code_eval` takes `os.fork` and `subprocess.Popen` away from the
 programs it runs too (its `reliability_guard`), so no verdict changes for it.
 
-System V shared memory, semaphores and message queues outlive the process that made them (they
-belong to the IPC namespace, which the sandbox's server keeps from one program to the next), and
-their memory is counted in no limit of the program's: `shmget`, `semget` and `msgget` fail with
-EPERM. Python's standard library uses none of them (multiprocessing's shared memory is POSIX,
-files under /dev/shm, which the sandbox mounts read-only).
+A program runs in a child of the sandbox's server (forkserver.py), the same user as the server
+and the programs after it, so the filter keeps it to itself: `ptrace` fails; the calls that set
+a process's scheduling, priority, I/O priority or limits (`sched_set*`, `setpriority`,
+`ioprio_set`, `prlimit64`) work on its own process only (pid 0, as Python's `os` and `resource`
+call them for oneself). What outlives a process fails with EPERM: System V shared memory,
+semaphores and message queues and POSIX message queues (they belong to the IPC namespace, which
+the server keeps from one program to the next, and their memory is counted in no limit of the
+program's), and keys in the kernel's keyrings. Python's standard library uses none of them
+(multiprocessing's shared memory is POSIX, files under /dev/shm, which the sandbox mounts
+read-only).
 
 The filter is a classic BPF program (the bytes bubblewrap's `--seccomp FD` loads), for x86-64
 and aarch64; a system call of any other architecture (x32's, i386's) kills the process.
@@ -38,8 +43,18 @@ _ARCHES = {
     "x86_64": (0xC000003E, 57, 58, 56, 435),
     "aarch64": (0xC00000B7, None, None, 220, 435),
 }
-# shmget, semget, msgget
-_IPC = {"x86_64": (29, 64, 68), "aarch64": (194, 190, 186)}
+# refused outright: System V IPC (shmget, semget, msgget), POSIX message queues (mq_open),
+# keyrings (add_key, request_key, keyctl), ptrace
+_REFUSED = {
+    "x86_64": (29, 64, 68, 240, 248, 249, 250, 101),
+    "aarch64": (194, 190, 186, 180, 217, 218, 219, 117),
+}
+# allowed on the program itself only, its pid (first argument) 0: sched_setparam,
+# sched_setscheduler, sched_setaffinity, sched_setattr, prlimit64
+_SELF_ONLY = {"x86_64": (142, 144, 203, 314, 302), "aarch64": (118, 119, 122, 274, 261)}
+# allowed as (PRIO_PROCESS, 0) only: setpriority; as (IOPRIO_WHO_PROCESS, 0) only: ioprio_set
+_PRIORITY = {"x86_64": (141, 251), "aarch64": (140, 30)}
+_ARG1 = _ARG0 + 8
 
 
 class Unsupported(Exception):
@@ -63,8 +78,10 @@ def program_filter(processes: bool = False, machine: str | None = None) -> bytes
     ]
     if arch == "x86_64":
         prog.append(("jge", X32_BIT, "eperm", None))
-    for ipc in _IPC[arch]:
-        prog.append(("jeq", ipc, "eperm", None))
+    prog += [("jeq", nr, "eperm", None) for nr in _REFUSED[arch]]
+    prog += [("jeq", nr, "self", None) for nr in _SELF_ONLY[arch]]
+    setpriority, ioprio_set = _PRIORITY[arch]
+    prog += [("jeq", setpriority, "priority", None), ("jeq", ioprio_set, "ioprio", None)]
     if processes:
         prog.append(("ret", _ALLOW))
     for nr in (fork, vfork):
@@ -75,6 +92,19 @@ def program_filter(processes: bool = False, machine: str | None = None) -> bytes
         ("jeq", clone, None, "allow"),
         ("ld", _ARG0),
         ("jset", CLONE_THREAD, "allow", "eperm"),
+        ("label", "self"),
+        ("ld", _ARG0),
+        ("jeq", 0, "allow", "eperm"),
+        ("label", "priority"),
+        ("ld", _ARG0),
+        ("jeq", 0, None, "eperm"),  # PRIO_PROCESS
+        ("ld", _ARG1),
+        ("jeq", 0, "allow", "eperm"),
+        ("label", "ioprio"),
+        ("ld", _ARG0),
+        ("jeq", 1, None, "eperm"),  # IOPRIO_WHO_PROCESS
+        ("ld", _ARG1),
+        ("jeq", 0, "allow", "eperm"),
         ("label", "allow"),
         ("ret", _ALLOW),
         ("label", "eperm"),
