@@ -318,6 +318,53 @@ def test_unsandboxed_servers_remove_their_folders_even_when_their_host_is_killed
     assert not any(f.exists() for f in folders), folders
 
 
+# Docker's default seccomp profile, for a container without CAP_SYS_ADMIN (moby's
+# profiles/seccomp/default.json): unshare, mount, umount2, pivot_root and setns fail with EPERM,
+# clone with a namespace flag too, clone3 with ENOSYS (x86_64's numbers)
+DOCKER_DEFAULT = (
+    "import ctypes, errno\nfrom ckpt_watcher.sandbox import seccomp as sc\n"
+    "prog = [('ld', sc._ARCH), ('jeq', 0xC000003E, None, 'allow'), ('ld', sc._NR)]\n"
+    "prog += [('jeq', nr, 'eperm', None) for nr in (272, 165, 166, 155, 308)]\n"
+    "prog += [('jeq', 435, 'enosys', None), ('jeq', 56, None, 'allow'), ('ld', sc._ARG0),\n"
+    "         ('jset', 0x7E020000, 'eperm', 'allow'), ('label', 'allow'), ('ret', sc._ALLOW),\n"
+    "         ('label', 'eperm'), ('ret', sc._ERRNO | errno.EPERM), ('label', 'enosys'),\n"
+    "         ('ret', sc._ERRNO | errno.ENOSYS)]\n"
+    "code = sc._assemble(prog)\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "class F(ctypes.Structure):\n"
+    "    _fields_ = [('len', ctypes.c_ushort), ('filter', ctypes.c_void_p)]\n"
+    "buf = ctypes.create_string_buffer(code, len(code))\n"
+    "f = F(len(code) // 8, ctypes.cast(buf, ctypes.c_void_p))\n"
+    "assert libc.prctl(38, 1, 0, 0, 0) == 0 and libc.prctl(22, 2, ctypes.byref(f), 0, 0) == 0\n"
+)
+
+
+def test_in_a_container_that_refuses_user_namespaces_code_tasks_are_refused_saying_why(
+    tmp_path: Path,
+) -> None:
+    """Under Docker's default seccomp profile (the kernel refusing, through the same filter),
+    a config with a code task is refused at start: what `watcher run` says (preflight), naming
+    the entry, the cause and the flags to run the container with."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("the profile's filter here is x86_64's")
+    from .conftest import idle_config
+
+    cfg = idle_config(
+        tmp_path, eval={"tasks": [{"task": "humaneval", "allow_code_execution": True}]}
+    )
+    script = DOCKER_DEFAULT + (
+        "import sys\nfrom ckpt_watcher.config import load_config\n"
+        "from ckpt_watcher.preflight import sandbox_problem\n"
+        "print(sandbox_problem(load_config(sys.argv[1])))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script, str(cfg)], capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = r.stdout
+    assert said.startswith("config field eval.sandbox: humaneval run model-written code"), said
+    assert "cannot make a user namespace" in said and "No permissions" in said, said
+    assert "--security-opt seccomp=unconfined" in said and "apparmor=unconfined" in said, said
+
+
 def test_a_bwrap_that_cannot_start_is_a_sandbox_failure_never_a_verdict(tmp_path: Path) -> None:
     fake = tmp_path / "bwrap"
     fake.write_text(
