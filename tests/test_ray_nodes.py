@@ -5,7 +5,8 @@ node is reaped there; a job whose GPU training takes yields and resumes on the o
 remote job's progress shows in status; a node that dies mid-task fails only its attempt, which
 is retried saying so and resumes on the other node from the shared journal; a node that
 (re)joins, with no NVML this time, offers the GPU its raylet declares and is used at once, for
-a checkpoint from S3; its dead predecessor's agent folder is swept."""
+a checkpoint from S3; its dead predecessor's agent folder is swept. A new run's first step,
+written config first, finds an engine started ahead on a node's free GPU, and is served by it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -162,6 +164,14 @@ def cut(
     return row, done
 
 
+def _released(log: Path) -> bool:
+    """An idle warm engine was given back to training (the head's GPU 0, taken)."""
+    return any(
+        '"devices.yield"' in line and '"engine": "idle"' in line and "/cuda:0" in line
+        for line in log.read_text().splitlines()
+    )
+
+
 def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
     tmp_path: Path,
     ray_two_nodes: TwoNodes,
@@ -289,6 +299,35 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
                 "ray/r_step600/",
             )  # fmt: skip
             back = result_of(600, "a job on the node that came back")
+
+            # a new run's first step, written as a trainer writes it (config and tokenizer
+            # first): the head's GPU 0, free again and its warm worker given back to training
+            # meanwhile, starts an engine for the run before its weights exist; they are
+            # swapped in once written
+            wait_for(lambda: _released(log), 30, "the head's idle engine given back", daemon, log)
+            nvml(head, {0: [], 1: [TRAINING]}, "head")
+            written = copy_checkpoint(tmp_path / "written" / "q_step100")
+            step = watch / "q_step100"
+            step.mkdir()
+            weights = [f for f in sorted(written.iterdir()) if ".safetensors" in f.name]
+            for f in sorted(set(written.iterdir()) - set(weights)):
+                shutil.copy(f, step / f.name)
+            ahead = wait_for(
+                lambda: [
+                    e for e in (status_json(cfg)[1] or {}).get("warm_engines") or []
+                    if e.get("ready_for") == "q" and e["state"] == "ready"
+                ],
+                120,
+                "an engine ready for run q on a node",
+                daemon,
+                log,
+            )  # fmt: skip
+            assert not read_ledger(tmp_path / "ledgers", "q")
+            for f in weights:
+                shutil.copy(f, step / f.name)
+            (early,) = wait_for(
+                lambda: read_ledger(tmp_path / "ledgers", "q"), 120, "run q's result", daemon, log
+            )
             daemon.send_signal(signal.SIGTERM)
             assert daemon.wait(timeout=60) == 0
     finally:
@@ -313,7 +352,10 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
     by_device: dict[str, list[str]] = {}
     for ln in sorted(first, key=lambda ln: ln["started_at"]):
         by_device.setdefault(ln["device"], []).append(ln["engine"])
-    assert all(e[0] == "cold" and set(e[1:]) <= {"warm"} for e in by_device.values()), by_device
+    # (or an engine started ahead, while the first steps settled)
+    assert all(e[0] in ("cold", "early") and set(e[1:]) <= {"warm"} for e in by_device.values()), (
+        by_device
+    )
     assert any(len(e) > 1 for e in by_device.values()), by_device
     # the zombie was found on the second node's GPU and killed there
     (reaped,) = [e for e in events if e.get("event") == "devices.zombie_reaped"]
@@ -328,6 +370,9 @@ def test_two_nodes_idle_gpus_warm_engines_zombies_a_yield_and_a_lost_node(
     assert len({d.split("/")[0] for d in spread["devices"]}) == 2, spread["devices"]
     # the lost node: one attempt failed, the next resumed on the head
     assert resumed["attempt"] == 2 and resumed["device"].endswith("/cuda:0"), resumed
+    # the engine started ahead on a node served the run's first step, its own numbers
+    assert early["engine"] == "early" and early["device"] == ahead[0]["device"], (early, ahead)
+    assert early["device"].endswith("/cuda:0") and early["metrics"] == reference["metrics"]
     assert resumed["resumed"] >= done_lost - CHUNK, (resumed, done_lost)
     lost = [e["node"] for e in events if e.get("event") == "ray.node_lost"]
     assert lost and back["device"].endswith("/gpu0") and node_of(back["device"]) not in lost

@@ -402,3 +402,22 @@ def test_a_real_warm_worker_reports_a_failed_prepare_then_lets_go_when_idle(
         assert ex.idle_engines() == {} and q.empty()
     finally:
         ex.close(timeout=5)
+
+
+def test_a_prepare_and_its_job_sent_in_one_write_are_both_read() -> None:
+    """The warm worker's stdin: a request for an engine ahead and the job of that step, sent
+    in one pass, come in one read; the job is read once the engine is up, not left in a
+    buffer `select` does not see (a Ray node's worker waited for ever so)."""
+    from ckpt_watcher.worker.serve import Lines
+
+    r, w = os.pipe()
+    os.write(w, b"prepare /state/prepare\n/state/jobs/j/attempt-1\n/state/jobs/k")
+    lines = Lines(r)
+    assert lines.next(1.0) == "prepare /state/prepare\n"
+    assert lines.next(1.0) == "/state/jobs/j/attempt-1\n"
+    assert lines.next(0.05) is None  # half a line: not a job yet
+    os.write(w, b"/attempt-1\n")
+    assert lines.next(1.0) == "/state/jobs/k/attempt-1\n"
+    os.close(w)
+    assert lines.next(1.0) == ""
+    os.close(r)

@@ -25,6 +25,7 @@ the thread that started the process, and Ray's method threads are not ours to ke
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -40,10 +41,18 @@ from ckpt_watcher.config import DevicesConfig
 from ckpt_watcher.devices import Device, FileInventory, NvmlInventory, build_inventory
 from ckpt_watcher.executors.base import Executor
 from ckpt_watcher.executors.processes import process_groups
-from ckpt_watcher.jobfolder import DIE_WITH_PARENT_ENV, JobFolder, JobSpec, Stage
+from ckpt_watcher.jobfolder import (
+    DIE_WITH_PARENT_ENV,
+    PREPARE_DIR,
+    JobFolder,
+    JobSpec,
+    Stage,
+    warm_home,
+)
 from ckpt_watcher.sources.staging import evict, staged_path
 
 NODE_SEP = "/"  # between a node's name and its device's: `node-a/cuda:6`
+EARLY_META_DIR = "early-meta"  # in a warm worker's home: an S3 step's files its engine starts on
 
 
 def on_node(node: str, name: str) -> str:
@@ -214,6 +223,37 @@ class NodeAgent:
 
     def kill(self, job_id: str) -> None:
         self.executor.kill(job_id)
+
+    def prepare(self, spec_json: str, env: dict[str, str], files: dict[str, bytes] | None) -> bool:
+        """The device's warm worker here starts an engine ahead of its checkpoint's weights
+        (executors/warm.py `prepare`) for the request `spec_json` (its device named on this
+        node, as the daemon names it). `files`: the config and tokenizer (or adapter) of an S3
+        step, as the daemon fetched them: written into a folder of this device's, which the
+        request then names (the worker copies what it starts on)."""
+        spec = JobSpec.from_json(spec_json)
+        home = warm_home(self.home, spec.device_label)
+        if files is not None:
+            meta = home / EARLY_META_DIR
+            shutil.rmtree(meta, ignore_errors=True)
+            meta.mkdir(parents=True)
+            for name, data in files.items():
+                (meta / safe_component(name)).write_bytes(data)
+            request = dataclasses.replace(spec.request, checkpoint=str(meta))
+            spec = dataclasses.replace(spec, request=request)
+        folder = JobFolder(home / PREPARE_DIR)
+        folder.write_spec(spec)
+        env = env | {DIE_WITH_PARENT_ENV: str(os.getpid())}
+        return bool(
+            self._launcher.submit(self.executor.prepare, spec.device_label, folder, env).result()
+        )
+
+    def idle_engines(self) -> dict[str, str | None]:
+        """This node's warm workers that wait for a job, each with the run its engine holds."""
+        return self.executor.idle_engines()
+
+    def release(self, device_label: str) -> None:
+        """Stop the device's idle warm worker (its GPU given back to training)."""
+        self._launcher.submit(self.executor.release, device_label).result()
 
     def reap(self, device_id: str, pid: int) -> str | None:
         """Kill a zombie on this node (devices.reap_foreign_zombies), as the node's inventory

@@ -11,6 +11,13 @@ the job's folder and settles the job as for a local worker.
 With `executor.shared_dir`, devices left idle on any node join a running job's task (helpers,
 jobs/helpers.py): the task's journal and its chunk claims are on storage every node sees.
 
+With warm engines, a node's idle devices also start engines ahead of a run's first checkpoint
+(jobs/early.py): the daemon asks the node's agent (`prepare`), sending along the config and
+tokenizer it fetched for an S3 step (a local step's folder is on storage the node sees). The
+engines waiting for a job on every node (`idle_engines`) are asked of the agents at most once
+every `IDLE_SECONDS`, and again after a job starts or ends and after an engine is asked for or
+released.
+
 A node that dies, or an agent killed, fails its jobs' attempts (their workers die with the
 agent); the jobs are retried on the devices left and resume from the journals in
 `executor.shared_dir`. The node's devices are gone until an agent answers there again.
@@ -23,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -40,6 +48,7 @@ REFRESH_SECONDS = 2.0  # how often the cluster's nodes are looked at (joined, di
 CALL_SECONDS = 10.0  # an agent that does not answer a question about its devices this fast is lost
 START_SECONDS = 60.0  # at the daemon's start, for the agents to answer
 AGENT_CONCURRENCY = 64  # an agent's calls at once (each running job waits in one)
+IDLE_SECONDS = 1.0  # how long the agents' answer of their idle engines is taken as current
 
 
 class _Agent:
@@ -102,6 +111,11 @@ class RayExecutor(Executor):
         }
         # helpers on other nodes join a task through its journal, on storage every node sees
         self.shares_journals = cfg.executor.shared_dir is not None
+        self.starts_engines_ahead = cfg.eval.warm
+        # what jobs/early.py fetches for an S3 step: no node sees it, it is sent along
+        self._fetched = cfg.state_dir / "early-meta"
+        self._idle: dict[str, str | None] = {}
+        self._idle_until = 0.0
         self.on_exit = on_exit
         self._agents: dict[str, _Agent] = {}  # node id -> its agent
         self._names: dict[str, str] = {}
@@ -202,6 +216,7 @@ class RayExecutor(Executor):
             self._folders[job_id] = folder
         where = f"{folder.path.parent.name}/{folder.path.name}"  # <job>/attempt-N[-help-...]
         started = agent.handle.start.remote(job_id, folder.spec_text(), env, where)
+        self._idle_until = 0.0  # its device's engine, if idle, is not any more
         threading.Thread(
             target=self._wait, args=(job_id, agent, started, folder), daemon=True
         ).start()
@@ -238,6 +253,7 @@ class RayExecutor(Executor):
             with self._lock:
                 self._jobs.pop(job_id, None)
                 self._folders.pop(job_id, None)
+            self._idle_until = 0.0
             self.on_exit(job_id, rc)  # whatever happened above: the job is never left running
 
     def kill(self, job_id: str) -> None:
@@ -255,6 +271,36 @@ class RayExecutor(Executor):
     def running(self) -> set[str]:
         with self._lock:
             return set(self._jobs)
+
+    # --- engines ahead of their checkpoints (jobs/early.py) -------------------------------------
+    def prepare(self, device_label: str, folder: JobFolder, env: dict[str, str]) -> bool:
+        """The device's node starts an engine for the request in `folder` on that device's
+        warm worker (NodeAgent.prepare); an S3 step's fetched files go with the request."""
+        agent = self.agent_of(device_label)
+        if agent is None:
+            return False
+        spec = folder.read_spec()
+        meta = Path(spec.request.checkpoint)
+        files = None
+        if meta.is_relative_to(self._fetched):
+            files = {p.name: p.read_bytes() for p in sorted(meta.iterdir()) if p.is_file()}
+        self._idle_until = 0.0
+        return bool(self.ask(agent, "prepare", folder.spec_text(), env, files, lost=False))
+
+    def idle_engines(self) -> dict[str, str | None]:
+        now = time.monotonic()
+        if now >= self._idle_until:
+            idle: dict[str, str | None] = {}
+            for answer in self.ask_all("idle_engines"):
+                idle |= answer
+            self._idle, self._idle_until = idle, now + IDLE_SECONDS
+        return dict(self._idle)
+
+    def release(self, device_label: str) -> None:
+        agent = self.agent_of(device_label)
+        if agent is not None:
+            self.ask(agent, "release", device_label)
+        self._idle_until = 0.0
 
     def look_elsewhere(self) -> list[dict[str, object]]:
         reports = self.ask_all("report")

@@ -45,6 +45,34 @@ from ckpt_watcher.worker.job import run_job
 log = structlog.get_logger("ckpt_watcher.worker.serve")
 
 
+class Lines:
+    """The lines of a file descriptor (the worker's stdin), each as soon as it is whole.
+
+    Not `select` on stdin and then `sys.stdin.readline()`: two lines that come in one read
+    (a request for an engine ahead of its weights and, at once, the job of that step: the
+    daemon sends both in one pass) leave the second in the text buffer, where `select` on the
+    descriptor does not see it, and the job waits for ever."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buffer = b""
+
+    def next(self, timeout: float) -> str | None:
+        """The next line, with its newline; "" once the descriptor is closed (a last line
+        without its newline is dropped: never a half-written job); None when no line came
+        within `timeout` seconds."""
+        while b"\n" not in self.buffer:
+            ready, _, _ = select.select([self.fd], [], [], timeout)
+            if not ready:
+                return None
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                return ""
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode("utf-8", errors="replace") + "\n"
+
+
 def _redirect_output(path: Path) -> None:
     """Point fds 1 and 2 (ours and what we start from now on) at `path`, appending."""
     sys.stdout.flush()
@@ -161,12 +189,12 @@ def serve(home: Path, settings: dict[str, Any]) -> int:
     in_job = False
     try:
         _describe(home, keeper, device, "idle", None, failing)
+        lines = Lines(sys.stdin.fileno())
         while True:
-            ready, _, _ = select.select([sys.stdin], [], [], idle_seconds)
-            if not ready:
+            line = lines.next(idle_seconds)
+            if line is None:
                 reason = f"idle for {idle_seconds:g} s"
                 break
-            line = sys.stdin.readline()
             if not line:
                 break
             if line.startswith(PREPARE_PREFIX):  # an engine ahead of its weights: no report
