@@ -5,6 +5,7 @@ program that needs its CPU passes with every core busy."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -126,12 +127,12 @@ def test_hostile_programs_are_contained(
     assert said["env"].stdout.startswith("None None ['HOME', 'LANG', 'OMP_NUM_THREADS'"), said
     assert said["credentials"].status == "runtime_error"
     assert "No such file or directory" in said["credentials"].error
-    # the sandbox's own processes only: its init, its server (whose memory and environment a
-    # program cannot read) and the program
+    # the sandbox's own processes only: its server, pid 1 (whose memory and environment a
+    # program cannot read), and the program
     environs = said["environs"].stdout.splitlines()
     pids = {ln.split("/")[2] for ln in environs if ln.split("/")[2].isdigit()}
-    assert len(pids) <= 3 and {"1", "2"} <= pids, environs
-    assert any(ln.startswith("/proc/2/environ") and "Permission denied" in ln for ln in environs)
+    assert len(pids) == 2 and "1" in pids, environs
+    assert any(ln.startswith("/proc/1/environ") and "Permission denied" in ln for ln in environs)
     assert "Read-only file system" in said["write_usr"].error
     assert "No such file or directory" in said["write_ckpt"].error
     assert sorted(p.name for p in checkpoint.iterdir()) == ["config.json"]
@@ -226,7 +227,24 @@ def test_nothing_a_program_does_reaches_the_next_ones_verdict() -> None:
         "q = libc.mq_open(b'/q', 0o102, 0o600, None)\n"
         "k = libc.syscall(248, b'user', b'k', b'secret', 6, -2)\n"  # add_key (x86_64)
         "assert (q, k) != (-1, -1), ctypes.get_errno()\n",
+        # (found by a second review)
+        "writes_pid1": "open('/proc/1/mem', 'r+b')\n",  # the server is pid 1 now, unreadable
+        "in_flight": "import os, socket\n"  # kept in a socket that holds itself
+        "a, c = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+        "listener = socket.socket()\nlistener.bind(('127.0.0.1', 8001))\nlistener.listen()\n"
+        "fds = [listener.fileno()]\nfor i in range(7):\n"
+        "    fd = os.open(f'/tmp/f{i}', os.O_RDWR | os.O_CREAT)\n    os.unlink(f'/tmp/f{i}')\n"
+        "    os.write(fd, b'x' * (1000 << 10))\n    fds.append(fd)\n"
+        "socket.send_fds(c, [b'x'], fds + [a.fileno(), c.fileno()])\n",
+        "time_wait": "import socket\nl = socket.socket()\nl.bind(('127.0.0.1', 8001))\n"
+        "l.listen()\nc = socket.create_connection(('127.0.0.1', 8001))\ns, _ = l.accept()\n"
+        "s.close()\nc.close()\nl.close()\n",  # 8001 in TIME_WAIT, its server side closed first
+        "core_filter": server + "open(f'/proc/{server}/coredump_filter', 'w').write('0x1ff')\n",
+        "deep_report": "import os\nos.write(3, b'[' * 100_000)\nos._exit(0)\n",
+        "odd_report": 'import os\nos.write(3, b\'{"status": "failed", "cpu_seconds": [1]}\')\n'
+        "os._exit(0)\n",
     }
+    core_filter = Path("/proc/self/coredump_filter").read_text().strip()
     cpus = sorted(os.sched_getaffinity(0))
     honest = [
         Program(
@@ -235,7 +253,11 @@ def test_nothing_a_program_does_reaches_the_next_ones_verdict() -> None:
             "assert os.listxattr('/tmp') == [] and os.getpriority(os.PRIO_PROCESS, 0) == 0\n"
             f"assert sorted(os.sched_getaffinity(0)) == {cpus}\n"
             "assert not os.path.exists('/leak')\n"
-            "assert open('/proc/self/autogroup').read().endswith('nice 0\\n')\n",
+            "assert open('/proc/self/autogroup').read().endswith('nice 0\\n')\n"
+            f"assert open('/proc/self/coredump_filter').read().strip() == {core_filter!r}\n"
+            "import socket\nsocket.socket().bind(('127.0.0.1', 8001))\n"  # a port of its own
+            "for i in range(7):\n"  # and its /tmp whole
+            "    open(f'/tmp/g{i}', 'wb').write(b'y' * (1000 << 10))\n",
             as_main=True,
         ),
         Program("x = [0] * (100 << 20)\nassert sum(x) == 0\n"),  # 800 MiB past 50 MiB
@@ -260,6 +282,22 @@ def test_nothing_a_program_does_reaches_the_next_ones_verdict() -> None:
         assert said[name].status == "failed" and said[name].error.endswith(": 1"), said[name]
     for name in ("slows_server", "pins_server"):
         assert "Operation not permitted" in said[name].error, said[name]
+    assert "Permission denied" in said["writes_pid1"].error, said["writes_pid1"]
+    # a report no runner wrote: a verdict all the same, never an exception out of `run`
+    assert said["deep_report"].status == "runtime_error", said["deep_report"]
+    assert said["odd_report"].status == "failed", said["odd_report"]
+
+
+def test_a_program_with_many_tests_and_large_results_has_its_whole_report_read() -> None:
+    """Each of 400 tests returns a result just under the size sent whole (runner.INLINE_JSON,
+    escaped once more in the report): the report passes 1 MiB and is read whole (found by a
+    second review: it was cut, and the correct program judged a runtime error)."""
+    box = Sandbox(replace(LIMITS, wall_seconds=20), parallel=1)
+    want = json.dumps(["ab"] * 340)
+    tests = tuple({"input": "340", "output": want} for _ in range(400))
+    said = box.run(Program("def f(n):\n    return ['ab'] * n\n", tests=tests, call="f"))
+    box.close()
+    assert said.passed and said.extra["tests_passed"] == 400, said
 
 
 def test_servers_end_with_their_sandbox_and_only_there() -> None:
@@ -427,8 +465,8 @@ def test_as_an_unprivileged_user_the_same_sandbox_runs(tmp_path: Path) -> None:
     assert lines[0].startswith("passed runtime_error"), r.stdout
     assert lines[1] == "passed 0.0 'hi\\n' []", r.stdout  # a process of its own ran
     assert lines[2].startswith("passed 0.0 ''"), r.stdout  # the sleeper it left did not hold it
-    # init, server, itself: the sleeper ended with its program
-    assert lines[3].startswith("passed 0.0 \"['1', '2', '3']\\n\""), r.stdout
+    # the server (pid 1) and itself: the sleeper ended with its program
+    assert lines[3].startswith("passed 0.0 \"['1', '2']\\n\""), r.stdout
     assert lines[4].startswith("runtime_error"), r.stdout  # its forks met the process limit
     assert lines[5] == lines[3], r.stdout  # and nothing of the fork bomb is left
 

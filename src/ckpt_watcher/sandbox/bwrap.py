@@ -97,7 +97,10 @@ def argv(
     """bwrap's arguments around `command` (the sandbox's server, by its interpreter's path).
     No seccomp filter here: the server forks a child for each program, which installs the
     program's filter itself (forkserver.py)."""
-    args = [str(bwrap), "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc"]
+    # the server is the sandbox's pid 1 (no init of bwrap's beside it: one that a program
+    # could write code into through /proc, outside every filter)
+    args = [str(bwrap), "--unshare-user", "--unshare-pid", "--as-pid-1", "--unshare-net"]
+    args += ["--unshare-ipc"]
     args += ["--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
     if bwrap_version >= (0, 8):
         args.append("--disable-userns")

@@ -55,11 +55,14 @@ def serve(argv: list[str]) -> None:
     program = ctypes.create_string_buffer(code, len(code))
     fprog = _Filter(len(code) // 8, ctypes.cast(program, ctypes.c_void_p))
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no program may trace it or read its memory
+    # the sandbox's pid 1 (bwrap --as-pid-1): a signal from inside reaches it only where it
+    # has a handler, and it has none (SIGINT's is Python's: ignored here, its child's again)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     runner = types.ModuleType("runner")
     exec(compile(_receive(sock), "<runner>", "exec"), runner.__dict__)  # noqa: S102
     runner.warm()
     os.chdir(folder)
-    state = _state(folder)
+    state = _state(folder, jail)
     sock.send(b'{"ready": true}')
     try:
         while True:
@@ -73,6 +76,7 @@ def serve(argv: list[str]) -> None:
             pid = os.fork()
             if pid == 0:
                 _child(sock, fds, said_w, bool(code), libc, fprog)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
                 sys.argv[:] = ["-c"]  # as a program run by `python -c` sees it
                 runner.main()
                 os._exit(0)
@@ -80,7 +84,7 @@ def serve(argv: list[str]) -> None:
                 os.close(fd)
             status, cpu, stopped = _wait(pid)
             said = _read_all(said_r)
-            clean = not stopped and _empty(folder) and _state(folder) == state
+            clean = not stopped and _empty(folder) and _state(folder, jail) == state
             if jail:  # nothing but the sandbox's init and this server is left in it
                 clean = clean and set(_pids()) <= {1, os.getpid()}
             answer = {
@@ -111,11 +115,13 @@ def _wait(pid: int) -> tuple[int, float, bool]:
         os.kill(pid, signal.SIGKILL)
 
 
-def _state(folder: str) -> tuple[object, ...]:
+def _state(folder: str, jail: bool) -> tuple[object, ...]:
     """What of this server a program could change for the programs after it: the limits,
-    priority and scheduling its children inherit, and its folder's mode, owner and extended
-    attributes (ACLs too). The seccomp filter keeps a program from changing the server's; this
-    is the check that it did not."""
+    priority, scheduling and core dump filter its children inherit, its folder's mode, owner
+    and extended attributes (ACLs too); in the sandbox also the space its /tmp holds (a file
+    deleted, still open) and the sockets of its network namespace (a listener, a connection
+    in TIME_WAIT, descriptors kept in flight in a socket that holds itself). The seccomp
+    filter keeps a program from changing the server's; this is the check that it did not."""
     st = os.stat(folder)
     try:
         attrs = sorted((n, os.getxattr(folder, n)) for n in os.listxattr(folder))
@@ -128,10 +134,35 @@ def _state(folder: str) -> tuple[object, ...]:
         os.sched_getparam(0).sched_priority,
         sorted(os.sched_getaffinity(0)),
         _text("/proc/self/oom_score_adj"),
+        _text("/proc/self/coredump_filter"),
         _text("/proc/self/autogroup").split(" ", 1)[-1],  # its nice (its name has a counter)
         (st.st_mode, st.st_uid, st.st_gid),
         attrs,
+        _held(folder) if jail else None,
     )
+
+
+# socket tables of the network namespace, each cheap to read (tcp's walks the host's table)
+NET = ("unix", "udp", "udp6", "raw", "raw6", "packet", "netlink")
+GLOBAL_COUNTS = {"orphan", "alloc", "mem", "memory"}  # sockstat's figures of the whole host
+
+
+def _held(folder: str) -> tuple[object, ...]:
+    """The sandbox's space in use and its sockets: each table's lines past its header, and
+    sockstat's counts of this namespace (TCP's in use and in TIME_WAIT among them)."""
+    fs = os.statvfs(folder)
+    sockets = [_text(f"/proc/self/net/{name}").splitlines()[1:] for name in NET]
+    counts = []
+    for name in ("sockstat", "sockstat6"):
+        for line in _text(f"/proc/self/net/{name}").splitlines():
+            what, _, figures = line.partition(":")
+            pairs = figures.split()
+            counts += [
+                (what, key, value)
+                for key, value in zip(pairs[::2], pairs[1::2], strict=False)
+                if key not in GLOBAL_COUNTS
+            ]
+    return (fs.f_bfree, fs.f_ffree, sockets, counts)
 
 
 def _text(path: str) -> str:

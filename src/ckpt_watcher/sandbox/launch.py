@@ -18,6 +18,7 @@ from __future__ import annotations
 import array
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -41,6 +42,7 @@ from ckpt_watcher.sandbox.program import (
     SandboxUnavailable,
     Verdict,
 )
+from ckpt_watcher.sandbox.runner import INLINE_JSON
 
 RUNNER = (Path(__file__).parent / "runner.py").read_text(encoding="utf-8")
 SERVER = (Path(__file__).parent / "forkserver.py").read_text(encoding="utf-8")
@@ -48,6 +50,7 @@ OUTPUT_BYTES = 4 << 20  # of a program's stdout kept (a stdin/stdout test's answ
 ERROR_BYTES = 64 << 10  # of its stderr kept
 START_SECONDS = 60.0  # for a server to start (bwrap, then the interpreter) at most
 REPORT_FD = 3  # where the runner reports, in the program's process
+REPORT_BYTES = 1 << 20  # of a runner's report kept, and more for each test of a program
 
 
 class Sandbox:
@@ -148,13 +151,22 @@ class Sandbox:
                    "tests": judge.inputs_only(program.tests) if program.tests else None,
                    "call": program.call}  # fmt: skip
         data = json.dumps(request).encode()
+        # a report holds each test's result: up to INLINE_JSON characters, escaped once more
+        report_cap = REPORT_BYTES + len(program.tests or ()) * (2 * INLINE_JSON + 1024)
         server, closed = self._take()
         try:
-            ran = server.judge(data, limits.wall_seconds)
-        except _Gone:  # it ended between two programs (a program before stopped or killed it)
+            try:
+                ran = server.judge(data, limits.wall_seconds, report_cap)
+            except _Gone:  # it ended between two programs (one before stopped or killed it)
+                server.end()
+                server = _Server(self)
+                ran = server.judge(data, limits.wall_seconds, report_cap)
+        except _Gone:
             server.end()
-            server = _Server(self)
-            ran = server.judge(data, limits.wall_seconds)
+            raise SandboxFailure(
+                "the sandbox's server ended twice before a program could run: see its host's "
+                "memory (the kernel's OOM killer) and what else ends processes there"
+            ) from None
         except BaseException:
             server.end()
             raise
@@ -302,7 +314,7 @@ class _Server:
                 raise SandboxFailure(bwrap.unavailable(said))
             raise SandboxFailure(f"the sandbox's server could not start: {said.strip()[-500:]}")
 
-    def judge(self, request: bytes, wall_seconds: float) -> _Ran:
+    def judge(self, request: bytes, wall_seconds: float, report_cap: int) -> _Ran:
         """Run one program (its runner's request) in a child of this server."""
         pipes = [os.pipe() for _ in range(4)]  # request, stdout, stderr, report
         theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
@@ -320,23 +332,23 @@ class _Server:
         # is left unread in it says whether a child ever took the request
         unread = theirs[0]
         try:
-            _feed(feed, request)
-            ran = self._collect(out, err, report, began + wall_seconds)
-            untouched = _unread(unread) == len(request)
+            fed = _Feed(feed, request)
+            ran = self._collect(out, err, report, began + wall_seconds, report_cap)
+            untouched = _unread(unread) == fed.sent  # (written PIPE_BUF at a time: exact)
         finally:
             for fd in (out, err, report, unread):
-                os.close(fd)
+                os.close(fd)  # a feeder still writing meets a closed pipe and ends
         if ran.answer is None and not ran.timed_out and untouched:
             raise _Gone  # it ended after taking the message, before a child read the request
         ran.wall = round(time.monotonic() - began, 3)
         return ran
 
-    def _collect(self, out: int, err: int, report: int, deadline: float) -> _Ran:
+    def _collect(self, out: int, err: int, report: int, deadline: float, report_cap: int) -> _Ran:
         """Read the streams as they come (capped) and the server's answer, until the streams
         close and the answer is in (or the server is gone), or the backstop passes (this
         server is then ended, and the program with it)."""
         names = {out: "stdout", err: "stderr", report: "report", self.sock.fileno(): "answer"}
-        caps = {"stdout": OUTPUT_BYTES, "stderr": ERROR_BYTES, "report": 1 << 20}
+        caps = {"stdout": OUTPUT_BYTES, "stderr": ERROR_BYTES, "report": report_cap}
         got = {name: bytearray() for name in caps}
         answer: dict[str, Any] | None = None
         timed_out = False
@@ -419,17 +431,17 @@ def _verdict(program: Program, limits: Limits, ran: _Ran) -> Verdict:
     wall = ran.wall
     try:
         report = json.loads(ran.report) if ran.report else None
-    except ValueError:
+    except (ValueError, RecursionError):  # what a program wrote there: no report
         report = None
     if isinstance(report, dict) and program.tests:
-        cpu_used = float(report.get("cpu_seconds") or 0.0)
+        cpu_used = _seconds(report.get("cpu_seconds"))
         return judge.verdict(program.tests, program.call, report, stdout, cpu_used, wall)
     if isinstance(report, dict):
         return Verdict(
             str(report.get("status")),
             str(report.get("error") or ""),
             stdout,
-            float(report.get("cpu_seconds") or 0.0),
+            _seconds(report.get("cpu_seconds")),
             wall,
         )
     answer = ran.answer or {}
@@ -453,25 +465,36 @@ def _verdict(program: Program, limits: Limits, ran: _Ran) -> Verdict:
     return Verdict("runtime_error", f"{why}\n{tail}".strip(), stdout, cpu, wall)
 
 
-def _feed(fd: int, data: bytes) -> None:
-    """The request into its pipe: at once where the pipe holds it all, else from a thread (the
-    runner reads it whole before anything else)."""
-    if len(data) <= 65536:
-        try:
-            os.write(fd, data)
-        except OSError:  # the child ended before reading it
-            pass
-        os.close(fd)
-        return
+class _Feed:
+    """The request into its pipe, PIPE_BUF bytes at a time (each write whole or not at all, so
+    `sent` less what the pipe holds is exactly what a reader took): at once where the pipe
+    holds it all, else from a thread (the runner reads it whole before anything else)."""
 
-    def write() -> None:
-        try:
-            with open(fd, "wb") as pipe:
-                pipe.write(data)
-        except OSError:
-            pass
+    def __init__(self, fd: int, data: bytes) -> None:
+        self.sent = 0
+        if len(data) <= 65536:
+            self._write(fd, data)
+            return
+        threading.Thread(target=self._write, args=(fd, data), daemon=True,
+                         name="sandbox-feed").start()  # fmt: skip
 
-    threading.Thread(target=write, daemon=True, name="sandbox-feed").start()
+    def _write(self, fd: int, data: bytes) -> None:
+        try:
+            view = memoryview(data)
+            while self.sent < len(data):
+                self.sent += os.write(fd, view[self.sent : self.sent + select.PIPE_BUF])
+        except OSError:  # the child ended, or the host closed the pipe, before it read it all
+            pass
+        finally:
+            os.close(fd)
+
+
+def _seconds(value: object) -> float:
+    """A report's CPU seconds (what a program wrote in place of a report: 0)."""
+    try:
+        return float(value or 0.0)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
 
 
 _LAUNCHER: tuple[int, ThreadPoolExecutor] | None = None

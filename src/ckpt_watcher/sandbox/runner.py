@@ -296,17 +296,19 @@ def main() -> None:
     global _report_fd
     request = json.loads(sys.stdin.buffer.read())
     _report_fd = int(request["report_fd"])
-    _limits(request["limits"], len(request.get("tests") or ()))
-    signal.signal(signal.SIGXCPU, _on_cpu_limit)
-    # the program's own stdin, as a real file descriptor 0
-    # (in its folder: the sandbox's /tmp, emptied after it)
+    # the program's own stdin, as a real file descriptor 0 (in its folder: the sandbox's /tmp,
+    # emptied after it), written before the limits: the file size limit is the program's
     fd = os.open(".program-stdin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.write(fd, request.get("stdin", "").encode())
+    data = request.get("stdin", "").encode()
+    while data:
+        data = data[os.write(fd, data) :]
     os.lseek(fd, 0, os.SEEK_SET)
     os.dup2(fd, 0)
     os.close(fd)
     os.unlink(".program-stdin")
     sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
+    _limits(request["limits"], len(request.get("tests") or ()))
+    signal.signal(signal.SIGXCPU, _on_cpu_limit)
     if request.get("tests") is not None:
         _report(_run_tests(request))
         return
