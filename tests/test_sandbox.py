@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -380,8 +381,9 @@ def test_in_a_container_that_refuses_user_namespaces_code_tasks_are_refused_sayi
     tmp_path: Path,
 ) -> None:
     """Under Docker's default seccomp profile (the kernel refusing, through the same filter),
-    a config with a code task is refused at start: what `watcher run` says (preflight), naming
-    the entry, the cause and the flags to run the container with."""
+    and with /proc paths masked as Docker masks them, a config with a code task is refused at
+    start: what `watcher run` says (preflight), naming the entry, the cause and the flags to
+    run the container with."""
     if os.uname().machine != "x86_64":
         pytest.skip("the profile's filter here is x86_64's")
     from .conftest import idle_config
@@ -401,6 +403,27 @@ def test_in_a_container_that_refuses_user_namespaces_code_tasks_are_refused_sayi
     assert said.startswith("config field eval.sandbox: humaneval run model-written code"), said
     assert "cannot make a user namespace" in said and "No permissions" in said, said
     assert "--security-opt seccomp=unconfined" in said and "apparmor=unconfined" in said, said
+    assert "systempaths=unconfined" in said, said
+    # and with the profile allowing namespaces, /proc paths masked as Docker masks them (a
+    # file bound over /proc/keys and /proc/timer_list, a read-only tmpfs over /proc/acpi):
+    # the kernel refuses the sandbox a /proc of its own
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("masking /proc needs root and unshare here")
+    masks = " && ".join(
+        f"mount --bind /dev/null /proc/{p}"
+        for p in ("keys", "timer_list")
+        if Path(f"/proc/{p}").exists()
+    )
+    shell = f'{masks} && mount -t tmpfs -o ro tmpfs /proc/acpi; exec "$@"'
+    r = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell, "sh",
+         sys.executable, "-c", script.replace(DOCKER_DEFAULT, ""), str(cfg)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = r.stdout
+    assert "cannot mount a /proc of its own" in said and "masked" in said, said
+    assert "--security-opt systempaths=unconfined" in said and "unmask=ALL" in said, said
 
 
 def test_a_bwrap_that_cannot_start_is_a_sandbox_failure_never_a_verdict(tmp_path: Path) -> None:

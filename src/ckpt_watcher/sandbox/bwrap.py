@@ -151,10 +151,25 @@ def unavailable(stderr: str) -> str:
         return (
             f"the sandbox cannot make a user namespace here ({said}). On Ubuntu 24.04 "
             "(kernel.apparmor_restrict_unprivileged_userns=1) install Ubuntu's bubblewrap "
-            "package, whose AppArmor profile allows it (eval.sandbox.bwrap: /usr/bin/bwrap); in "
-            "Docker run the container with --security-opt seccomp=unconfined (or a profile that "
-            "allows unshare and clone with CLONE_NEWUSER) and apparmor=unconfined; where "
-            "user.max_user_namespaces is 0, raise it (sysctl). Under systemd, the unit must not "
-            "set RestrictNamespaces for user, mnt, pid, net, ipc and uts, nor PrivateUsers"
+            f"package, whose AppArmor profile allows it (eval.sandbox.bwrap: /usr/bin/bwrap); "
+            f"{CONTAINERS}; where user.max_user_namespaces is 0, raise it (sysctl). Under "
+            "systemd, the unit must not set RestrictNamespaces for user, mnt, pid, net, ipc and "
+            "uts, nor PrivateUsers"
+        )
+    if "mount proc" in stderr:
+        return (
+            f"the sandbox cannot mount a /proc of its own here ({said}): this host's /proc has "
+            "paths masked, which the kernel takes as a reason to refuse a new one in a user "
+            "namespace (Docker and Podman mask some by default). "
+            f"{CONTAINERS[0].upper()}{CONTAINERS[1:]}"
         )
     return f"the sandbox (bwrap) could not start: {said}"
+
+
+# what a container needs for the sandbox, whichever of them refused
+CONTAINERS = (
+    "in Docker run the container with --security-opt seccomp=unconfined (or a profile that "
+    "allows unshare and clone with CLONE_NEWUSER), --security-opt apparmor=unconfined and "
+    "--security-opt systempaths=unconfined (its masked /proc paths); in Podman, "
+    "--security-opt unmask=ALL in place of the last"
+)
