@@ -161,7 +161,9 @@ def unavailable(stderr: str) -> str:
             f"the sandbox cannot mount a /proc of its own here ({said}): this host's /proc has "
             "paths masked, which the kernel takes as a reason to refuse a new one in a user "
             "namespace (Docker and Podman mask some by default). "
-            f"{CONTAINERS[0].upper()}{CONTAINERS[1:]}"
+            f"{CONTAINERS[0].upper()}{CONTAINERS[1:]}. Under systemd, the unit must not set "
+            "ProtectKernelTunables=yes, ProtectKernelLogs=yes nor ProcSubset=pid (the shipped "
+            "one does not)"
         )
     return f"the sandbox (bwrap) could not start: {said}"
 
