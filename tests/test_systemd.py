@@ -72,9 +72,9 @@ def test_systemd_analyze_security_threshold(tmp_path: Path) -> None:
             "systemd-analyze",
             "security",
             "--offline=true",
-            # 2.8: the unit leaves /proc whole for code tasks' sandbox (ProtectKernelTunables=
-            # and ProtectKernelLogs= off, +0.4 over 2.5; see the next test)
-            "--threshold=28",
+            # 2.9: the unit leaves /proc whole for code tasks' sandbox (ProtectKernelTunables=,
+            # ProtectKernelLogs= and ProtectHostname= off, +0.4 over 2.5; see the next test)
+            "--threshold=29",
             str(unit_for_here(tmp_path)),
         ],
         capture_output=True,
@@ -87,9 +87,10 @@ def test_the_units_proc_settings_leave_the_code_sandbox_a_proc_of_its_own(tmp_pa
     """The sandbox mounts a /proc of its own in a user namespace, which the kernel refuses
     where a path of the /proc it sees is covered. The unit's /proc settings, made as systemd
     makes them in a mount namespace of this test's (ProtectProc=invisible: /proc again with
-    hidepid=invisible; ProtectKernelTunables=yes: /proc/sys bound read-only; ProtectKernelLogs=
-    yes: /proc/kmsg covered; ProcSubset=pid), must leave a program running in the sandbox.
-    (The shipped unit had both Protect settings on: the sandbox could not start under it.)"""
+    hidepid=invisible; ProtectKernelTunables=yes: /proc/sys bound read-only; ProtectHostname=
+    yes: /proc/sys/kernel/hostname and domainname so; ProtectKernelLogs=yes: /proc/kmsg
+    covered; ProcSubset=pid), must leave a program running in the sandbox. (The shipped unit
+    had three of them on: the sandbox could not start under it; a review found the third.)"""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare to make the unit's mounts")
     settings = dict(
@@ -101,9 +102,15 @@ def test_the_units_proc_settings_leave_the_code_sandbox_a_proc_of_its_own(tmp_pa
     mounts = []
     if settings.get("ProtectProc") in ("invisible", "noaccess", "ptraceable") or subset:
         hide = settings.get("ProtectProc", "default")
-        mounts.append(f"mount -t proc -o hidepid={hide}{subset} proc /proc")
+        mounts.append(f"mount -t proc -o nosuid,nodev,noexec,hidepid={hide}{subset} proc /proc")
+    # (systemd's namespace.c: the settings whose mounts lie under /proc)
+    covered = []
     if settings.get("ProtectKernelTunables") == "yes":
-        mounts.append("mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys")
+        covered.append("/proc/sys")
+    if settings.get("ProtectHostname") == "yes":
+        covered += ["/proc/sys/kernel/hostname", "/proc/sys/kernel/domainname"]
+    for path in covered:
+        mounts.append(f"mount --bind {path} {path} && mount -o remount,bind,ro {path}")
     if settings.get("ProtectKernelLogs") == "yes":
         blank = tmp_path / "inaccessible"
         blank.touch(mode=0)

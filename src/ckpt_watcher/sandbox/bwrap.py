@@ -162,8 +162,8 @@ def unavailable(stderr: str) -> str:
             "paths masked, which the kernel takes as a reason to refuse a new one in a user "
             "namespace (Docker and Podman mask some by default). "
             f"{CONTAINERS[0].upper()}{CONTAINERS[1:]}. Under systemd, the unit must not set "
-            "ProtectKernelTunables=yes, ProtectKernelLogs=yes nor ProcSubset=pid (the shipped "
-            "one does not)"
+            "ProtectKernelTunables=yes, ProtectKernelLogs=yes, ProtectHostname=yes nor "
+            "ProcSubset=pid (the shipped one sets none of them)"
         )
     return f"the sandbox (bwrap) could not start: {said}"
 
