@@ -88,7 +88,7 @@ def hostile_problem(i: int, target: Path) -> dict:
     body = (
         "import os, subprocess\n"
         "secret = os.environ.get('AWS_SECRET_ACCESS_KEY')\n"
-        "try:\n    subprocess.Popen(['sleep', '600'])\nexcept Exception:\n    pass\n"
+        "try:\n    subprocess.Popen(['sleep', '6011'])\nexcept Exception:\n    pass\n"
         f"open({str(target / 'owned.txt')!r}, 'w').write(str(secret))\n"
     )
     return _problem(i, "1+1=", "002", "    " + body.replace("\n", "\n    "))

@@ -68,7 +68,8 @@ def test_humaneval_and_mbpp_run_sandboxed_offline_and_score_as_human_evals_execu
 
     # the hostile program: nothing written into the checkpoint, nothing left running
     assert not (ckpt / "owned.txt").exists()
-    sleepers = subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True, text=True)
+    # (a length no other test's sleeper has: the Ray test's zombie, `sleep 600`, may run beside)
+    sleepers = subprocess.run(["pgrep", "-f", "sleep 6011"], capture_output=True, text=True)
     assert sleepers.stdout.strip() == "", sleepers.stdout
     assert SECRET not in (ledgers / "code" / human["results_file"]).read_text()
 

@@ -249,7 +249,9 @@ def test_nothing_a_program_does_reaches_the_next_ones_verdict() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     honest = [
         Program(
-            "import os, sys\nassert os.listdir('/tmp') == [] and os.getcwd() == '/tmp'\n"
+            "import os, sys\n"
+            f"assert sorted(os.listdir('/tmp')) == {_skeleton(sys.executable)}\n"
+            "assert os.getcwd() == '/tmp'\n"
             "assert sys.argv == ['-c'] and os.stat('/tmp').st_mode & 0o777 == 0o755\n"
             "assert os.listxattr('/tmp') == [] and os.getpriority(os.PRIO_PROCESS, 0) == 0\n"
             f"assert sorted(os.sched_getaffinity(0)) == {cpus}\n"
@@ -507,6 +509,27 @@ def test_an_interpreter_under_tmp_is_seen_through_the_private_tmp(tmp_path: Path
     wrote = box.run(Program(f"open({str(venv / 'x')!r}, 'w')\n"))
     assert wrote.status == "runtime_error" and "Read-only" in wrote.error, wrote
     assert not (venv / "x").exists()
+    # the folders the sandbox's /tmp holds to reach it are its server's, programs after programs:
+    # one that writes beside them and locks them is followed by programs that see them as they
+    # were (and import from the virtualenv through them)
+    skeleton = _skeleton(str(venv / "bin" / "python"))
+    assert skeleton, "the virtualenv under /tmp is reached through a folder of the sandbox's /tmp"
+    box = Sandbox(LIMITS, python=str(venv / "bin" / "python"), parallel=1)
+    look = Program("import os, sys\nimport sysconfig\nprint(sorted(os.listdir('/tmp')))\n"
+                   "assert sys.prefix != sys.base_prefix\n", as_main=True)  # fmt: skip
+    locks = Program(
+        "import os\nd = '/tmp/' + sorted(os.listdir('/tmp'))[0]\nopen(d + '/x', 'w').write('x')\n"
+        "open('/tmp/y', 'w').write('y')\nos.chmod(d, 0)\n",
+        as_main=True,
+    )
+    box.check()
+    server = box._idle[0].proc.pid
+    before, hostile, after = box.run_many([look, locks, look])
+    kept = [s.proc.pid for s in box._idle]
+    box.close()
+    assert hostile.passed and before.passed and after.passed, (before, hostile, after)
+    assert before.stdout == after.stdout == f"{skeleton}\n", (before, after)
+    assert kept == [server]  # put back as it was: the server went on (a new one costs 40 ms)
 
 
 def test_an_interpreter_whose_folder_is_a_top_level_one_is_refused_not_bound_whole() -> None:
@@ -519,6 +542,14 @@ def test_an_interpreter_whose_folder_is_a_top_level_one_is_refused_not_bound_who
             interpreter_folders(python)
         with pytest.raises(SandboxUnavailable, match="folder of its own"):
             Sandbox(LIMITS, python=python).check()  # at start, as code tasks are refused
+
+
+def _skeleton(python: str) -> list[str]:
+    """What the sandbox's /tmp holds before any program: the top folders of the interpreter's
+    folders that lie under /tmp (a virtualenv there, as in a CI's clone)."""
+    from ckpt_watcher.sandbox.bwrap import interpreter_folders
+
+    return sorted({Path(f).parts[2] for f in interpreter_folders(python) if f.startswith("/tmp/")})
 
 
 def _our_processes() -> int:

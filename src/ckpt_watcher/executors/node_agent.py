@@ -26,6 +26,7 @@ the thread that started the process, and Ray's method threads are not ours to ke
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import shutil
 import tempfile
@@ -227,13 +228,17 @@ class NodeAgent:
     def prepare(self, spec_json: str, env: dict[str, str], files: dict[str, bytes] | None) -> bool:
         """The device's warm worker here starts an engine ahead of its checkpoint's weights
         (executors/warm.py `prepare`) for the request `spec_json` (its device named on this
-        node, as the daemon names it). `files`: the config and tokenizer (or adapter) of an S3
-        step, as the daemon fetched them: written into a folder of this device's, which the
-        request then names (the worker copies what it starts on)."""
+        node, as the daemon names it); False where that worker is busy. `files`: the config
+        and tokenizer (or adapter) of an S3 step, as the daemon fetched them: written into a
+        folder of this request's, which the request then names. The folders of the device's
+        earlier requests go once its worker takes this one (an engine that served an adapter
+        from one is replaced); this one goes if it is refused."""
         spec = JobSpec.from_json(spec_json)
         home = warm_home(self.home, spec.device_label)
+        meta = None
         if files is not None:
-            meta = home / EARLY_META_DIR
+            key = f"{spec.job_id}\n{spec.request.checkpoint}".encode()
+            meta = home / EARLY_META_DIR / hashlib.sha256(key).hexdigest()[:16]
             shutil.rmtree(meta, ignore_errors=True)
             meta.mkdir(parents=True)
             for name, data in files.items():
@@ -243,17 +248,26 @@ class NodeAgent:
         folder = JobFolder(home / PREPARE_DIR)
         folder.write_spec(spec)
         env = env | {DIE_WITH_PARENT_ENV: str(os.getpid())}
-        return bool(
+        taken = bool(
             self._launcher.submit(self.executor.prepare, spec.device_label, folder, env).result()
         )
+        earlier = home / EARLY_META_DIR
+        for old in sorted(earlier.iterdir()) if earlier.is_dir() else []:
+            if (old == meta) != taken:  # this one refused, or an earlier one replaced
+                shutil.rmtree(old, ignore_errors=True)
+        return taken
 
     def idle_engines(self) -> dict[str, str | None]:
         """This node's warm workers that wait for a job, each with the run its engine holds."""
         return self.executor.idle_engines()
 
     def release(self, device_label: str) -> None:
-        """Stop the device's idle warm worker (its GPU given back to training)."""
+        """Stop the device's idle warm worker (its GPU given back to training), and remove the
+        files its engine was started on."""
+        idle = device_label in self.executor.idle_engines()  # else a job of its runs there
         self._launcher.submit(self.executor.release, device_label).result()
+        if idle:
+            shutil.rmtree(warm_home(self.home, device_label) / EARLY_META_DIR, ignore_errors=True)
 
     def reap(self, device_id: str, pid: int) -> str | None:
         """Kill a zombie on this node (devices.reap_foreign_zombies), as the node's inventory

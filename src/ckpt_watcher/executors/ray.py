@@ -12,7 +12,8 @@ With `executor.shared_dir`, devices left idle on any node join a running job's t
 jobs/helpers.py): the task's journal and its chunk claims are on storage every node sees.
 
 With warm engines, a node's idle devices also start engines ahead of a run's first checkpoint
-(jobs/early.py): the daemon asks the node's agent (`prepare`), sending along the config and
+(jobs/early.py): the daemon asks the node's agent (`prepare`, from a thread: an agent that
+refuses or is slow costs that engine only, never its node), sending along the config and
 tokenizer it fetched for an S3 step (a local step's folder is on storage the node sees). The
 engines waiting for a job on every node (`idle_engines`) are asked of the agents at most once
 every `IDLE_SECONDS`, and again after a job starts or ends and after an engine is asked for or
@@ -49,6 +50,8 @@ CALL_SECONDS = 10.0  # an agent that does not answer a question about its device
 START_SECONDS = 60.0  # at the daemon's start, for the agents to answer
 AGENT_CONCURRENCY = 64  # an agent's calls at once (each running job waits in one)
 IDLE_SECONDS = 1.0  # how long the agents' answer of their idle engines is taken as current
+PREPARE_SECONDS = 300.0  # for a node's agent to take an engine's request (start its worker)
+SHIP_MAX_BYTES = 256 << 20  # of an S3 step's fetched files sent along with such a request
 
 
 class _Agent:
@@ -114,8 +117,11 @@ class RayExecutor(Executor):
         self.starts_engines_ahead = cfg.eval.warm
         # what jobs/early.py fetches for an S3 step: no node sees it, it is sent along
         self._fetched = cfg.state_dir / "early-meta"
-        self._idle: dict[str, str | None] = {}
+        self._idle: dict[str, str | None] = {}  # the nodes' last answer, kept IDLE_SECONDS
         self._idle_until = 0.0
+        self._changes = 0  # jobs started or ended, engines asked for or released
+        self._idle_changes = -1  # how many there had been when `_idle` was asked for
+        self._preparing: dict[str, str] = {}  # device -> the run an engine is asked for
         self.on_exit = on_exit
         self._agents: dict[str, _Agent] = {}  # node id -> its agent
         self._names: dict[str, str] = {}
@@ -216,7 +222,7 @@ class RayExecutor(Executor):
             self._folders[job_id] = folder
         where = f"{folder.path.parent.name}/{folder.path.name}"  # <job>/attempt-N[-help-...]
         started = agent.handle.start.remote(job_id, folder.spec_text(), env, where)
-        self._idle_until = 0.0  # its device's engine, if idle, is not any more
+        self._stale()  # its device's engine, if idle, is not any more
         threading.Thread(
             target=self._wait, args=(job_id, agent, started, folder), daemon=True
         ).start()
@@ -253,7 +259,7 @@ class RayExecutor(Executor):
             with self._lock:
                 self._jobs.pop(job_id, None)
                 self._folders.pop(job_id, None)
-            self._idle_until = 0.0
+            self._stale()
             self.on_exit(job_id, rc)  # whatever happened above: the job is never left running
 
     def kill(self, job_id: str) -> None:
@@ -275,32 +281,91 @@ class RayExecutor(Executor):
     # --- engines ahead of their checkpoints (jobs/early.py) -------------------------------------
     def prepare(self, device_label: str, folder: JobFolder, env: dict[str, str]) -> bool:
         """The device's node starts an engine for the request in `folder` on that device's
-        warm worker (NodeAgent.prepare); an S3 step's fetched files go with the request."""
+        warm worker (NodeAgent.prepare); an S3 step's fetched files go with the request, up to
+        SHIP_MAX_BYTES (an adapter's weights past that: no engine ahead, the step loads when
+        complete). Asked from a thread of its own, never on the loop: the device counts as
+        holding the run meanwhile (`idle_engines`), and an agent that refuses or is slow loses
+        nothing but this engine (never counted as a lost node: its jobs go on)."""
         agent = self.agent_of(device_label)
         if agent is None:
             return False
         spec = folder.read_spec()
-        meta = Path(spec.request.checkpoint)
-        files = None
-        if meta.is_relative_to(self._fetched):
-            files = {p.name: p.read_bytes() for p in sorted(meta.iterdir()) if p.is_file()}
-        self._idle_until = 0.0
-        return bool(self.ask(agent, "prepare", folder.spec_text(), env, files, lost=False))
+        with self._lock:
+            if device_label in self._preparing:
+                return False
+            self._preparing[device_label] = spec.job_id
+        self._stale()
+        args = (agent, device_label, folder.spec_text(), env, Path(spec.request.checkpoint))
+        threading.Thread(target=self._prepare, args=args, daemon=True).start()
+        return True
+
+    def _prepare(
+        self, agent: _Agent, device_label: str, spec: str, env: dict[str, str], meta: Path
+    ) -> None:
+        try:
+            files = None
+            if meta.is_relative_to(self._fetched):
+                paths = [p for p in sorted(meta.iterdir()) if p.is_file()]
+                size = sum(p.stat().st_size for p in paths)
+                if size > SHIP_MAX_BYTES:
+                    log.info("ray.engine_not_ahead", node=agent.name, device=device_label,
+                             why=f"{size} bytes of meta files to send")  # fmt: skip
+                    return
+                files = {p.name: p.read_bytes() for p in paths}
+            sent = self._ray.get(
+                agent.handle.prepare.remote(spec, env, files), timeout=PREPARE_SECONDS
+            )
+            log.info("ray.engine_prepare", node=agent.name, device=device_label, sent=bool(sent))
+        except Exception as e:  # refused (a full disk there), slow, or its node gone: the
+            # step loads when complete, as without; whether the node is lost is the looks' call
+            log.warning("ray.engine_prepare_failed", node=agent.name, device=device_label,
+                        error=f"{type(e).__name__}: {e}")  # fmt: skip
+        finally:
+            with self._lock:
+                self._preparing.pop(device_label, None)
+            self._stale()
 
     def idle_engines(self) -> dict[str, str | None]:
-        now = time.monotonic()
-        if now >= self._idle_until:
-            idle: dict[str, str | None] = {}
+        """Every node's warm workers waiting for a job, and those being asked for an engine;
+        the nodes' answer kept IDLE_SECONDS, unless a job started or ended, or an engine was
+        asked for or released, since it was asked for (then it is asked again)."""
+        with self._lock:
+            asked = self._changes
+            fresh = asked == self._idle_changes and time.monotonic() < self._idle_until
+            idle = dict(self._idle)
+        if not fresh:
+            idle = {}
             for answer in self.ask_all("idle_engines"):
                 idle |= answer
-            self._idle, self._idle_until = idle, now + IDLE_SECONDS
-        return dict(self._idle)
+            with self._lock:
+                if self._changes == asked:  # nothing changed while the nodes answered
+                    self._idle, self._idle_changes = dict(idle), asked
+                    self._idle_until = time.monotonic() + IDLE_SECONDS
+        with self._lock:
+            return idle | self._preparing
 
     def release(self, device_label: str) -> None:
+        """Stop the device's idle warm worker on its node (from a thread: nothing waits for
+        it on the loop; the next give-back pass sees any engine still there)."""
         agent = self.agent_of(device_label)
         if agent is not None:
-            self.ask(agent, "release", device_label)
-        self._idle_until = 0.0
+            ref = agent.handle.release.remote(device_label)
+            threading.Thread(target=self._released, args=(agent, device_label, ref),
+                             daemon=True).start()  # fmt: skip
+        self._stale()
+
+    def _released(self, agent: _Agent, device_label: str, ref: Any) -> None:
+        try:
+            self._ray.get(ref, timeout=CALL_SECONDS)
+        except Exception as e:
+            log.warning("ray.release_failed", node=agent.name, device=device_label,
+                        error=f"{type(e).__name__}: {e}")  # fmt: skip
+        self._stale()
+
+    def _stale(self) -> None:
+        """The nodes' idle engines are asked again at the next look."""
+        with self._lock:
+            self._changes += 1
 
     def look_elsewhere(self) -> list[dict[str, object]]:
         reports = self.ask_all("report")

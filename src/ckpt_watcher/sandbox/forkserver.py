@@ -62,6 +62,7 @@ def serve(argv: list[str]) -> None:
     exec(compile(_receive(sock), "<runner>", "exec"), runner.__dict__)  # noqa: S102
     runner.warm()
     os.chdir(folder)
+    skeleton = _skeleton(folder)
     state = _state(folder, jail)
     sock.send(b'{"ready": true}')
     try:
@@ -84,7 +85,7 @@ def serve(argv: list[str]) -> None:
                 os.close(fd)
             status, cpu, stopped = _wait(pid)
             said = _read_all(said_r)
-            clean = not stopped and _empty(folder) and _state(folder, jail) == state
+            clean = not stopped and _empty(folder, skeleton) and _state(folder, jail) == state
             if jail:  # nothing but the sandbox's init and this server is left in it
                 clean = clean and set(_pids()) <= {1, os.getpid()}
             answer = {
@@ -97,7 +98,7 @@ def serve(argv: list[str]) -> None:
             sock.send(json.dumps(answer).encode())
     finally:
         if not jail:  # a folder of the host's: the sandbox's /tmp goes with the sandbox
-            _empty(folder)
+            _empty(folder, skeleton)
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
 
@@ -232,14 +233,42 @@ def _read_all(fd: int) -> bytes:
     return data
 
 
-def _empty(folder: str) -> bool:
-    """Everything a program left in `folder` removed (a folder it made unreadable too)."""
+def _skeleton(folder: str) -> dict[str, int]:
+    """What the folder holds before any program, each path with its mode: the folders bwrap
+    made there to mount the interpreter's on (a virtualenv under /tmp: the sandbox's /tmp then
+    holds its path), and those mounts, whose insides are not the folder's."""
+    device = os.lstat(folder).st_dev
+    found = {}
+    for root, dirs, files in os.walk(folder):
+        found[root] = os.lstat(root).st_mode
+        for name in [*dirs, *files]:
+            st = os.lstat(os.path.join(root, name))
+            found[os.path.join(root, name)] = st.st_mode
+            if st.st_dev != device and name in dirs:
+                dirs.remove(name)  # a mount: not entered
+    return found
+
+
+def _empty(folder: str, skeleton: dict[str, int]) -> bool:
+    """Everything a program left in `folder` removed (a folder it made unreadable too), and the
+    skeleton's folders as they were (their modes put back); False where that failed."""
     try:
-        for name in os.listdir(folder):
-            _remove(os.path.join(folder, name))
-        return not os.listdir(folder)
+        _clear(folder, skeleton, os.lstat(folder).st_dev)
+        return all(os.lstat(path).st_mode == mode for path, mode in skeleton.items())
     except (OSError, RecursionError):
         return False
+
+
+def _clear(folder: str, skeleton: dict[str, int], device: int) -> None:
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if path not in skeleton:
+            _remove(path)
+            continue
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode) and st.st_dev == device:  # a folder of the skeleton's
+            os.chmod(path, stat.S_IMODE(skeleton[path]))
+            _clear(path, skeleton, device)
 
 
 def _remove(path: str) -> None:
