@@ -253,6 +253,7 @@ def _empty(folder: str, skeleton: dict[str, int]) -> bool:
     """Everything a program left in `folder` removed (a folder it made unreadable too), and the
     skeleton's folders as they were (their modes put back); False where that failed."""
     try:
+        os.chmod(folder, stat.S_IMODE(skeleton[folder]))  # a program may have locked it
         _clear(folder, skeleton, os.lstat(folder).st_dev)
         return all(os.lstat(path).st_mode == mode for path, mode in skeleton.items())
     except (OSError, RecursionError):
