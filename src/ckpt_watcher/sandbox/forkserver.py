@@ -86,7 +86,7 @@ def serve(argv: list[str]) -> None:
             status, cpu, stopped = _wait(pid)
             said = _read_all(said_r)
             clean = not stopped and _empty(folder, skeleton) and _state(folder, jail) == state
-            if jail:  # nothing but the sandbox's init and this server is left in it
+            if jail:  # nothing but this server (the sandbox's pid 1) is left in it
                 clean = clean and set(_pids()) <= {1, os.getpid()}
             answer = {
                 "status": status,
