@@ -59,6 +59,9 @@ ENGINE_FILE = "engine.json"  # in a warm worker's home: the engine it holds
 KILLED_FILE = "killed"  # in a warm worker's home: the pid the daemon killed on purpose
 PREPARE_DIR = "prepare"  # in a warm worker's home: what its early engine is started for
 PLACEHOLDER_DIR = "placeholder"  # in a warm worker's home: the early engine's config and tokenizer
+# an S3 step's files an early engine starts on, as fetched: in the daemon's state_dir
+# (jobs/early.py), and on a Ray node in the warm worker's home they were sent to (node_agent.py)
+EARLY_META_DIR = "early-meta"
 PREPARE_PREFIX = "prepare "  # a warm worker's stdin line that asks for an early engine
 # Distinct jobs in a row that crashed on one device's warm workers (or died with one) before
 # `watcher status` calls that warm engine failing (degraded). One bad checkpoint is retried on

@@ -44,6 +44,7 @@ from ckpt_watcher.executors.base import Executor
 from ckpt_watcher.executors.processes import process_groups
 from ckpt_watcher.jobfolder import (
     DIE_WITH_PARENT_ENV,
+    EARLY_META_DIR,
     PREPARE_DIR,
     JobFolder,
     JobSpec,
@@ -53,7 +54,6 @@ from ckpt_watcher.jobfolder import (
 from ckpt_watcher.sources.staging import evict, staged_path
 
 NODE_SEP = "/"  # between a node's name and its device's: `node-a/cuda:6`
-EARLY_META_DIR = "early-meta"  # in a warm worker's home: an S3 step's files its engine starts on
 
 
 def on_node(node: str, name: str) -> str:

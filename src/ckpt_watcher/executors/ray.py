@@ -41,7 +41,7 @@ from ckpt_watcher.devices import Device, GpuProcess
 from ckpt_watcher.errors import BackendUnavailable
 from ckpt_watcher.executors.base import Executor, ExitCallback, WorkerHandle
 from ckpt_watcher.executors.node_agent import NodeAgent, node_of
-from ckpt_watcher.jobfolder import Crash, JobFolder, Progress
+from ckpt_watcher.jobfolder import EARLY_META_DIR, Crash, JobFolder, Progress
 
 log = structlog.get_logger("ckpt_watcher.executors.ray")
 
@@ -116,7 +116,7 @@ class RayExecutor(Executor):
         self.shares_journals = cfg.executor.shared_dir is not None
         self.starts_engines_ahead = cfg.eval.warm
         # what jobs/early.py fetches for an S3 step: no node sees it, it is sent along
-        self._fetched = cfg.state_dir / "early-meta"
+        self._fetched = cfg.state_dir / EARLY_META_DIR
         self._idle: dict[str, str | None] = {}  # the nodes' last answer, kept IDLE_SECONDS
         self._idle_until = 0.0
         self._changes = 0  # jobs started or ended, engines asked for or released

@@ -34,7 +34,7 @@ from ckpt_watcher.checkpoints import model_meta
 from ckpt_watcher.config import WatcherConfig
 from ckpt_watcher.devices import Device
 from ckpt_watcher.executors.base import Executor
-from ckpt_watcher.jobfolder import PREPARE_DIR, JobFolder, warm_home
+from ckpt_watcher.jobfolder import EARLY_META_DIR, PREPARE_DIR, JobFolder, warm_home
 from ckpt_watcher.jobs.dispatch import Dispatcher
 from ckpt_watcher.lane import Lane
 from ckpt_watcher.state import CheckpointRow, Job, State
@@ -84,7 +84,7 @@ class EarlyEngines:
         # the meta files of S3 steps, fetched: what an engine starts on (the worker copies them);
         # what no step looked at now holds is removed at each pass (`_sweep`): a look that
         # ended after its step left, an earlier daemon's
-        self.fetched = cfg.state_dir / "early-meta"
+        self.fetched = cfg.state_dir / EARLY_META_DIR
 
     def preferred(self) -> dict[str, str]:
         """Run path -> the device label whose idle engine holds that run's model (started ahead

@@ -16,15 +16,18 @@ that cannot start or run a program raises `SandboxFailure`: no verdict is ever m
 from __future__ import annotations
 
 import array
+import fcntl
 import json
 import os
 import select
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
 import weakref
@@ -176,9 +179,8 @@ class Sandbox:
                 f"the sandbox's server could not start a program: {ran.answer.get('error')}"
             )
         # a server goes on only as it was: not past the backstop, nothing of a program left
+        # (one whose programs may start processes was ended once its program was: `_collect`)
         if ran.timed_out or ran.answer is None or not ran.answer.get("clean"):
-            server.end()
-        elif self.limits.processes > 1:  # its processes end with the sandbox, none is left
             server.end()
         else:
             self._keep(server, closed)
@@ -199,7 +201,7 @@ class Sandbox:
         """Keep a server for the next program: not past `parallel` idle ones, not one taken
         before this sandbox was closed."""
         with self._lock:
-            if self._closed == closed and len(self._idle) < self.parallel:
+            if not server.ended and self._closed == closed and len(self._idle) < self.parallel:
                 self._idle.append(server)
                 return
         server.end()
@@ -388,32 +390,24 @@ class _Server:
         if self.ended:
             return
         self.ended = True
-        if os.getpid() != self.owner:  # a fork of its host: the server is the host's to end
-            self.sock.close()
-            self.errors.close()
-            return
-        if getattr(self, "proc", None) is not None:
+        ours = os.getpid() == self.owner  # in a fork of its host: the host's to end
+        if ours and getattr(self, "proc", None) is not None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)  # bwrap, and so its pid namespace
             except ProcessLookupError:
                 pass
             self.proc.wait()
-        self._release()
+        self._release(ours)
 
-    def _release(self) -> None:
+    def _release(self, ours: bool = True) -> None:
         self.sock.close()
         self.errors.close()
-        if not self.jail:
-            import shutil
-
+        if ours and not self.jail:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _unread(fd: int) -> int:
     """Bytes waiting in a pipe."""
-    import fcntl
-    import termios
-
     got = array.array("i", [0])
     fcntl.ioctl(fd, termios.FIONREAD, got)
     return got[0]
