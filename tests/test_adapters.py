@@ -19,7 +19,7 @@ from ckpt_watcher.checkpoints.files import LocalFiles, needed_files
 from ckpt_watcher.checkpoints.fingerprint import fingerprint
 from ckpt_watcher.cli import main
 from ckpt_watcher.config import LocalSource
-from ckpt_watcher.errors import AdapterError, CheckpointChanged
+from ckpt_watcher.errors import AdapterError, AdapterNotServed, CheckpointChanged
 from ckpt_watcher.worker import merge
 
 from .conftest import (
@@ -224,7 +224,7 @@ def renamed_adapter(base: Path, scratch: Path, dest: Path) -> None:
 
 
 @pytest.mark.e2e
-def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
+def test_adapters_from_a_folder_and_s3_are_served_on_their_base_on_hf(
     tmp_path: Path,
     s3_endpoint: str,
     bucket: str,
@@ -233,9 +233,9 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
 ) -> None:
     """A LoRA run saves adapters only: steps 10 and 20 in a folder (their config names the base
     by its path, as peft writes it), step 30 on S3 naming a model id no host has (its source's
-    `adapter_base` says where the base is). One warm worker: the first loads cold, the other two are
-    swapped in. Every answer is the adapter's: peft's own forward (the adapter applied, not
-    merged) gives the same, and the base alone does not. Step 40's tensors have names peft
+    `adapter_base` says where the base is). One warm hf worker: the base loads once and peft
+    serves each adapter on it, no merged copy made. Every answer is the adapter's: the merged
+    model's and peft's own forward give the same, and the base alone does not. Step 40's tensors have names peft
     does not know: it fails once, saying so, instead of scoring the base as the adapter; step
     50's have another model's shapes: it fails once too, saying so. Step 60 is a verl run's,
     its adapter in `actor/lora_adapter/` beside a `huggingface/` folder without weights."""
@@ -303,11 +303,11 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
     lines = [ln for ln in lines if ln["step"] not in (40, 50)]
     run_of = {10: "lora", 20: "lora", 30: "lora-s3", 60: "grpo"}
     assert sorted(got) == [10, 20, 30, 60, 70] and all(ln["status"] == "ok" for ln in lines)
-    # the first job (of whichever source was scanned first) loads cold; the others swap in
+    # the first adapter's job loads the base cold; the others are served on it as it is
     (same,) = read_ledger(tmp_path / "ledgers", "sft")
-    engines = sorted(ln["engine"] for ln in [*lines, same])
-    assert engines == ["cold", "warm", "warm", "warm", "warm", "warm"], engines
-    assert all(ln["adapter"] == "merged" for ln in lines), lines
+    engines = sorted(ln["engine"] for ln in lines)
+    assert engines == ["cold", "warm", "warm", "warm", "warm"], engines
+    assert all(ln["adapter"] == "served" for ln in lines), lines
     # step 70's every lora_B is zero (peft's start): evaluated, its answers the base's, and
     # flagged: left out of the run's results, said by status
     untrained = got.pop(70)
@@ -333,14 +333,21 @@ def test_adapters_from_a_folder_and_s3_are_evaluated_merged_into_their_base(
     assert got[60]["checkpoint"] == str(actor / "lora_adapter")
     assert got[60]["label"] == "global_step_60"
 
-    # every answer is the adapter's (peft's own forward, unmerged), none the base's alone
+    # every answer is the adapter's, as the merge path's model gives it (and peft's own
+    # forward), none the base's alone
     alone = addition_answers(base)
     for step, folder in ((10, local[10]), (20, local[20]), (30, far), (60, Path(verl))):
         answers = [
             r["responses"][0] for r in read_records(tmp_path / "ledgers" / run_of[step], got[step])
         ]
+        merge.merge(folder, base, tmp_path / f"merged-{step}")
+        assert answers == addition_answers(tmp_path / f"merged-{step}"), step
         assert answers == addition_answers(base, adapter=folder), step
         assert answers != alone, step
+    # no copy of the base was made for a served step: only steps 40 and 50 were merged (and
+    # failed)
+    logs = "".join(p.read_text() for p in (tmp_path / "state" / "jobs").rglob("worker.log"))
+    assert logs.count("worker.adapter_served") == 5 and "worker.adapter_merged" not in logs
 
 
 # A served harness's client (`harness: command`, `serve: true`): the addition task's first sums,
@@ -369,7 +376,8 @@ def test_on_vllm_adapters_are_served_on_one_kept_base_and_answer_as_merged(
     """A LoRA run of 5 steps on vLLM: the base is loaded once with LoRA enabled and each step's
     adapter served on it (no merged copy made), every answer and metric equal to the merge
     path's (`serve_adapters: false`). Served by a daemon (`watcher run`), the base is loaded
-    while the steps settle, before any is complete (`eval.early_engine`). A served harness
+    as soon as the first step's adapter config is written, before its tensors
+    (`eval.early_engine`). A served harness
     (a command asking the loopback endpoint) gets each adapter served too, on one model server
     started once, its answers lm-eval's. Step 60's tensors are under names vLLM would take
     without a word (serving the base as the adapter): it is not served, and its merge fails,
@@ -378,8 +386,13 @@ def test_on_vllm_adapters_are_served_on_one_kept_base_and_answer_as_merged(
     shutil.copytree(trained_checkpoint, base)
     watch = tmp_path / "ckpts" / "lora"
     for step in (10, 20, 30, 40, 50):
-        write_adapter(base, watch / f"checkpoint-{step}", 0.05 * (step // 10), step)
-    renamed_adapter(base, tmp_path / "renamed", watch / "checkpoint-60")
+        write_adapter(base, tmp_path / "saved" / f"checkpoint-{step}", 0.05 * (step // 10), step)
+    renamed_adapter(base, tmp_path / "renamed", tmp_path / "saved" / "checkpoint-60")
+    # step 10 as its trainer writes it: the adapter's config first
+    (watch / "checkpoint-10").mkdir(parents=True)
+    shutil.copy(
+        tmp_path / "saved" / "checkpoint-10" / "adapter_config.json", watch / "checkpoint-10"
+    )
     client = tmp_path / "sums.py"
     client.write_text(SUMS_CLIENT)
     sums = {
@@ -404,6 +417,10 @@ def test_on_vllm_adapters_are_served_on_one_kept_base_and_answer_as_merged(
             raw["eval"]["tasks"].append(sums)
             cfg = write_config(d / "w.yaml", raw)
             with watcher_run(cfg, d / "daemon.log") as daemon:
+                wait_for(
+                    lambda at=d: engine_ready(at / "state"), 120, "ready", daemon, d / "daemon.log"
+                )
+                write_steps(tmp_path / "saved", watch)
                 lines = wait_for(
                     lambda at=d / "ledgers": len(ln := read_ledger(at, "lora")) == 12 and ln,
                     300,
@@ -454,6 +471,59 @@ def test_on_vllm_adapters_are_served_on_one_kept_base_and_answer_as_merged(
     )
     assert logs.count("worker.adapter_merged") == 0, logs[-3000:]
     assert "worker.adapter_not_served" in logs and "checkpoint-60" in logs
+
+
+def engine_ready(state: Path) -> list[dict]:
+    """The warm engines `watcher status` shows ready for a run."""
+    found = [json.loads(p.read_text()) for p in (state / "jobs" / "_warm").glob("*/engine.json")]
+    return [e for e in found if e["state"] == "ready"]
+
+
+def write_steps(saved: Path, watch: Path) -> None:
+    """Each step saved in `saved` written into the watched run folder, the trainer's way."""
+    for step in sorted(saved.iterdir()):
+        (watch / step.name).mkdir(parents=True, exist_ok=True)
+        for f in step.iterdir():
+            shutil.copy(f, watch / step.name / f.name)
+
+
+@pytest.mark.e2e
+def test_on_hf_a_lora_runs_base_is_loaded_before_its_first_adapter_is_written(
+    tmp_path: Path, addition_tasks: Path, trained_checkpoint: Path
+) -> None:
+    """The hf backend: a LoRA run's first step has only its adapter config when the daemon
+    starts; the base is loaded then (`watcher status`: ready for the run), and every step's
+    adapter is served on it once written (`engine: early`, then `warm`)."""
+    base = tmp_path / "base"
+    shutil.copytree(trained_checkpoint, base)
+    watch = tmp_path / "ckpts" / "lora"
+    for step in (10, 20, 30):
+        write_adapter(base, tmp_path / "saved" / f"checkpoint-{step}", 0.05 * step, step)
+    (watch / "checkpoint-10").mkdir(parents=True)
+    shutil.copy(
+        tmp_path / "saved" / "checkpoint-10" / "adapter_config.json", watch / "checkpoint-10"
+    )
+    raw = base_config(tmp_path, tmp_path / "ckpts", addition_tasks, warm_engine=True, limit=10)
+    cfg = write_config(tmp_path / "w.yaml", raw)
+    log = tmp_path / "daemon.log"
+    with watcher_run(cfg, log) as daemon:
+        (ready,) = wait_for(lambda: engine_ready(tmp_path / "state"), 120, "ready", daemon, log)
+        assert ready["ready_for"] == "lora", ready
+        said = CliRunner().invoke(main, ["status", "-c", str(cfg)]).output
+        assert "ready for lora" in said, said
+        write_steps(tmp_path / "saved", watch)
+        lines = wait_for(
+            lambda: len(ln := read_ledger(tmp_path / "ledgers", "lora")) == 3 and ln,
+            120, "3 lines", daemon, log,
+        )  # fmt: skip
+    order = sorted(lines, key=lambda ln: ln["started_at"])
+    assert [(ln["engine"], ln["adapter"]) for ln in order] == [("early", "served")] + [
+        ("warm", "served")
+    ] * 2, order
+    (last,) = [ln for ln in lines if ln["step"] == 30]
+    answers = [r["responses"][0] for r in read_records(tmp_path / "ledgers" / "lora", last)]
+    merge.merge(tmp_path / "saved" / "checkpoint-30", base, tmp_path / "merged")
+    assert answers == addition_answers(tmp_path / "merged")[: len(answers)]
 
 
 def shaped(path: Path, tensors: dict[str, tuple[int, ...]]) -> None:
@@ -600,3 +670,75 @@ def test_a_served_adapters_journal_is_never_a_merged_ones() -> None:
     # a served harness's entry: its proxy's journal is keyed by the same identity
     command = TaskRun("sums", None, journal=ref, harness="command")
     assert _journaled_as(command, "served").journal.identity["adapter"] == "served"  # type: ignore[union-attr]
+
+
+def test_peft_serves_each_adapter_under_its_own_name_and_gives_the_base_back_as_loaded(
+    tmp_path: Path,
+) -> None:
+    """The hf backend's serving (evaluators/peft_adapter.py) on a tiny Llama: each adapter is
+    attached under a name of its own, answers as the merge path's model does, and leaves the
+    base as loaded when taken off. An adapter whose unloading would leave its trained module in
+    the base (peft keeps `modules_to_save`'s copy; such adapters are merged, never served) is
+    caught by `intact`, which the keeper asks before the base serves another adapter."""
+    import types
+
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ckpt_watcher.evaluators import peft_adapter
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2,
+    )  # fmt: skip
+    base = tmp_path / "base"
+    LlamaForCausalLM(config).save_pretrained(base)
+
+    def saved(name: str, **extra: object) -> Path:
+        model = LlamaForCausalLM.from_pretrained(base)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **extra)
+        peft = get_peft_model(model, lora)
+        with torch.no_grad():
+            for n, p in peft.named_parameters():
+                if "lora_B" in n or "modules_to_save" in n:
+                    p.add_(torch.randn(p.shape) * 0.5)
+        peft.save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    first, second, whole = saved("a"), saved("b"), saved("c", modules_to_save=["lm_head"])
+    lm = types.SimpleNamespace(_model=LlamaForCausalLM.from_pretrained(base).eval())
+    x = torch.tensor([[1, 2, 3, 4, 5]])
+    weights = list(lm._model.parameters())
+    with torch.no_grad():
+        alone = lm._model(x).logits
+        names = []
+        for folder in (first, second):
+            peft_adapter.use_adapter(lm, str(folder), folder.name)
+            assert isinstance(lm._model, PeftModel)
+            # the base's weights not frozen by peft: torch's matmul then copies a frozen head
+            # once per sequence in generate (bench/adapter_serve.py)
+            assert all(p.requires_grad for p in weights)
+            names += list(lm._model.peft_config)
+            served = lm._model(x).logits
+            merge.merge(folder, base, tmp_path / f"merged-{folder.name}")
+            merged = LlamaForCausalLM.from_pretrained(tmp_path / f"merged-{folder.name}").eval()
+            assert torch.allclose(served, merged(x).logits, atol=1e-5), folder
+            assert not torch.allclose(served, alone, atol=1e-3), folder  # the adapter acts
+            peft_adapter.drop_adapter(lm)
+            assert peft_adapter.intact(lm) and torch.equal(lm._model(x).logits, alone)
+        assert len(set(names)) == 2 and names[0].startswith("a-"), names
+        peft_adapter.use_adapter(lm, str(whole), whole.name)
+        peft_adapter.drop_adapter(lm)
+        assert not peft_adapter.intact(lm)
+    # tensors peft does not know: not served (the merge says what is wrong with them)
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    shutil.copy(first / "adapter_config.json", renamed)
+    tensors = load_file(first / "adapter_model.safetensors")
+    save_file({k.replace("base_model.model.", ""): v for k, v in tensors.items()},
+              renamed / "adapter_model.safetensors")  # fmt: skip
+    fresh = types.SimpleNamespace(_model=LlamaForCausalLM.from_pretrained(base).eval())
+    with pytest.raises(AdapterNotServed, match="its tensors do not fit"):
+        peft_adapter.use_adapter(fresh, str(renamed), "renamed")

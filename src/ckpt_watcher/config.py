@@ -473,13 +473,13 @@ class EvalConfig(_Model):
     complete, so a run's first checkpoint does not wait for an engine start. The device is
     given back like any other when another process starts using its GPU."""
     serve_adapters: bool = True
-    """On vLLM, a LoRA adapter saved alone is served on its base model (loaded once, with LoRA
-    enabled; each step's adapter under an id of its own) for lm-eval's tasks, instead of being
-    merged into a copy of the base for each step; the same on the model server of served
-    harnesses (verifiers, a command with `serve: true`). Adapters vLLM cannot serve as peft
-    applies them (DoRA, modules_to_save, ...; see docs) are merged all the same, and so are
-    those given to harnesses that load the checkpoint themselves and of the hf backend.
-    false: every adapter is merged."""
+    """A LoRA adapter saved alone is served on its base model (loaded once; each step's adapter
+    under an id of its own: on vLLM with LoRA enabled, on hf attached by peft) for lm-eval's
+    tasks, instead of being merged into a copy of the base for each step; the same on the
+    model server of served harnesses (verifiers, a command with `serve: true`). Adapters vLLM
+    cannot serve as peft applies them (DoRA, modules_to_save, ...; see docs) are merged all
+    the same, on both backends, and so are those given to harnesses that load the checkpoint
+    themselves. false: every adapter is merged."""
     think_end: str | None = Field(None, min_length=1)
     """Every task entry's end-of-thinking marker unless it names its own (reasoning models:
     `</think>`); null: responses are scored whole."""

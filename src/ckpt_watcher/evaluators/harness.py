@@ -39,6 +39,7 @@ from ckpt_watcher.evaluators import (
     engine_watch,
     heap,
     lengths,
+    peft_adapter,
     vllm_internals,
 )
 from ckpt_watcher.evaluators import lm_eval_internals as lmi
@@ -147,7 +148,7 @@ def load_model(req: EvalRequest, swappable: bool = False, placeholder: bool = Fa
     try:
         lm = engine_watch.watched(lambda: cls(pretrained=req.checkpoint, **args))
     except Exception as e:
-        if req.lora is None:
+        if req.lora is None or req.backend != "vllm":
             raise
         # vLLM has no LoRA for some architectures ("... does not support LoRA yet")
         raise AdapterNotServed(
@@ -236,18 +237,19 @@ def run_tasks(
     if req.lora is None:
         return _run_each(req, lm, engine, on_outcome, on_progress, device_label, version)
     began = time.monotonic()
+    adapters: Any = vllm_internals if req.backend == "vllm" else peft_adapter
     try:
-        vllm_internals.use_adapter(lm, req.lora, Path(req.lora).name)
+        adapters.use_adapter(lm, req.lora, Path(req.lora).name)
     except AdapterNotServed:
-        if loaded_here:  # the merged model loads next: this engine must not hold the device
-            engine_watch.stop(lm)
+        if loaded_here and req.backend == "vllm":  # the merged model loads next: this engine
+            engine_watch.stop(lm)  # must not hold the device
             vllm_internals.shutdown(lm)
         raise
     log.info("worker.adapter_served", adapter=req.lora, seconds=round(time.monotonic() - began, 3))
     try:
         return _run_each(req, lm, engine, on_outcome, on_progress, device_label, version)
     finally:
-        vllm_internals.drop_adapter(lm)
+        adapters.drop_adapter(lm)
 
 
 def _run_each(

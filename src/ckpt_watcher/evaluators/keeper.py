@@ -16,8 +16,9 @@ weight left at its placeholder is NaN after the check's scramble, and its probes
 differ); anything else loads cold. A placeholder is never evaluated: a request of another
 signature, or an adapter, drops it.
 
-An engine serving LoRA adapters (`req.lora`) holds their base, loaded with LoRA enabled: it is
-kept while the next adapter's base is the same folder with no file written since, and never
+An engine serving LoRA adapters (`req.lora`) holds their base, loaded with LoRA enabled (on
+hf: peft attaches each adapter, peft_adapter.py): it is kept while the next adapter's base is the
+same folder with no file written since (on hf, its modules and tensors as loaded), and never
 swapped into (only the adapter changes, harness.py); any other base loads cold.
 
 Swaps are checked, two ways:
@@ -50,7 +51,7 @@ import structlog
 
 from ckpt_watcher.checkpoints.files import LocalFiles, eval_mark
 from ckpt_watcher.errors import SwapError
-from ckpt_watcher.evaluators import engine_watch, heap, vllm_internals, weights
+from ckpt_watcher.evaluators import engine_watch, heap, peft_adapter, vllm_internals, weights
 from ckpt_watcher.evaluators.harness import Engine, engine_args, load_model
 from ckpt_watcher.evaluators.signature import model_signature
 from ckpt_watcher.jobfolder import EvalRequest
@@ -299,6 +300,8 @@ def free_memory() -> None:
 def _signature(req: EvalRequest) -> str:
     """The signature of `req`'s checkpoint with the engine arguments a kept engine has."""
     _, args = engine_args(req, swappable=True)
+    if req.lora is not None and req.backend != "vllm":  # an hf base that serves adapters
+        args["ckpt_watcher_peft"] = True  # (vLLM's says so: enable_lora) takes no swap
     return model_signature(Path(req.checkpoint), req.backend, args)
 
 
@@ -371,6 +374,7 @@ class EngineKeeper:
             and sig == self.signature
             and req.checkpoint == self.checkpoint
             and mark == self.base_mark
+            and peft_adapter.intact(self.lm)
         ):
             log.info("engine.base_kept", base=req.checkpoint, adapter=req.lora)
             kind, self.early_base = ("early" if self.early_base else "warm"), False

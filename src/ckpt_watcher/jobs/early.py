@@ -4,7 +4,8 @@ its tenth (`eval.early_engine`).
 
 A run's model is known once a step of it still being written (or complete but still settling,
 `stable_seconds`) has its config and tokenizer whole (checkpoints/model_meta.py); a LoRA run's,
-once a step's adapter config is whole (its base is then loaded, for real, with LoRA enabled).
+once a step's adapter config is whole (its base is then loaded, for real; on vLLM with LoRA
+enabled).
 Those files are read on a lane of their own (lane.py), never on the daemon's loop; an S3
 step's are fetched into `<state_dir>/early-meta/` (`model_meta.fetch`; a LoRA step's adapter
 config and weights once both are up). Then, when nothing of that run is queued or running and
@@ -170,8 +171,8 @@ class EarlyEngines:
     def _readable(self, location: str, source: str) -> str | None:
         """On the lane: the folder with the step's whole config and tokenizer (or its adapter
         config), or None. An S3 step's are fetched into a folder of ours (a LoRA step's adapter
-        config and weights, once both are up: vLLM's base is started on what they name)."""
-        served = self.cfg.eval.backend == "vllm" and self.cfg.eval.serve_adapters
+        config and weights, once both are up: the base is loaded on what they name)."""
+        served = self.cfg.eval.serve_adapters
         if "://" in location:
             src = self.dispatcher.discovery.source_named(source)
             if src is None:

@@ -6,8 +6,9 @@ are copied into the worker's own placeholder folder (the trainer goes on writing
 beside them; the engine reads only the copy), and the keeper starts vLLM on them with
 placeholder weights. The step's weights are swapped in when its job comes, and proven before
 anything is evaluated (evaluators/keeper.py). A LoRA step saved alone gets its base model
-instead, loaded for real with LoRA enabled at the step's rank, on which its adapter is served
-when its job comes (worker/job.py `served_on`, the same base folder the job will name).
+instead, loaded for real (on vLLM with LoRA enabled at the step's rank), on which its adapter
+is served when its job comes (worker/job.py `served_on`, the same base folder the job will
+name).
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from ckpt_watcher.checkpoints import adapter, model_meta
+from ckpt_watcher.checkpoints import model_meta
 from ckpt_watcher.checkpoints.files import LocalFiles
 from ckpt_watcher.errors import AdapterNotServed, SwapError
 from ckpt_watcher.jobfolder import EvalRequest, JobFolder
-from ckpt_watcher.worker.job import base_refused, served_on
+from ckpt_watcher.worker.job import adapter_so_far, base_refused, served_on
 
 if TYPE_CHECKING:
     from ckpt_watcher.evaluators.keeper import EngineKeeper
@@ -37,11 +38,9 @@ def prepare(request_folder: JobFolder, placeholder: Path, keeper: EngineKeeper) 
     spec = request_folder.read_spec()
     req = spec.request
     source = Path(req.checkpoint)
-    if adapter.is_adapter(LocalFiles(source).files):  # a LoRA step saved alone (its config
-        # and tokenizer too, maybe: the job serves the adapter all the same)
-        base = served_on(source, req, None)
-        if base is None:
-            raise SwapError(f"{source}: an adapter vLLM would not serve (merged when complete)")
+    base = served_on(source, req, None, ahead=True)
+    if base is not None:  # a LoRA step saved alone (its config and tokenizer too, maybe: the
+        # job serves the adapter all the same), its tensors maybe still to come
         log.info("engine.preparing", run=spec.job_id, base=str(base), adapter=str(source))
         try:
             sig = keeper.prepare(dataclasses.replace(req, checkpoint=str(base), lora=str(source)))
@@ -52,6 +51,8 @@ def prepare(request_folder: JobFolder, placeholder: Path, keeper: EngineKeeper) 
         _ready_tasks(spec.job_id, req)
         log.info("engine.ready", run=spec.job_id, signature=sig)
         return sig
+    if adapter_so_far(LocalFiles(source).files):
+        raise SwapError(f"{source}: an adapter not served on its base (merged when complete)")
     files = model_meta.find(source, tokenizer_required="tokenizer" not in req.model_args)
     if files is None:
         raise SwapError(f"{source}: no whole config and tokenizer to start an engine on")

@@ -5,9 +5,9 @@ daemon reads the outcomes and is the only writer of the ledger. The exit code sa
 ended (`jobfolder.EXIT_*`); what stopped a whole job goes in the folder's crash file.
 
 A checkpoint in a trainer's own format is converted first (convert.py). A LoRA adapter saved
-alone is served on its base by vLLM for lm-eval's tasks where vLLM serves it as peft applies it
-(`served_on`); otherwise, and for other harnesses, it is merged into a copy of its base
-(merge.py), which the tasks read.
+alone is served on its base for lm-eval's tasks (by vLLM, or by peft on the hf backend) where
+vLLM serves it as peft applies it (`served_on`); otherwise, and for harnesses that load the
+checkpoint themselves, it is merged into a copy of its base (merge.py), which the tasks read.
 
 A result is of exactly the bytes its fingerprint names: the files read are those the checkpoint
 was judged with (the spec's write mark) before the model loads, and still are when each task
@@ -29,7 +29,12 @@ from typing import TYPE_CHECKING
 import structlog
 
 from ckpt_watcher.checkpoints import adapter, namefix, noop
-from ckpt_watcher.checkpoints.files import LocalFiles, check_unchanged
+from ckpt_watcher.checkpoints.files import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    LocalFiles,
+    check_unchanged,
+)
 from ckpt_watcher.errors import AdapterNotServed, CheckpointChanged
 from ckpt_watcher.evaluators import compile_cache, engine_watch
 from ckpt_watcher.jobfolder import (
@@ -232,14 +237,21 @@ def base_refused(base: str) -> None:
     _NOT_SERVED.add(base)
 
 
-def served_on(checkpoint: Path, req: EvalRequest, judged: str | None) -> Path | None:
-    """The base model vLLM serves `checkpoint` on, if it is a LoRA adapter saved alone that
+def served_on(
+    checkpoint: Path, req: EvalRequest, judged: str | None, ahead: bool = False
+) -> Path | None:
+    """The base model `checkpoint` is served on, if it is a LoRA adapter saved alone that
     vLLM serves as peft applies it (`adapter.unservable`) with its base's tokenizer; None:
-    not an adapter, or one to merge (which says why in the log)."""
-    if req.backend != "vllm" or not req.serve_adapters:
+    not an adapter, or one to merge (which says why in the log). On the hf backend peft
+    serves it (evaluators/peft_adapter.py), and the same adapters are served: the job's
+    served harnesses ask vLLM's model server for it. `ahead`: the step is still being
+    written (an engine started before it, worker/early.py): its adapter config is enough, and
+    its tensors are judged (`adapter.unfit`) by its job."""
+    if not req.serve_adapters:
         return None
     view = LocalFiles(checkpoint)
-    if not adapter.is_adapter(view.files):
+    weights = set(ADAPTER_WEIGHTS) & set(view.files)
+    if not (adapter.is_adapter(view.files) or (ahead and adapter_so_far(view.files))):
         return None
     override = Path(req.adapter_base) if req.adapter_base is not None else None
     base = adapter.resolve_base(view, override, str(checkpoint))
@@ -251,7 +263,7 @@ def served_on(checkpoint: Path, req: EvalRequest, judged: str | None) -> Path | 
     elif not (why := adapter.unservable(config)):
         if not noop.tokenizer_is_bases(checkpoint, base):
             why = "it saved a tokenizer or chat template of its own"
-        else:
+        elif weights or not ahead:
             why = adapter.unfit(checkpoint, base, config)
     if why:
         log.info("worker.adapter_not_served", adapter=str(checkpoint), why=why)
@@ -266,6 +278,12 @@ def served_on(checkpoint: Path, req: EvalRequest, judged: str | None) -> Path | 
         log.info("worker.adapter_not_served", adapter=str(checkpoint), why="refused before")
         return None
     return loadable
+
+
+def adapter_so_far(names: dict[str, int]) -> bool:
+    """A step being written that is an adapter so far: its config, and no model weights."""
+    model = [n for n in names if n.endswith(".safetensors") or n.startswith("pytorch_model")]
+    return ADAPTER_CONFIG in names and set(model) <= set(ADAPTER_WEIGHTS)
 
 
 def _journaled_as(t: TaskRun, adapter: str | None) -> TaskRun:

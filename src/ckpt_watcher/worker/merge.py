@@ -16,14 +16,12 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import structlog
 
 from ckpt_watcher.checkpoints import adapter
 from ckpt_watcher.checkpoints.files import NEEDED, LocalFiles
-from ckpt_watcher.errors import AdapterError
 
 log = structlog.get_logger("ckpt_watcher.worker.merge")
 
@@ -67,33 +65,13 @@ def merge(adapter_dir: Path, base: Path, out: Path) -> None:
     """Save to `out` the base model with the adapter merged in, and the tokenizer files: the
     adapter folder's where it has them, else the base's."""
     import torch
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from ckpt_watcher.evaluators.peft_adapter import attach
+
     loaded = AutoModelForCausalLM.from_pretrained(base, dtype="auto", low_cpu_mem_usage=True)
-    with torch.no_grad(), warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        try:
-            model = PeftModel.from_pretrained(loaded, adapter_dir)
-        except RuntimeError as e:  # torch's load_state_dict: tensors of another model's shapes
-            if "size mismatch" not in str(e):
-                raise
-            first = next(ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln)
-            raise AdapterError(
-                f"{adapter_dir}: its tensors do not fit {base}, whose shapes differ ({first}); "
-                "set the source's adapter_base to the model the adapter was trained on"
-            ) from None
-        # peft only warns when the adapter's tensors are not those its modules expect (keys of
-        # another naming, another model): merged, that would be the base alone, scored as the
-        # adapter
-        missing = [str(w.message) for w in said if "missing adapter keys" in str(w.message)]
-        if missing:
-            raise AdapterError(
-                f"{adapter_dir}: its tensors do not fit {base}: peft found no tensor for "
-                f"{missing[0].count('lora_')} of the adapter's weights (saved under other names "
-                "than peft's, or for another model); re-save it with peft's save_pretrained, or "
-                "set the source's adapter_base to the model it was trained on"
-            )
+    with torch.no_grad():
+        model = attach(loaded, adapter_dir, base)
         merged = model.merge_and_unload()
     merged.save_pretrained(out, safe_serialization=True)
     del merged, model, loaded
