@@ -10,7 +10,11 @@ first/second in each, early/off for the first step, and whether the first step's
 equal in both modes. Each line's engine and `engine_seconds` (load, or swap and checks) say where
 the time went.
 
-Usage: python bench/early_engine.py [--delay 45] [--backend vllm|hf] [--work /tmp/bench-early]
+`--tasks N`: the addition task N times under other names (a longer eval of the same model:
+the first step's extra cost, the proof of its first weights, is fixed).
+
+Usage: python bench/early_engine.py [--delay 45] [--backend vllm|hf] [--tasks 1]
+                                    [--work /tmp/bench-early]
 """
 
 from __future__ import annotations
@@ -64,13 +68,19 @@ HF = {"backend": "hf", "model_args": {"dtype": "float32", "max_model_len": 64}, 
 
 
 def run(
-    root: Path, ckpts: list[Path], tasks_dir: Path, early: bool, delay: float, backend: str = "vllm"
+    root: Path,
+    ckpts: list[Path],
+    tasks_dir: Path,
+    tasks: list[str],
+    early: bool,
+    delay: float,
+    backend: str = "vllm",
 ) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     watch = root / "ckpts"
     watch.mkdir(parents=True)
     ev = (VLLM if backend == "vllm" else HF) | {"warm_engine": True, "early_engine": early}
-    cfg = config(root / "w.yaml", root, watch, tasks_dir, ["addition"], eval=ev)
+    cfg = config(root / "w.yaml", root, watch, tasks_dir, tasks, eval=ev)
     text = cfg.read_text().replace("poll_seconds: 5", "poll_seconds: 1")
     cfg.write_text(text + "stable_seconds: 1\n")
     first, second = ckpts
@@ -82,9 +92,9 @@ def run(
     )
     try:
         write(first, watch / first.name, delay)
-        first_s = wait_lines(ledger, 1, daemon, 600)
+        first_s = wait_lines(ledger, len(tasks), daemon, 600)
         write(second, watch / second.name, 0.0)
-        second_s = wait_lines(ledger, 2, daemon, 600)
+        second_s = wait_lines(ledger, 2 * len(tasks), daemon, 600)
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(120)
@@ -93,8 +103,10 @@ def run(
     return {
         "first_s": first_s,
         "second_s": second_s,
-        "engines": [f"{ln['engine']} {ln['engine_seconds']:.2f} s" for ln in lines],
-        "metrics": lines[0]["metrics"],
+        "engines": list(  # one per step (its tasks share its engine)
+            {ln["step"]: f"{ln['engine']} {ln['engine_seconds']:.2f} s" for ln in lines}.values()
+        ),
+        "metrics": [ln["metrics"] for ln in lines[: len(tasks)]],
     }
 
 
@@ -102,14 +114,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--delay", type=float, default=45.0)
     ap.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
+    ap.add_argument("--tasks", type=int, default=1)
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-early"))
     args = ap.parse_args()
-    tasks_dir, _ = task_folder(args.work)
+    tasks_dir, tasks = task_folder(args.work, args.tasks)
     ckpts = checkpoints(args.work, tied=False)[:2]
     out = {}
     for early in (True, False):
         mode = "early" if early else "off"
-        r = run(args.work / mode, ckpts, tasks_dir, early, args.delay, args.backend)
+        r = run(args.work / mode, ckpts, tasks_dir, tasks, early, args.delay, args.backend)
         out[early] = r
         name = "early_engine: true " if early else "early_engine: false"
         print(

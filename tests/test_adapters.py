@@ -707,7 +707,9 @@ def test_peft_serves_each_adapter_under_its_own_name_and_gives_the_base_back_as_
         peft.save_pretrained(tmp_path / name)
         return tmp_path / name
 
-    first, second, whole = saved("a"), saved("b"), saved("c", modules_to_save=["lm_head"])
+    # (the folders' names become module names, where torch refuses dots)
+    first, second = saved("qwen2.5-lora_step100"), saved("b")
+    whole = saved("c", modules_to_save=["lm_head"])
     lm = types.SimpleNamespace(_model=LlamaForCausalLM.from_pretrained(base).eval())
     x = torch.tensor([[1, 2, 3, 4, 5]])
     weights = list(lm._model.parameters())
@@ -728,7 +730,7 @@ def test_peft_serves_each_adapter_under_its_own_name_and_gives_the_base_back_as_
             assert not torch.allclose(served, alone, atol=1e-3), folder  # the adapter acts
             peft_adapter.drop_adapter(lm)
             assert peft_adapter.intact(lm) and torch.equal(lm._model(x).logits, alone)
-        assert len(set(names)) == 2 and names[0].startswith("a-"), names
+        assert len(set(names)) == 2 and names[0].startswith("qwen2_5-lora_step100-"), names
         peft_adapter.use_adapter(lm, str(whole), whole.name)
         peft_adapter.drop_adapter(lm)
         assert not peft_adapter.intact(lm)
@@ -742,3 +744,10 @@ def test_peft_serves_each_adapter_under_its_own_name_and_gives_the_base_back_as_
     fresh = types.SimpleNamespace(_model=LlamaForCausalLM.from_pretrained(base).eval())
     with pytest.raises(AdapterNotServed, match="its tensors do not fit"):
         peft_adapter.use_adapter(fresh, str(renamed), "renamed")
+    # an engine loaded with an adapter of its own (lm-eval's `peft=`): kept, not served over
+    own = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), first)
+    users = types.SimpleNamespace(_model=own)
+    with pytest.raises(AdapterNotServed, match="an adapter of its own"):
+        peft_adapter.use_adapter(users, str(second), second.name)
+    peft_adapter.drop_adapter(users)
+    assert users._model is own and list(own.peft_config) == ["default"]

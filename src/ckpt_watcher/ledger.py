@@ -81,8 +81,9 @@ FIELDS: dict[str, str] = {
     "eval (`verl-fsdp`); absent for a Hugging Face checkpoint.",
     "convert_seconds": "Seconds the conversion into a Hugging Face folder took (for a job "
     "that used the copy another job of the checkpoint made: the wait for it).",
-    "adapter": "For a LoRA/PEFT adapter saved alone: `served` (vLLM served it on its base "
-    "model, LoRA enabled) or `merged` (evaluated merged into a copy of its base).",
+    "adapter": "For a LoRA/PEFT adapter saved alone: `served` (served on its base model: by "
+    "vLLM with LoRA enabled, or by peft on the hf backend) or `merged` (evaluated merged into a "
+    "copy of its base).",
     "no_op": "Why the checkpoint changes nothing (an adapter whose every update is zero, "
     "weights byte for byte its base's): evaluated, but left out of `results`, alerts, W&B, "
     "Prometheus and the report.",

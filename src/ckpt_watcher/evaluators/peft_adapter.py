@@ -13,6 +13,7 @@ made. Imported only inside worker processes.
 from __future__ import annotations
 
 import itertools
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,12 @@ def use_adapter(lm: Any, path: str, label: str) -> None:
     """Serve the adapter in `path` on the hf model of lm-eval's `lm` (its base) for every
     request from now on, under the name `label`-id; an adapter peft cannot attach raises
     AdapterNotServed (the job merges it instead, which says what is wrong with it)."""
+    from peft import PeftModel
+
     drop_adapter(lm)
     base = lm._model
+    if isinstance(base, PeftModel):  # an adapter of the engine's own (model_args' `peft`)
+        raise AdapterNotServed("the engine holds an adapter of its own (model_args: peft)")
     if getattr(lm, "ckpt_watcher_tensors", None) is None:  # the base as loaded, for `intact`
         lm.ckpt_watcher_tensors = _tensors(base)
     # peft freezes the base's weights; a frozen weight sends torch's matmul of a strided input
@@ -69,7 +74,10 @@ def use_adapter(lm: Any, path: str, label: str) -> None:
     flags = [(p, p.requires_grad) for p in base.parameters()]
     try:
         named = Path(str(getattr(base, "name_or_path", "its base")))
-        lm._model = attach(base, Path(path), named, f"{label}-{next(_ids)}")
+        # (a module name: torch refuses dots, which run names such as qwen2.5-lora hold)
+        name = f"{re.sub(r'[^A-Za-z0-9_-]', '_', label)}-{next(_ids)}"
+        lm._model = attach(base, Path(path), named, name)
+        lm.ckpt_watcher_serving = True
     except Exception as e:
         raise AdapterNotServed(f"peft cannot serve the adapter {path}: {e}") from e
     finally:
@@ -79,9 +87,8 @@ def use_adapter(lm: Any, path: str, label: str) -> None:
 
 def drop_adapter(lm: Any) -> None:
     """Stop serving `lm`'s adapter: its LoRA modules taken out of the base, nothing merged."""
-    from peft import PeftModel
-
-    if isinstance(lm._model, PeftModel):
+    if getattr(lm, "ckpt_watcher_serving", False):  # never an adapter use_adapter did not attach
+        lm.ckpt_watcher_serving = False
         lm._model = lm._model.unload()
 
 

@@ -247,8 +247,8 @@ def served_on(
     served harnesses ask vLLM's model server for it. `ahead`: the step is still being
     written (an engine started before it, worker/early.py): its adapter config is enough, and
     its tensors are judged (`adapter.unfit`) by its job."""
-    if not req.serve_adapters:
-        return None
+    if not req.serve_adapters or (req.backend == "hf" and req.model_args.get("peft")):
+        return None  # (hf: an adapter of the engine's own stays on, under the merged copy)
     view = LocalFiles(checkpoint)
     weights = set(ADAPTER_WEIGHTS) & set(view.files)
     if not (adapter.is_adapter(view.files) or (ahead and adapter_so_far(view.files))):
