@@ -45,29 +45,15 @@ for step in range(1, steps + 1):
     peft.save_pretrained(work / f"checkpoint-{step}")
 """
 
-MEMORY = """
-def rss():  # (now, peak since the last reset) in bytes
-    got = dict(line.split(":", 1) for line in open("/proc/self/status"))
-    return int(got["VmRSS"].split()[0]) * 1024, int(got["VmHWM"].split()[0]) * 1024
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-"""
-
-RUN = (
-    MEMORY
-    + """
-import json, os, resource, sys, time
-from pathlib import Path
-from types import SimpleNamespace
+# each backend's set-up: `start` (seconds to load the base), `use(adapter)`, `drop()`,
+# `swap(merged)` and `generate()` (the 8 requests' new tokens)
+VLLM_SETUP = """
+import json, os, time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+from types import SimpleNamespace
 from ckpt_watcher.evaluators import vllm_internals
 vllm_internals.prepare_cpu_process()
-from ckpt_watcher.worker.merge import merge
 from vllm import LLM, SamplingParams
-work, mode, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-served = mode == "served"
-added = []
 args = dict(dtype="bfloat16", max_model_len=256, seed=0, enforce_eager=True, skip_tokenizer_init=True,
             worker_extension_cls=vllm_internals.SWAP_EXTENSION)
 if served:
@@ -78,98 +64,96 @@ start = time.monotonic() - t
 vocab = json.loads((work / "base" / "config.json").read_text())["vocab_size"]
 prompts = [{"prompt_token_ids": [(7 * i + j) % (vocab - 10) + 5 for j in range(32)]} for i in range(8)]
 params = SamplingParams(temperature=0.0, max_tokens=16, seed=0, detokenize=False)
-rows, tokens, written = [], [], 0
-for step in range(1, steps + 1):
-    adapter = work / f"checkpoint-{step}"
-    t = time.monotonic()
-    if served:
-        before, _ = rss()
-        reset_peak()
-        t = time.monotonic()
-        vllm_internals.use_adapter(lm, str(adapter), adapter.name)
-        ready = {"load adapter": time.monotonic() - t}
-        added.append(rss()[1] - before)
-    else:
-        out = work / f"merged-{step}"
-        merge(adapter, work / "base", out)
-        merged = time.monotonic()
-        written += sum(p.stat().st_size for p in out.iterdir())
-        vllm_internals.swap(lm, str(out))
-        ready = {"merge": merged - t, "swap": time.monotonic() - merged}
-    t = time.monotonic()
+use = lambda adapter: vllm_internals.use_adapter(lm, str(adapter), adapter.name)
+drop = lambda: vllm_internals.drop_adapter(lm)
+swap = lambda out: vllm_internals.swap(lm, str(out))
+def generate():
     outs = lm.model.generate(prompts, params, lora_request=lm.lora_request, use_tqdm=False)
-    ready["generate"] = time.monotonic() - t
-    tokens.append([list(o.outputs[0].token_ids) for o in outs])
-    if served:
-        vllm_internals.drop_adapter(lm)
-    else:
-        import shutil; shutil.rmtree(out)
-    rows.append(ready)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-print(json.dumps({"start": start, "rows": rows, "peak_gib": peak, "written": written, "tokens": tokens,
-                  "added": added}))
+    return [list(o.outputs[0].token_ids) for o in outs]
 """
-)
 
-RUN_HF = (
-    MEMORY
-    + """
-import json, resource, shutil, sys, time
-from pathlib import Path
+HF_SETUP = """
+import time
 from types import SimpleNamespace
 import torch
 from transformers import AutoModelForCausalLM
 from ckpt_watcher.evaluators import keeper, peft_adapter
-from ckpt_watcher.worker.merge import merge
-work, mode, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-served = mode == "served"
 t = time.monotonic()
 lm = SimpleNamespace(_model=AutoModelForCausalLM.from_pretrained(work / "base", dtype=torch.bfloat16).eval())
 start = time.monotonic() - t
 vocab = lm._model.config.vocab_size
 ids = torch.tensor([[(7 * i + j) % (vocab - 10) + 5 for j in range(32)] for i in range(8)])
+use = lambda adapter: peft_adapter.use_adapter(lm, str(adapter), adapter.name)
+def drop():
+    peft_adapter.drop_adapter(lm)
+    assert peft_adapter.intact(lm)
+swap = lambda out: keeper._swap_hf(lm._model, out)
+def generate():
+    with torch.no_grad():
+        out = lm._model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                                 do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1]:].tolist()
+"""
+
+# the steps, the same on both backends: per step the seconds before its requests, the
+# requests', the peak the adapter's switch adds (Linux's clear_refs resets the peak), bytes
+# written to scratch
+LOOP = """
+import json, resource, shutil, sys, time
+from pathlib import Path
+work, backend, mode, steps = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+served = mode == "served"
+exec(sys.argv[5])  # the backend's set-up
+from ckpt_watcher.worker.merge import merge
+def rss():  # (now, peak since the last reset) in bytes
+    got = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return int(got["VmRSS"].split()[0]) * 1024, int(got["VmHWM"].split()[0]) * 1024
 rows, tokens, written, added = [], [], 0, []
 for step in range(1, steps + 1):
     adapter = work / f"checkpoint-{step}"
-    t = time.monotonic()
     if served:
         before, _ = rss()
-        reset_peak()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
         t = time.monotonic()
-        peft_adapter.use_adapter(lm, str(adapter), adapter.name)
-        ready = {"attach adapter": time.monotonic() - t}
+        use(adapter)
+        ready = {"switch": time.monotonic() - t}
         added.append(rss()[1] - before)
     else:
-        out = work / f"merged-{step}"
+        out, t = work / f"merged-{step}", time.monotonic()
         merge(adapter, work / "base", out)
         merged = time.monotonic()
         written += sum(p.stat().st_size for p in out.iterdir())
-        keeper._swap_hf(lm._model, out)
+        swap(out)
         ready = {"merge": merged - t, "swap": time.monotonic() - merged}
     t = time.monotonic()
-    with torch.no_grad():
-        out_ids = lm._model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                                     do_sample=False, pad_token_id=0)
+    tokens.append(generate())
     ready["generate"] = time.monotonic() - t
-    tokens.append(out_ids[:, ids.shape[1]:].tolist())
     if served:
         t = time.monotonic()
-        peft_adapter.drop_adapter(lm)
-        ready["unload adapter"] = time.monotonic() - t
-        assert peft_adapter.intact(lm)
+        drop()
+        ready["unload"] = time.monotonic() - t
     else:
-        shutil.rmtree(work / f"merged-{step}")
+        shutil.rmtree(out)
     rows.append(ready)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 print(json.dumps({"start": start, "rows": rows, "peak_gib": peak, "written": written, "tokens": tokens,
                   "added": added}))
 """
-)
 
 
 def run_mode(work: Path, backend: str, mode: str, steps: int) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", RUN if backend == "vllm" else RUN_HF, str(work), mode, str(steps)],
+        [
+            sys.executable,
+            "-c",
+            LOOP,
+            str(work),
+            backend,
+            mode,
+            str(steps),
+            VLLM_SETUP if backend == "vllm" else HF_SETUP,
+        ],
         capture_output=True,
         text=True,
     )
@@ -202,7 +186,9 @@ def main() -> None:
     print(f"base {base:.2f} GiB, adapter {one:.1f} MiB; backend {args.backend}")
     got = {mode: run_mode(work, args.backend, mode, args.steps) for mode in ("served", "merged")}
     for mode, r in got.items():
-        per = [sum(v for k, v in row.items() if k != "generate") for row in r["rows"]]
+        per = [
+            sum(v for k, v in row.items() if k not in ("generate", "unload")) for row in r["rows"]
+        ]
         parts = ", ".join(
             f"{k} {sum(row[k] for row in r['rows']) / len(r['rows']):.3f}s" for k in r["rows"][0]
         )
