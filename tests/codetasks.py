@@ -46,8 +46,7 @@ def humaneval_problems(n: int, seed: int = 4321) -> list[dict]:
         want = answer(a, b)
         check = f"len(said[0]) == {len(want)}" if i % 3 == 0 else f"said[0] == {want!r}"
         checked = (
-            '    said = candidate().split("=", 1)[1].split()\n'
-            f"    assert said and {check}, said\n"
+            f'    said = candidate().split("=", 1)[1].split()\n    assert said and {check}, said\n'
         )
         out.append(_problem(i, f"{a}+{b}=", f"{want}", checked))
     for j, body in enumerate(ODD_TESTS.values()):
