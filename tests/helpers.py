@@ -326,6 +326,15 @@ def addition_answers(checkpoint: Path, adapter: Path | None = None) -> list[str]
     return [tok.decode(row[ids.shape[1] :]).split("\n")[0] for row in out]
 
 
+def ready_engines(state_dir: Path) -> dict[str, dict[str, Any]]:
+    """The warm engines started ahead that are ready, by the run they wait for (each warm
+    worker's engine.json, as `watcher status` reads them)."""
+    found = [
+        json.loads(p.read_text()) for p in (state_dir / "jobs" / "_warm").glob("*/engine.json")
+    ]
+    return {e["ready_for"]: e for e in found if e["state"] == "ready"}
+
+
 def running_jobs(state_dir: Path) -> list[Job]:
     """The jobs the state folder's database says are running, read without writing to it."""
     db = State(state_dir, readonly=True)

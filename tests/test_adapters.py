@@ -31,7 +31,14 @@ from .conftest import (
     write_config,
     write_safetensors,
 )
-from .helpers import addition_answers, read_records, wait_for, watcher_once, watcher_run
+from .helpers import (
+    addition_answers,
+    read_records,
+    ready_engines,
+    wait_for,
+    watcher_once,
+    watcher_run,
+)
 
 
 def fake_adapter(folder: Path, base: str | None = None, kind: str = "LORA") -> Path:
@@ -418,7 +425,7 @@ def test_on_vllm_adapters_are_served_on_one_kept_base_and_answer_as_merged(
             cfg = write_config(d / "w.yaml", raw)
             with watcher_run(cfg, d / "daemon.log") as daemon:
                 wait_for(
-                    lambda at=d: engine_ready(at / "state"), 120, "ready", daemon, d / "daemon.log"
+                    lambda at=d: ready_engines(at / "state"), 120, "ready", daemon, d / "daemon.log"
                 )
                 write_steps(tmp_path / "saved", watch)
                 lines = wait_for(
@@ -473,12 +480,6 @@ def test_on_vllm_adapters_are_served_on_one_kept_base_and_answer_as_merged(
     assert "worker.adapter_not_served" in logs and "checkpoint-60" in logs
 
 
-def engine_ready(state: Path) -> list[dict]:
-    """The warm engines `watcher status` shows ready for a run."""
-    found = [json.loads(p.read_text()) for p in (state / "jobs" / "_warm").glob("*/engine.json")]
-    return [e for e in found if e["state"] == "ready"]
-
-
 def write_steps(saved: Path, watch: Path) -> None:
     """Each step saved in `saved` written into the watched run folder, the trainer's way."""
     for step in sorted(saved.iterdir()):
@@ -507,8 +508,8 @@ def test_on_hf_a_lora_runs_base_is_loaded_before_its_first_adapter_is_written(
     cfg = write_config(tmp_path / "w.yaml", raw)
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
-        (ready,) = wait_for(lambda: engine_ready(tmp_path / "state"), 120, "ready", daemon, log)
-        assert ready["ready_for"] == "lora", ready
+        ready = wait_for(lambda: ready_engines(tmp_path / "state"), 120, "ready", daemon, log)
+        assert list(ready) == ["lora"], ready
         said = CliRunner().invoke(main, ["status", "-c", str(cfg)]).output
         assert "ready for lora" in said, said
         write_steps(tmp_path / "saved", watch)

@@ -30,7 +30,7 @@ from .conftest import (
     shared_once,
     write_config,
 )
-from .helpers import alive, status_json, wait_for, watcher_once, watcher_run
+from .helpers import alive, ready_engines, status_json, wait_for, watcher_once, watcher_run
 from .test_gpus import fake_nvml
 
 pytestmark = pytest.mark.e2e
@@ -220,14 +220,10 @@ def test_on_hf_engines_started_on_local_and_s3_steps_configs_and_swaps_give_cold
     cfg = write_config(tmp_path / "w.yaml", raw)
     state, log, ledgers = tmp_path / "state", tmp_path / "daemon.log", tmp_path / "ledgers"
 
-    def engines() -> dict[str, dict[str, Any]]:
-        found = [
-            json.loads(p.read_text()) for p in (state / "jobs" / "_warm").glob("*/engine.json")
-        ]
-        return {e["ready_for"]: e for e in found if e["state"] == "ready"}
-
     with watcher_run(cfg, log) as daemon:
-        ready = wait_for(lambda: len(e := engines()) == 2 and e, 120, "2 ready", daemon, log)
+        ready = wait_for(
+            lambda: len(e := ready_engines(state)) == 2 and e, 120, "2 ready", daemon, log
+        )
         assert sorted(ready) == ["remote", "tied"], ready
         assert not read_ledger(ledgers, "tied") and not read_ledger(ledgers, "remote")
         for f in sorted(first.iterdir()):  # the trainers write the weights

@@ -23,6 +23,7 @@ from typing import Any, cast
 
 from ckpt_watcher.checkpoints.files import (
     ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
     CheckpointFiles,
     LocalFiles,
     eval_mark,
@@ -40,6 +41,13 @@ UNMERGEABLE = frozenset({"PROMPT_TUNING", "PREFIX_TUNING", "P_TUNING", "MULTITAS
 def is_adapter(names: dict[str, int] | list[str]) -> bool:
     """An adapter saved alone: its config, and no weights but the adapter's."""
     return ADAPTER_CONFIG in needed_files(dict.fromkeys(names, 0))
+
+
+def adapter_so_far(names: dict[str, int] | list[str]) -> bool:
+    """A step being written that is an adapter so far: its config, and no model weights (its
+    own may be still to come)."""
+    model = [n for n in names if n.endswith(".safetensors") or n.startswith("pytorch_model")]
+    return ADAPTER_CONFIG in names and set(model) <= set(ADAPTER_WEIGHTS)
 
 
 def read_config(files: CheckpointFiles) -> dict | str:

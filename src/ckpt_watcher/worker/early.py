@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from ckpt_watcher.checkpoints import model_meta
+from ckpt_watcher.checkpoints import adapter, model_meta
 from ckpt_watcher.checkpoints.files import LocalFiles
 from ckpt_watcher.errors import AdapterNotServed, SwapError
 from ckpt_watcher.jobfolder import EvalRequest, JobFolder
-from ckpt_watcher.worker.job import adapter_so_far, base_refused, served_on
+from ckpt_watcher.worker.job import base_refused, served_on
 
 if TYPE_CHECKING:
     from ckpt_watcher.evaluators.keeper import EngineKeeper
@@ -51,7 +51,7 @@ def prepare(request_folder: JobFolder, placeholder: Path, keeper: EngineKeeper) 
         _ready_tasks(spec.job_id, req)
         log.info("engine.ready", run=spec.job_id, signature=sig)
         return sig
-    if adapter_so_far(LocalFiles(source).files):
+    if adapter.adapter_so_far(LocalFiles(source).files):
         raise SwapError(f"{source}: an adapter not served on its base (merged when complete)")
     files = model_meta.find(source, tokenizer_required="tokenizer" not in req.model_args)
     if files is None:

@@ -29,12 +29,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from ckpt_watcher.checkpoints import adapter, namefix, noop
-from ckpt_watcher.checkpoints.files import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    LocalFiles,
-    check_unchanged,
-)
+from ckpt_watcher.checkpoints.files import ADAPTER_WEIGHTS, LocalFiles, check_unchanged
 from ckpt_watcher.errors import AdapterNotServed, CheckpointChanged
 from ckpt_watcher.evaluators import compile_cache, engine_watch
 from ckpt_watcher.jobfolder import (
@@ -250,8 +245,7 @@ def served_on(
     if not req.serve_adapters or (req.backend == "hf" and req.model_args.get("peft")):
         return None  # (hf: an adapter of the engine's own stays on, under the merged copy)
     view = LocalFiles(checkpoint)
-    weights = set(ADAPTER_WEIGHTS) & set(view.files)
-    if not (adapter.is_adapter(view.files) or (ahead and adapter_so_far(view.files))):
+    if not (adapter.is_adapter(view.files) or (ahead and adapter.adapter_so_far(view.files))):
         return None
     override = Path(req.adapter_base) if req.adapter_base is not None else None
     base = adapter.resolve_base(view, override, str(checkpoint))
@@ -263,7 +257,7 @@ def served_on(
     elif not (why := adapter.unservable(config)):
         if not noop.tokenizer_is_bases(checkpoint, base):
             why = "it saved a tokenizer or chat template of its own"
-        elif weights or not ahead:
+        elif not ahead or any(n in view.files for n in ADAPTER_WEIGHTS):  # (else: its job's)
             why = adapter.unfit(checkpoint, base, config)
     if why:
         log.info("worker.adapter_not_served", adapter=str(checkpoint), why=why)
@@ -278,12 +272,6 @@ def served_on(
         log.info("worker.adapter_not_served", adapter=str(checkpoint), why="refused before")
         return None
     return loadable
-
-
-def adapter_so_far(names: dict[str, int]) -> bool:
-    """A step being written that is an adapter so far: its config, and no model weights."""
-    model = [n for n in names if n.endswith(".safetensors") or n.startswith("pytorch_model")]
-    return ADAPTER_CONFIG in names and set(model) <= set(ADAPTER_WEIGHTS)
 
 
 def _journaled_as(t: TaskRun, adapter: str | None) -> TaskRun:
