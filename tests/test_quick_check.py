@@ -15,7 +15,13 @@ import torch
 
 from ckpt_watcher.demo.tiny import build_model, build_tokenizer, save_checkpoint
 from ckpt_watcher.evaluators import weights
-from ckpt_watcher.evaluators.keeper import EngineKeeper, compare, engine_reach, quick_check
+from ckpt_watcher.evaluators.keeper import (
+    EngineKeeper,
+    compare,
+    engine_reach,
+    fill_check,
+    quick_check,
+)
 from ckpt_watcher.jobfolder import EvalRequest
 
 from .conftest import write_safetensors
@@ -95,6 +101,63 @@ def test_a_right_swap_passes_and_leaves_the_cold_weights_a_swap_missing_a_weight
     bare = replace(reach, swap=lambda: None)
     why, restored, _ = quick_check(bare, "float32")
     assert "not as loaded after the swap back" in str(why) and not restored
+    keeper.drop()
+
+
+def test_the_first_weights_in_a_placeholder_engine_are_proven_and_any_left_out_is_caught(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """An engine started on the step's config and tokenizer alone (`prepare`) holds NaN in every
+    weight until its first checkpoint is swapped in; that swap is served (`early`) with the cold
+    load's very weights once `fill_check` proved it. A swap that leaves a weight out leaves its
+    NaN, and one that keeps a weight from the permuted swap before it gives other probes."""
+    from safetensors.torch import load_file
+
+    meta = tmp_path / "meta"  # the step as its trainer began it: config and tokenizer
+    meta.mkdir()
+    for f in checkpoint.iterdir():
+        if not f.name.endswith(".safetensors"):
+            (meta / f.name).write_bytes(f.read_bytes())
+    keeper = EngineKeeper()
+    keeper.prepare(_request(meta))
+    names = [n for n, _ in keeper.lm.model.named_parameters()]
+    assert weights.unwritten(keeper.lm.model) == names  # every weight NaN, waiting
+    engine = keeper.acquire(_request(checkpoint))
+    assert engine.kind == "early" and keeper.checked == {keeper.signature}
+    assert [(e["event"], e["check"]) for e in keeper.events] == [("engine.verify_ok", "quick")]
+    early = weights.digest(engine.lm.model)
+    keeper.drop()
+    cold = EngineKeeper()
+    assert weights.digest(cold.acquire(_request(checkpoint)).lm.model) == early
+    cold.drop()
+
+    hidden = json.loads((checkpoint / "config.json").read_text())["hidden_size"]
+    state = dict(weights.permuted(checkpoint, hidden))
+    own = {k: v for f in weights.weight_files(checkpoint) for k, v in load_file(f).items()}
+
+    def load(tensors: dict[str, torch.Tensor], but: str) -> None:
+        keeper.lm.model.load_state_dict(
+            {k: v for k, v in tensors.items() if k != but}, strict=False
+        )
+
+    # a swap (permuted or not: the same code) that leaves the final norm out
+    keeper.prepare(_request(meta))
+    reach = engine_reach(keeper.lm, "hf", str(checkpoint), hidden)
+    norm = "model.norm.weight"
+    leaves_out = replace(
+        reach, swap_permuted=lambda: load(state, norm), swap=lambda: load(own, norm)
+    )
+    why, _ = fill_check(leaves_out, "float32")
+    assert why is not None and "left at the placeholder" in why and norm in why, why
+    keeper.drop()
+    # a swap that keeps a layer's weight from the permuted swap before it (as a layer that kept
+    # what it derived from its first weights): the probes differ
+    keeper.prepare(_request(meta))
+    reach = engine_reach(keeper.lm, "hf", str(checkpoint), hidden)
+    down = "model.layers.0.mlp.down_proj.weight"
+    why, _ = fill_check(replace(reach, swap=lambda: load(own, down)), "float32")
+    assert keeper.lm.model.get_parameter(down).equal(state[down])
+    assert why is not None and why.startswith("with the hidden dimension permuted: probe "), why
     keeper.drop()
 
 

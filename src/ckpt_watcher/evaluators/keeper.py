@@ -10,11 +10,16 @@ loses nothing.
 An engine may also be started before its first checkpoint's weights exist (`prepare`): from a
 folder holding only the model's config and tokenizer, on placeholder (random) weights (not for a
 model whose buffers still hold placeholder values after loading, a quantized KV cache's scales
-say: the check below does not see buffers). The first checkpoint of that signature is swapped
-in, and served only once the quick check below proves that the swap wrote every weight (a
-weight left at its placeholder is NaN after the check's scramble, and its probes or bits
-differ); anything else loads cold. A placeholder is never evaluated: a request of another
-signature, or an adapter, drops it.
+say: the check below does not see buffers). Its weights are then set to NaN, and the first
+checkpoint of that signature is served only once `fill_check` proved its swap: the checkpoint
+with its hidden dimension permuted swapped in and probed, then its own weights, with no NaN
+left in any parameter (a weight the swap left out, or one the checkpoint lacks, still holds
+it) and the same probes (a layer that kept what it derived from the placeholder at load, the
+tied head vLLM's reload leaves, gives other tokens one way than the other). Only its two swaps
+and two probes come after the weights are written: the scramble (and a first probe's own
+set-up) is done before, and with no cold load there is nothing to swap back to. Anything else
+loads cold. A placeholder is never evaluated: a request of another signature, or an adapter,
+drops it.
 
 An engine serving LoRA adapters (`req.lora`) holds their base, loaded with LoRA enabled (on
 hf: peft attaches each adapter, peft_adapter.py): it is kept while the next adapter's base is the
@@ -156,6 +161,8 @@ class Reach:
     scramble: Callable[[], object]
     swap: Callable[[], object]  # the checkpoint's own weights
     swap_permuted: Callable[[], object]  # its weights with the hidden dimension permuted
+    # the parameters holding a NaN (an engine started on placeholder weights, scrambled)
+    unwritten: Callable[[], list[str]] | None = None
 
 
 def quick_check(reach: Reach, dtype: str | None) -> tuple[str | None, bool, dict[str, float]]:
@@ -178,6 +185,32 @@ def quick_check(reach: Reach, dtype: str | None) -> tuple[str | None, bool, dict
         back is None,
         {"permuted_s": round(swapped - began, 3), "back_s": round(ended - swapped, 3)},
     )
+
+
+def fill_check(reach: Reach, dtype: str | None) -> tuple[str | None, dict[str, float]]:
+    """The check of the first weights swapped into an engine started on placeholder weights
+    that `prepare` scrambled (module docstring): None when it holds, else why not; and the
+    seconds it took. The checkpoint's weights with the hidden dimension permuted swapped in and
+    probed, then its own weights: every parameter written (no NaN left) and the same probes.
+    The engine then holds the checkpoint's weights, whatever the verdict."""
+    assert reach.unwritten is not None
+    began = time.monotonic()
+    reach.swap_permuted()
+    permuted = reach.probe()
+    swapped = time.monotonic()
+    reach.swap()
+    left = reach.unwritten()
+    why = (
+        f"{len(left)} parameter(s) left at the placeholder (or NaN in the checkpoint), "
+        f"e.g. {left[0]}"
+        if left
+        else None
+    )
+    if why is None:
+        differ = compare(permuted, reach.probe(), dtype)
+        why = f"with the hidden dimension permuted: {differ}" if differ else None
+    ended = time.monotonic()
+    return why, {"permuted_s": round(swapped - began, 3), "back_s": round(ended - swapped, 3)}
 
 
 def compare(warm: Probe, cold: Probe, dtype: str | None) -> str | None:
@@ -241,6 +274,7 @@ def engine_reach(lm: Any, backend: str, checkpoint: str, hidden: int) -> Reach:
             scramble=lambda: rpc("ckpt_watcher_scramble"),
             swap=lambda: swap(lm, backend, checkpoint),
             swap_permuted=swap_permuted,
+            unwritten=lambda: sorted({n for names in rpc("ckpt_watcher_unwritten") for n in names}),
         )
     return Reach(
         probe=lambda: probe(lm, backend),
@@ -250,6 +284,7 @@ def engine_reach(lm: Any, backend: str, checkpoint: str, hidden: int) -> Reach:
         swap_permuted=lambda: _load_hf(
             lm.model, dict(weights.permuted(Path(checkpoint), hidden)), checkpoint
         ),
+        unwritten=lambda: weights.unwritten(lm.model),
     )
 
 
@@ -414,12 +449,29 @@ class EngineKeeper:
         # (hf: buffers are computed from the config, as cold; one the checkpoint must set and
         # lacks fails the swap, _load_hf)
         why = self._random_buffers() if req.backend == "vllm" else ""
+        if not why:
+            why = self._scramble(req.backend)
         if why:  # what no swap is proven to set: its first checkpoint loads cold
             self.drop()
             self.no_placeholder[sig] = why
             raise SwapError(why)
         self.signature, self.checkpoint, self.placeholder = sig, None, True
         return sig
+
+    def _scramble(self, backend: str) -> str:
+        """Probe the engine just started on placeholder weights once (a first probe's own
+        set-up, 0.05 s on the tests' model, is then not paid after the weights are written),
+        then set every weight to NaN, so that the check of the first weights (`fill_check`)
+        sees any a swap leaves out; or why it could not be done."""
+        try:
+            probe(self.lm, backend)
+            if backend == "vllm":
+                self.lm.model.collective_rpc("ckpt_watcher_scramble")
+            else:
+                weights.scramble(self.lm.model)
+        except Exception as e:  # an engine whose first weights cannot be proven: cold
+            return f"its placeholder weights could not be scrambled: {type(e).__name__}: {e}"
+        return ""
 
     def _random_buffers(self) -> str:
         """Why the vLLM engine just started on placeholder weights cannot be filled by a swap
@@ -432,15 +484,10 @@ class EngineKeeper:
         return f"buffers a placeholder sets at random: {random[:3]}" if random else ""
 
     def _fill(self, req: EvalRequest, sig: str, began: float) -> Engine | None:
-        """The first checkpoint swapped into an engine `prepare` started: its Engine once the
-        quick check proved the swap wrote every weight, else None (the caller loads cold)."""
+        """The first checkpoint swapped into an engine `prepare` started (and scrambled): its
+        Engine once `fill_check` proved the swap wrote every weight, else None (the caller
+        loads cold)."""
         self.placeholder = False
-        try:
-            swap(self.lm, req.backend, req.checkpoint)
-        except Exception as e:  # a cold load says more, if the checkpoint itself is at fault
-            self.event("engine.fill_failed", error=f"{type(e).__name__}: {e}")
-            return None
-        self.checkpoint = req.checkpoint
         hidden = hidden_size(Path(req.checkpoint))
         try:
             known = hidden is not None and weights.permutable(Path(req.checkpoint), hidden)
@@ -451,13 +498,18 @@ class EngineKeeper:
             return None
         assert hidden is not None
         reach = engine_reach(self.lm, req.backend, req.checkpoint, hidden)
-        proved_before = sig in self.checked
-        self.checked.discard(sig)
-        restored = self.quick_verdict("engine", req, sig, reach)
-        if not (restored and sig in self.checked):
-            if proved_before:
-                self.checked.add(sig)
+        try:
+            why, seconds = fill_check(reach, req.model_args.get("dtype"))
+        except Exception as e:  # a cold load says more, if the checkpoint itself is at fault
+            self.event("engine.fill_failed", error=f"{type(e).__name__}: {e}")
             return None
+        self.checkpoint = req.checkpoint
+        fields = {"checkpoint": req.checkpoint, "signature": sig, "check": "quick", **seconds}
+        if why is not None:
+            self.event("engine.quick_check_failed", reason=why, **fields)
+            return None
+        self.checked.add(sig)
+        self.event("engine.verify_ok", **fields)
         log.info("engine.filled", checkpoint=req.checkpoint, signature=sig)
         return Engine(self.lm, "early", time.monotonic() - began)
 

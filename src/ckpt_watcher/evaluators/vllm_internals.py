@@ -226,6 +226,11 @@ class SwapExtension:
 
         return scramble(self.model_runner.get_model())
 
+    def ckpt_watcher_unwritten(self) -> list[str]:
+        from ckpt_watcher.evaluators.weights import unwritten
+
+        return unwritten(self.model_runner.get_model())
+
     def ckpt_watcher_digest(self) -> dict[str, int]:
         from ckpt_watcher.evaluators.weights import digest
 

@@ -123,6 +123,19 @@ def scramble(model: Any) -> int:
     return n
 
 
+def unwritten(model: Any) -> list[str]:
+    """The floating-point parameters holding a NaN: after `scramble` and a swap, those the swap
+    did not write (or a checkpoint's own NaN, as wrong to serve)."""
+    import torch
+
+    with torch.no_grad():
+        return [
+            name
+            for name, p in model.named_parameters()
+            if p.is_floating_point() and bool(torch.isnan(p).any())
+        ]
+
+
 _INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 _CHUNK = 1 << 24
 _PRIME = 65521
