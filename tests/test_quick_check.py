@@ -161,6 +161,39 @@ def test_the_first_weights_in_a_placeholder_engine_are_proven_and_any_left_out_i
     keeper.drop()
 
 
+def test_a_tied_head_saved_beside_its_embeddings_is_swapped_in_as_a_cold_load_keeps_it(
+    tmp_path: Path,
+) -> None:
+    """A model that ties its head to its embeddings, from a checkpoint that also holds an
+    `lm_head.weight` of other values: `from_pretrained` keeps the embeddings' (it ties after
+    loading), and so must a swap, into a cold engine or one started ahead (where the two swaps
+    of the check agree with each other whichever tensor wins: only a cold load says which)."""
+    from safetensors.torch import load_file, save_file
+
+    tok = build_tokenizer(False)
+    ckpt = tmp_path / "r_step1"
+    save_checkpoint(build_model(len(tok), seed=3, tie_word_embeddings=True), tok, ckpt, False)
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    for f in ckpt.iterdir():
+        if not f.name.endswith(".safetensors"):
+            (meta / f.name).write_bytes(f.read_bytes())
+    (path,) = weights.weight_files(ckpt)
+    state = load_file(path)
+    assert "lm_head.weight" not in state  # what a tied save writes; the trainer's own adds it:
+    state["lm_head.weight"] = torch.randn_like(state["model.embed_tokens.weight"])
+    save_file(state, path, metadata={"format": "pt"})
+    cold, early = EngineKeeper(), EngineKeeper()
+    early.prepare(_request(meta))
+    for keeper in (cold, early):
+        model = keeper.acquire(_request(ckpt)).lm.model
+        assert model.lm_head.weight.equal(state["model.embed_tokens.weight"])
+        assert [e["event"] for e in keeper.events] == ["engine.verify_ok"], keeper.events
+    assert weights.digest(early.lm.model) == weights.digest(cold.lm.model)
+    for keeper in (cold, early):
+        keeper.drop()
+
+
 def test_a_checkpoint_with_tensors_it_does_not_know_is_not_permuted(tmp_path: Path) -> None:
     write_safetensors(tmp_path / "model.safetensors", {"model.norm.weight": 16})
     assert weights.permutable(tmp_path, 16)

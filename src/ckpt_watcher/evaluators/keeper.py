@@ -15,7 +15,9 @@ checkpoint of that signature is served only once `fill_check` proved its swap: t
 with its hidden dimension permuted swapped in and probed, then its own weights, with no NaN
 left in any parameter (a weight the swap left out, or one the checkpoint lacks, still holds
 it) and the same probes (a layer that kept what it derived from the placeholder at load, the
-tied head vLLM's reload leaves, gives other tokens one way than the other). Only its two swaps
+tied head vLLM's reload leaves, gives other tokens one way than the other; so does a linear
+layer's weight on vLLM's CPU backend, which packs them outside the parameters at load, where
+no NaN reaches them and only the probes see what a swap left out). Only its two swaps
 and two probes come after the weights are written: the scramble (and a first probe's own
 set-up) is done before, and with no cold load there is nothing to swap back to. Anything else
 loads cold. A placeholder is never evaluated: a request of another signature, or an adapter,
@@ -299,6 +301,15 @@ def _swap_hf(model: Any, checkpoint: Path) -> None:
 
 def _load_hf(model: Any, state: dict[str, Any], checkpoint: Path | str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
+    # a tied parameter's other names (a tied head's `lm_head.weight`): where the checkpoint
+    # also has the first name, its tensor is what a cold load keeps (`from_pretrained` ties the
+    # head to the embeddings after loading), so the alias's is not written over it
+    first = {id(p): name for name, p in model.named_parameters()}
+    state = {
+        k: v
+        for k, v in state.items()
+        if k not in params or first[id(params[k])] == k or first[id(params[k])] not in state
+    }
     loaded = {id(params[k]) for k in state if k in params}
     missing, unexpected = model.load_state_dict(state, strict=False)
     untied = [k for k in missing if k not in params or id(params[k]) not in loaded]
@@ -449,11 +460,13 @@ class EngineKeeper:
         # (hf: buffers are computed from the config, as cold; one the checkpoint must set and
         # lacks fails the swap, _load_hf)
         why = self._random_buffers() if req.backend == "vllm" else ""
-        if not why:
-            why = self._scramble(req.backend)
         if why:  # what no swap is proven to set: its first checkpoint loads cold
             self.drop()
             self.no_placeholder[sig] = why
+            raise SwapError(why)
+        why = self._scramble(req.backend)
+        if why:  # (maybe a passing fault, an allocation say: the next step may start one)
+            self.drop()
             raise SwapError(why)
         self.signature, self.checkpoint, self.placeholder = sig, None, True
         return sig
@@ -463,14 +476,16 @@ class EngineKeeper:
         set-up, 0.05 s on the tests' model, is then not paid after the weights are written),
         then set every weight to NaN, so that the check of the first weights (`fill_check`)
         sees any a swap leaves out; or why it could not be done."""
+        step = "probed"
         try:
             probe(self.lm, backend)
+            step = "scrambled"
             if backend == "vllm":
                 self.lm.model.collective_rpc("ckpt_watcher_scramble")
             else:
                 weights.scramble(self.lm.model)
         except Exception as e:  # an engine whose first weights cannot be proven: cold
-            return f"its placeholder weights could not be scrambled: {type(e).__name__}: {e}"
+            return f"its placeholder weights could not be {step}: {type(e).__name__}: {e}"
         return ""
 
     def _random_buffers(self) -> str:
