@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import time
 from collections import Counter
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_watcher.errors import StateError
-from ckpt_watcher.state import Job, State
+from ckpt_watcher.state import DB_NAME, Job, State
 from ckpt_watcher.status import STALE_AFTER
 
 from .conftest import (
@@ -146,7 +147,7 @@ def test_status_tells_a_hung_daemon_from_a_dead_one(tmp_path: Path) -> None:
     log = tmp_path / "daemon.log"
     with watcher_run(cfg, log) as daemon:
         wait_for(lambda: status_json(cfg)[0] == 0, 30, "running", daemon, log)
-        os.kill(daemon.pid, signal.SIGSTOP)  # hung: alive, holding its lock, no heartbeat
+        _stop_outside_a_write(daemon.pid, tmp_path / "s" / DB_NAME)  # hung: its lock, no beat
         try:  # its last heartbeat STALE_AFTER ago (rather than waiting that long)
             State(tmp_path / "s").set_meta(heartbeat=time.time() - STALE_AFTER - 5)
             code, st = wait_for(lambda: (r := status_json(cfg))[0] == 4 and r, 60, "stale")
@@ -158,6 +159,24 @@ def test_status_tells_a_hung_daemon_from_a_dead_one(tmp_path: Path) -> None:
         daemon.wait()
     code, st = status_json(cfg)
     assert code == 3 and st and not st["daemon"]["alive"] and st["daemon"]["stopped_at"]
+
+
+def _stop_outside_a_write(pid: int, db: Path) -> None:
+    """SIGSTOP `pid` at a moment it holds no write transaction on `db` (stopped inside one, on
+    a busy machine, it kept the test's own write waiting until sqlite gave up)."""
+    for _ in range(100):
+        os.kill(pid, signal.SIGSTOP)
+        conn = sqlite3.connect(db, timeout=0.2, isolation_level=None)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:  # locked: let it finish what it was writing
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.05)
+        finally:
+            conn.close()
+    raise AssertionError(f"pid {pid} held a write on {db} at each of 100 stops")
 
 
 def test_second_signal_kills_running_evals_at_once(
