@@ -491,7 +491,7 @@ def test_a_device_whose_job_ended_since_the_last_heartbeat_is_shown_free() -> No
         {"device": "cuda:3", "state": "helping", "job": "r-100-cd"},
         {"device": "cuda:4", "state": "busy", "why": "2 processes not ours"},
     ]
-    running = [{"job_id": "r-100-cd", "label": "r_step100", "device": "cuda:1"}]
+    running = [{"job_id": "r-100-cd", "label": "r_step100", "device": "cuda:1", "node": "h"}]
     assert [
         (d["device"], d["state"], d.get("job")) for d in _since_heartbeat(published, running)
     ] == [
@@ -501,6 +501,13 @@ def test_a_device_whose_job_ended_since_the_last_heartbeat_is_shown_free() -> No
         ("cuda:3", "helping", "r-100-cd"),
         ("cuda:4", "busy", None),
     ]
+    # a job started since on a device whose published job ended: not free (it shows at the
+    # next heartbeat), on a Ray node's device too
+    ray = [{"device": "vm-a/cuda:0", "state": "running", "job": "r_step50"}]
+    later = [{"job_id": "r-150-ef", "label": "r_step150", "device": "cuda:0", "node": "vm-a"}]
+    assert _since_heartbeat(published[:1], later) == published[:1]
+    assert _since_heartbeat(ray, later) == ray
+    assert _since_heartbeat(ray, [])[0]["state"] == "free"
 
 
 def test_results_stats_show_each_generation_tasks_response_lengths(tmp_path: Path) -> None:

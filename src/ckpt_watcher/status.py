@@ -293,13 +293,16 @@ def _iso_or_none(ts: float | None) -> str | None:
 
 def _since_heartbeat(devices: list[dict[str, Any]], running: list[dict[str, Any]]) -> list:
     """The devices as the daemon's last heartbeat published them, a device whose job (or the
-    job it helped) has ended since shown free: right after a short job, status said `running
-    (<step>)` beside `running: 0`. (A job started since shows at the next heartbeat: a
-    device's label alone does not say on which Ray node it is.)"""
+    job it helped) has ended since, and that no job runs on now, shown free: right after a
+    short job, status said `running (<step>)` beside `running: 0`. (A job started since shows
+    at the next heartbeat.)"""
     now_running = {r["label"] for r in running} | {r["job_id"] for r in running}
+    occupied = {r["device"] for r in running} | {f"{r['node']}/{r['device']}" for r in running}
     return [
         {"device": d["device"], "state": "free"}
-        if d.get("state") in ("running", "helping") and d.get("job") not in now_running
+        if d.get("state") in ("running", "helping")
+        and d.get("job") not in now_running
+        and d["device"] not in occupied
         else d
         for d in devices
     ]
