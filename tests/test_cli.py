@@ -478,38 +478,6 @@ def test_status_exits_5_while_a_source_has_been_unreachable_for_3_polls(tmp_path
 _RUNNING = {"pid": 1, "started_at": "t", "heartbeat_age_s": 1.0, "stopping": False}
 
 
-def test_a_device_whose_job_ended_since_the_last_heartbeat_is_shown_free() -> None:
-    """The devices are published at the daemon's heartbeat; the running jobs are read now.
-    Right after a short job, status said `cpu:0: running (untied_step50)` beside `running: 0`:
-    a device whose job (or the job it helped) no longer runs is free."""
-    from ckpt_watcher.status import _since_heartbeat
-
-    published = [
-        {"device": "cuda:0", "state": "running", "job": "r_step50"},
-        {"device": "cuda:1", "state": "running", "job": "r_step100"},
-        {"device": "cuda:2", "state": "helping", "job": "r-50-ab"},
-        {"device": "cuda:3", "state": "helping", "job": "r-100-cd"},
-        {"device": "cuda:4", "state": "busy", "why": "2 processes not ours"},
-    ]
-    running = [{"job_id": "r-100-cd", "label": "r_step100", "device": "cuda:1", "node": "h"}]
-    assert [
-        (d["device"], d["state"], d.get("job")) for d in _since_heartbeat(published, running)
-    ] == [
-        ("cuda:0", "free", None),
-        ("cuda:1", "running", "r_step100"),
-        ("cuda:2", "free", None),
-        ("cuda:3", "helping", "r-100-cd"),
-        ("cuda:4", "busy", None),
-    ]
-    # a job started since on a device whose published job ended: not free (it shows at the
-    # next heartbeat), on a Ray node's device too
-    ray = [{"device": "vm-a/cuda:0", "state": "running", "job": "r_step50"}]
-    later = [{"job_id": "r-150-ef", "label": "r_step150", "device": "cuda:0", "node": "vm-a"}]
-    assert _since_heartbeat(published[:1], later) == published[:1]
-    assert _since_heartbeat(ray, later) == ray
-    assert _since_heartbeat(ray, [])[0]["state"] == "free"
-
-
 def test_results_stats_show_each_generation_tasks_response_lengths(tmp_path: Path) -> None:
     """`--stats`: response_tokens mean and p90 and length_capped_rate after a task's metrics
     (what RL researchers watch step by step); a line without them (older, or a likelihood

@@ -163,9 +163,8 @@ def gather(cfg: WatcherConfig, now: float | None = None) -> dict[str, Any]:
         counts = state.checkpoint_counts()
         behind = _behind(cfg, state.jobs("queued") + state.jobs("running"))
         zombies = state.get_meta("suspected_zombies") or []
-        # as a live daemon's last heartbeat saw them (a stopped daemon's would be stale), but
-        # for a job that has ended since: its device is free now (the list of jobs above is)
-        devices = _since_heartbeat((state.get_meta("devices") or []) if alive else [], running)
+        # as a live daemon's last heartbeat saw them (a stopped daemon's would be stale)
+        devices = (state.get_meta("devices") or []) if alive else []
         pins = {k: Pin(**v) for k, v in (state.get_meta("pins") or {}).items()}
         alone = held_alone(pins)
         pinned = [  # bytes: of the files pinned; held_bytes: the disk only the pin holds
@@ -289,23 +288,6 @@ def _source(row: Any, name: str, now: float) -> dict[str, Any]:
 
 def _iso_or_none(ts: float | None) -> str | None:
     return iso(ts) if ts else None
-
-
-def _since_heartbeat(devices: list[dict[str, Any]], running: list[dict[str, Any]]) -> list:
-    """The devices as the daemon's last heartbeat published them, a device whose job (or the
-    job it helped) has ended since, and that no job runs on now, shown free: right after a
-    short job, status said `running (<step>)` beside `running: 0`. (A job started since shows
-    at the next heartbeat.)"""
-    now_running = {r["label"] for r in running} | {r["job_id"] for r in running}
-    occupied = {r["device"] for r in running} | {f"{r['node']}/{r['device']}" for r in running}
-    return [
-        {"device": d["device"], "state": "free"}
-        if d.get("state") in ("running", "helping")
-        and d.get("job") not in now_running
-        and d["device"] not in occupied
-        else d
-        for d in devices
-    ]
 
 
 def _behind(cfg: WatcherConfig, jobs: list[Job]) -> list[dict[str, Any]]:
